@@ -1,0 +1,1 @@
+"""The kvbroker registry: node sessions, conversation leases and routing hints over gRPC."""

@@ -1,0 +1,33 @@
+"""Domain errors that carry the gRPC status they mean and a sentence for a person."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RegistryError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(RegistryError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(RegistryError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(RegistryError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PermissionDenied(RegistryError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unavailable(RegistryError):
+    code = grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,902 @@
+"""The registry's state machine: node sessions, leases with epochs and claims, routing hints.
+
+Every mutation runs under one asyncio lock so a store with real awaits (etcd) sees the same
+ordering as the memory store. Time comes from the registry's own clock; deadlines live in one
+heap (``DeadlineQueue``) and are also checked on read, so an expired lease is never offered
+even if the expiry task is momentarily behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from controlplane.config import RegistryConfig
+from controlplane.deadlines import DeadlineQueue
+from controlplane.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from controlplane.metrics import RegistryMetrics
+from controlplane.store import LIVE_STATES, Store
+from kvbroker.common.clock import from_duration, to_duration, to_timestamp
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+
+log = structlog.get_logger("kvbroker.registry")
+
+ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
+CLAIMED = lease_pb2.LEASE_STATE_CLAIMED
+RELEASED = lease_pb2.LEASE_STATE_RELEASED
+EXPIRED = lease_pb2.LEASE_STATE_EXPIRED
+REVOKED = lease_pb2.LEASE_STATE_REVOKED
+
+READY = node_pb2.NODE_STATE_READY
+NOT_READY = node_pb2.NODE_STATE_NOT_READY
+DRAINING = node_pb2.NODE_STATE_DRAINING
+DOWN = node_pb2.NODE_STATE_DOWN
+
+PREFILL_ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH})
+DECODE_ROLES = frozenset({node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH})
+
+# Leases ended because their holder's session ended may be revived by the holder's replay.
+REASON_NODE_LOST = "holder node lost its session"
+
+# Deadline kinds in the one heap.
+LEASE_EXPIRY = "lease"
+CLAIM_END = "claim"
+NODE_SESSION = "node"
+FORGET_LEASE = "forget-lease"
+FORGET_CONVERSATION = "forget-conversation"
+DeadlineKey = tuple[str, str]
+
+
+def state_name(state: int) -> str:
+    return lease_pb2.LeaseState.Name(state).removeprefix("LEASE_STATE_")  # type: ignore[arg-type]
+
+
+def node_state_name(state: int) -> str:
+    return node_pb2.NodeState.Name(state).removeprefix("NODE_STATE_")  # type: ignore[arg-type]
+
+
+def block_count(handle: lease_pb2.KvHandle) -> int:
+    return sum(len(group.block_ids) for group in handle.remote_block_groups)
+
+
+@dataclass
+class _CommandQueue:
+    """Commands for one node incarnation, kept while no sidecar is watching."""
+
+    incarnation: str
+    pending: asyncio.Queue[registry_pb2.LeaseCommand] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class _NodeRuntime:
+    """What the registry tracks about a node beyond its stored record."""
+
+    applied_sequence: int = 0
+    # Hints that chose this node since its last heartbeat reported load.
+    assigned_since_heartbeat: int = 0
+
+
+class Registry:
+    def __init__(
+        self,
+        store: Store,
+        config: RegistryConfig | None = None,
+        metrics: RegistryMetrics | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        from kvbroker.common.clock import MonotonicClock
+
+        self.store = store
+        self.config = config or RegistryConfig()
+        self.metrics = metrics or RegistryMetrics()
+        self.now = clock or MonotonicClock().now
+        self._lock = asyncio.Lock()
+        self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(self.now)
+        self._commands: dict[str, _CommandQueue] = {}
+        self._runtime: dict[str, _NodeRuntime] = {}
+        self._round_robin = itertools.count()
+        self._expiry_task: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._expiry_task = asyncio.create_task(
+            self._deadlines.run(self._on_deadlines, self.config.max_expiries_per_batch),
+            name="kvbroker-registry-deadlines",
+        )
+
+    async def stop(self) -> None:
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            await asyncio.gather(self._expiry_task, return_exceptions=True)
+
+    # ----------------------------------------------------------------- validation
+
+    def _require_id(self, value: str, what: str) -> str:
+        if not value:
+            raise InvalidArgument(f"{what} is required")
+        if len(value) > self.config.max_id_length:
+            raise InvalidArgument(
+                f"{what} is {len(value)} characters long; the limit is {self.config.max_id_length}"
+            )
+        return value
+
+    def _ttl(self, requested: float | None) -> float:
+        if requested is None or requested == 0:
+            return self.config.default_lease_ttl_s
+        if requested < 0:
+            raise InvalidArgument("time_to_live must not be negative")
+        return min(requested, self.config.max_lease_ttl_s)
+
+    async def _node(self, node_id: str) -> node_pb2.Node:
+        node = await self.store.get_node(self._require_id(node_id, "node_id"))
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        return node
+
+    async def _session(self, node_id: str, incarnation: str) -> node_pb2.Node:
+        """The node, if ``incarnation`` is its live session; the caller speaks for the node."""
+        node = await self._node(node_id)
+        self._require_id(incarnation, "incarnation")
+        if node.spec.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"node {node_id!r} is now incarnation {node.spec.incarnation!r}, "
+                f"not {incarnation!r}; register again"
+            )
+        if node.state == DOWN:
+            raise FailedPrecondition(
+                f"node {node_id!r} lost its session (missed heartbeats); register again"
+            )
+        return node
+
+    async def _lease(self, lease_id: str) -> lease_pb2.Lease:
+        lease = await self.store.get_lease(self._require_id(lease_id, "lease_id"))
+        if lease is None:
+            raise NotFound(f"lease {lease_id!r} does not exist (or ended long ago)")
+        return lease
+
+    async def _current_live_lease(self, conversation_id: str) -> lease_pb2.Lease:
+        conversation = await self.store.get_conversation(
+            self._require_id(conversation_id, "conversation_id")
+        )
+        if conversation is None:
+            raise NotFound(f"conversation {conversation_id!r} is unknown")
+        lease = await self.store.get_lease(conversation.lease_id) if conversation.lease_id else None
+        if lease is None or lease.state not in LIVE_STATES:
+            raise NotFound(f"conversation {conversation_id!r} has no live lease")
+        return lease
+
+    # ----------------------------------------------------------------- views
+
+    def lease_view(self, lease: lease_pb2.Lease) -> lease_pb2.Lease:
+        """A copy for a response, with the time left as of now."""
+        view = lease_pb2.Lease()
+        view.CopyFrom(lease)
+        if lease.state in LIVE_STATES:
+            expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
+            view.time_to_live.CopyFrom(to_duration((expires or 0.0) - self.now()))
+        return view
+
+    @staticmethod
+    def node_view(node: node_pb2.Node) -> node_pb2.Node:
+        view = node_pb2.Node()
+        view.CopyFrom(node)
+        return view
+
+    # ----------------------------------------------------------------- nodes
+
+    async def register_node(self, spec: node_pb2.NodeSpec) -> node_pb2.Node:
+        self._require_id(spec.node_id, "spec.node_id")
+        self._require_id(spec.incarnation, "spec.incarnation")
+        if spec.role == node_pb2.NODE_ROLE_UNSPECIFIED:
+            raise InvalidArgument("spec.role is required (prefill, decode or both)")
+        if not spec.model:
+            raise InvalidArgument("spec.model is required")
+        if spec.block_size == 0:
+            raise InvalidArgument("spec.block_size must be positive")
+        async with self._lock:
+            now = self.now()
+            old = await self.store.get_node(spec.node_id)
+            if old is not None and old.spec.incarnation != spec.incarnation:
+                await self._withdraw_leases(old, f"{REASON_NODE_LOST}: new incarnation")
+            node = node_pb2.Node(
+                spec=spec,
+                state=READY,
+                registered_time=to_timestamp(now),
+                last_heartbeat_time=to_timestamp(now),
+            )
+            if old is not None and old.spec.incarnation == spec.incarnation:
+                node.registered_time.CopyFrom(old.registered_time)
+                node.state = DRAINING if old.state == DRAINING else READY
+            if old is None or old.spec.incarnation != spec.incarnation:
+                self._runtime[spec.node_id] = _NodeRuntime()
+                self._commands[spec.node_id] = _CommandQueue(spec.incarnation)
+            await self._recount_node(node)
+            await self.store.put_node(node)
+            self._deadlines.schedule((NODE_SESSION, spec.node_id), now + self.config.session_ttl_s)
+            await self._update_node_gauge()
+            log.info(
+                "node_registered",
+                node=spec.node_id,
+                role=node_pb2.NodeRole.Name(spec.role),
+                incarnation=spec.incarnation,
+            )
+            return self.node_view(node)
+
+    async def heartbeat(
+        self, node_id: str, incarnation: str, engine_ready: bool, load: node_pb2.NodeLoad
+    ) -> node_pb2.Node:
+        async with self._lock:
+            node = await self._session(node_id, incarnation)
+            now = self.now()
+            node.last_heartbeat_time.CopyFrom(to_timestamp(now))
+            node.load.CopyFrom(load)
+            if node.state != DRAINING:
+                new_state = READY if engine_ready else NOT_READY
+                if new_state != node.state:
+                    log.info("node_readiness", node=node_id, state=node_state_name(new_state))
+                node.state = new_state
+            await self.store.put_node(node)
+            self._runtime.setdefault(node_id, _NodeRuntime()).assigned_since_heartbeat = 0
+            self._deadlines.schedule((NODE_SESSION, node_id), now + self.config.session_ttl_s)
+            await self._update_node_gauge()
+            return self.node_view(node)
+
+    async def deregister_node(self, node_id: str, incarnation: str) -> node_pb2.Node:
+        async with self._lock:
+            node = await self._session(node_id, incarnation)
+            await self._mark_down(node, "deregistered")
+            return self.node_view(node)
+
+    async def drain_node(self, node_id: str) -> node_pb2.Node:
+        async with self._lock:
+            node = await self._node(node_id)
+            if node.state == DOWN:
+                raise FailedPrecondition(f"node {node_id!r} is down; there is nothing to drain")
+            node.state = DRAINING
+            await self.store.put_node(node)
+            await self._update_node_gauge()
+            log.info("node_draining", node=node_id)
+            return self.node_view(node)
+
+    async def get_node(self, node_id: str) -> node_pb2.Node:
+        return self.node_view(await self._node(node_id))
+
+    async def list_nodes(self, role: int = 0, model: str = "") -> list[node_pb2.Node]:
+        return [
+            self.node_view(n)
+            for n in await self.store.list_nodes()
+            if (not role or n.spec.role == role) and (not model or n.spec.model == model)
+        ]
+
+    async def _mark_down(self, node: node_pb2.Node, why: str) -> None:
+        node.state = DOWN
+        self._deadlines.cancel((NODE_SESSION, node.spec.node_id))
+        await self._withdraw_leases(node, f"{REASON_NODE_LOST}: {why}")
+        await self.store.put_node(node)
+        await self._update_node_gauge()
+        log.warning("node_down", node=node.spec.node_id, why=why)
+
+    async def _withdraw_leases(self, node: node_pb2.Node, reason: str) -> None:
+        """Ends a node's live leases without commands: the node is not there to receive them."""
+        for lease in await self.store.live_leases_of_node(node.spec.node_id):
+            await self._end_lease(lease, REVOKED, reason, command_ttl=None)
+
+    async def _recount_node(self, node: node_pb2.Node) -> None:
+        live = await self.store.live_leases_of_node(node.spec.node_id)
+        node.live_leases = len(live)
+        node.retained_blocks = sum(block_count(lease.handle) for lease in live)
+        self.metrics.retained_blocks.labels(node.spec.node_id).set(node.retained_blocks)
+        self.metrics.retained_bytes.labels(node.spec.node_id).set(
+            node.retained_blocks * node.spec.bytes_per_block
+        )
+
+    async def _account(self, lease: lease_pb2.Lease, sign: int) -> None:
+        node = await self.store.get_node(lease.node_id)
+        if node is None:
+            return
+        node.live_leases += sign
+        node.retained_blocks += sign * block_count(lease.handle)
+        await self.store.put_node(node)
+        self.metrics.retained_blocks.labels(node.spec.node_id).set(node.retained_blocks)
+        self.metrics.retained_bytes.labels(node.spec.node_id).set(
+            node.retained_blocks * node.spec.bytes_per_block
+        )
+        self.metrics.live_leases.inc(sign)
+
+    async def _update_node_gauge(self) -> None:
+        counts = dict.fromkeys((READY, NOT_READY, DRAINING, DOWN), 0)
+        for node in await self.store.list_nodes():
+            counts[node.state] = counts.get(node.state, 0) + 1
+        for state, count in counts.items():
+            self.metrics.nodes.labels(node_state_name(state)).set(count)
+
+    # ----------------------------------------------------------------- leases
+
+    def _validate_retention(
+        self, handle: lease_pb2.KvHandle, block_hashes: Sequence[bytes], token_count: int
+    ) -> None:
+        self._require_id(handle.remote_request_id, "handle.remote_request_id")
+        if len(block_hashes) > self.config.max_block_hashes:
+            raise InvalidArgument(
+                f"{len(block_hashes)} block hashes exceed the limit of "
+                f"{self.config.max_block_hashes}"
+            )
+        blocks = block_count(handle)
+        if blocks > self.config.max_block_hashes:
+            raise InvalidArgument(
+                f"{blocks} block ids exceed the limit of {self.config.max_block_hashes}"
+            )
+        if token_count == 0:
+            raise InvalidArgument("token_count must be positive")
+
+    @staticmethod
+    def _require_holder_role(node: node_pb2.Node) -> None:
+        if node.spec.role not in DECODE_ROLES:
+            raise FailedPrecondition(
+                f"node {node.spec.node_id!r} is a prefill node; only decode nodes retain KV "
+                "under leases"
+            )
+
+    async def grant_lease(
+        self,
+        conversation_id: str,
+        node_id: str,
+        incarnation: str,
+        handle: lease_pb2.KvHandle,
+        block_hashes: Sequence[bytes],
+        token_count: int,
+        ttl: float | None = None,
+    ) -> lease_pb2.Lease:
+        self._require_id(conversation_id, "conversation_id")
+        self._validate_retention(handle, block_hashes, token_count)
+        lease_ttl = self._ttl(ttl)
+        async with self._lock:
+            node = await self._session(node_id, incarnation)
+            self._require_holder_role(node)
+            return self.lease_view(
+                await self._grant(
+                    node, conversation_id, handle, block_hashes, token_count, lease_ttl
+                )
+            )
+
+    async def _grant(
+        self,
+        node: node_pb2.Node,
+        conversation_id: str,
+        handle: lease_pb2.KvHandle,
+        block_hashes: Sequence[bytes],
+        token_count: int,
+        ttl: float,
+    ) -> lease_pb2.Lease:
+        existing = await self.store.find_lease(node.spec.node_id, handle.remote_request_id)
+        if existing is not None and existing.conversation_id == conversation_id:
+            return existing  # a duplicate report of the same retention
+        now = self.now()
+        conversation = await self.store.get_conversation(conversation_id)
+        if conversation is None:
+            conversation = lease_pb2.Conversation(conversation_id=conversation_id)
+        lease = lease_pb2.Lease(
+            lease_id=uuid.uuid4().hex[:20],
+            conversation_id=conversation_id,
+            node_id=node.spec.node_id,
+            node_incarnation=node.spec.incarnation,
+            epoch=conversation.epoch + 1,
+            handle=handle,
+            block_hashes=block_hashes,
+            token_count=token_count,
+            state=ACTIVE,
+            grant_time=to_timestamp(now),
+            renew_time=to_timestamp(now),
+            expire_time=to_timestamp(now + ttl),
+        )
+        await self._supersede(conversation, lease)
+        await self.store.put_lease(lease)
+        await self._account(lease, +1)
+        self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
+        self.metrics.lease_events.labels("grant").inc()
+        log.info(
+            "lease_granted",
+            lease=lease.lease_id,
+            conversation=conversation_id,
+            node=node.spec.node_id,
+            epoch=lease.epoch,
+            tokens=token_count,
+        )
+        return lease
+
+    async def _supersede(
+        self, conversation: lease_pb2.Conversation, lease: lease_pb2.Lease
+    ) -> None:
+        """Makes ``lease`` the conversation's current one; ends the previous live lease."""
+        if conversation.lease_id and conversation.lease_id != lease.lease_id:
+            previous = await self.store.get_lease(conversation.lease_id)
+            if previous is not None and previous.state in LIVE_STATES:
+                await self._end_lease(
+                    previous,
+                    REVOKED,
+                    f"superseded by lease {lease.lease_id} (epoch {lease.epoch})",
+                    command_ttl=self._grace_for(previous),
+                )
+        conversation.epoch = max(conversation.epoch, lease.epoch)
+        conversation.lease_id = lease.lease_id
+        conversation.decode_node_id = lease.node_id
+        conversation.last_active_time.CopyFrom(to_timestamp(self.now()))
+        await self.store.put_conversation(conversation)
+        self._deadlines.cancel((FORGET_CONVERSATION, conversation.conversation_id))
+
+    def _grace_for(self, lease: lease_pb2.Lease) -> float:
+        """How long the holder must keep blocks after an early end: covers in-flight reads."""
+        grace = self.config.revoke_grace_s
+        if lease.state == CLAIMED:
+            claim_end = self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0.0
+            grace = max(grace, claim_end - self.now())
+        return grace
+
+    async def renew_lease(
+        self, lease_id: str = "", conversation_id: str = "", ttl: float | None = None
+    ) -> lease_pb2.Lease:
+        lease_ttl = self._ttl(ttl)
+        async with self._lock:
+            if conversation_id:
+                lease = await self._current_live_lease(conversation_id)
+            else:
+                lease = await self._lease(lease_id)
+            if lease.state not in LIVE_STATES:
+                raise FailedPrecondition(
+                    f"lease {lease.lease_id} is {state_name(lease.state)} "
+                    f"({lease.end_reason}); it cannot be renewed"
+                )
+            now = self.now()
+            expires = now + lease_ttl
+            if lease.state == CLAIMED:
+                expires = max(expires, self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0)
+            lease.renew_time.CopyFrom(to_timestamp(now))
+            lease.expire_time.CopyFrom(to_timestamp(expires))
+            await self.store.put_lease(lease)
+            self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), expires)
+            await self._touch_conversation(lease.conversation_id)
+            self.metrics.lease_events.labels("renew").inc()
+            self._send_command(lease, expires - now, "renewed")
+            return self.lease_view(lease)
+
+    async def release_lease(
+        self, lease_id: str, node_id: str, incarnation: str, reason: str
+    ) -> lease_pb2.Lease:
+        async with self._lock:
+            lease = await self._lease(lease_id)
+            self._require_id(node_id, "node_id")
+            if lease.node_id != node_id or lease.node_incarnation != incarnation:
+                raise PermissionDenied(
+                    f"lease {lease_id} is held by node {lease.node_id!r} "
+                    f"(incarnation {lease.node_incarnation!r}); only its holder may release it"
+                )
+            if lease.state in LIVE_STATES:
+                await self._end_lease(lease, RELEASED, reason or "released by holder", None)
+            return self.lease_view(lease)
+
+    async def revoke_lease(
+        self, lease_id: str = "", conversation_id: str = "", reason: str = ""
+    ) -> lease_pb2.Lease:
+        async with self._lock:
+            if conversation_id:
+                lease = await self._current_live_lease(conversation_id)
+            else:
+                lease = await self._lease(lease_id)
+            if lease.state in LIVE_STATES:
+                await self._end_lease(
+                    lease, REVOKED, reason or "revoked", command_ttl=self._grace_for(lease)
+                )
+            return self.lease_view(lease)
+
+    async def get_lease(self, lease_id: str) -> lease_pb2.Lease:
+        lease = await self._lease(lease_id)
+        async with self._lock:
+            await self._expire_if_due(lease)
+        return self.lease_view(lease)
+
+    async def list_leases(
+        self,
+        node_id: str = "",
+        conversation_id: str = "",
+        states: Sequence[int] = (),
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> tuple[list[lease_pb2.Lease], str]:
+        if page_size > 1000:
+            raise InvalidArgument(f"page_size {page_size} exceeds the limit of 1000")
+        wanted = set(states) or LIVE_STATES
+        limit = page_size or 100
+        page: list[lease_pb2.Lease] = []
+        for lease in await self.store.list_leases(node_id, conversation_id):
+            if lease.lease_id <= page_token or lease.state not in wanted:
+                continue
+            if len(page) == limit:
+                return page, page[-1].lease_id
+            page.append(self.lease_view(lease))
+        return page, ""
+
+    async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation:
+        conversation = await self.store.get_conversation(
+            self._require_id(conversation_id, "conversation_id")
+        )
+        if conversation is None:
+            raise NotFound(f"conversation {conversation_id!r} is unknown")
+        view = lease_pb2.Conversation()
+        view.CopyFrom(conversation)
+        return view
+
+    async def _touch_conversation(self, conversation_id: str) -> None:
+        conversation = await self.store.get_conversation(conversation_id)
+        if conversation is not None:
+            conversation.last_active_time.CopyFrom(to_timestamp(self.now()))
+            await self.store.put_conversation(conversation)
+
+    async def _end_lease(
+        self, lease: lease_pb2.Lease, state: int, reason: str, command_ttl: float | None
+    ) -> None:
+        """Moves a live lease to an end state; ``command_ttl`` tells the holder when to free."""
+        now = self.now()
+        was_live = lease.state in LIVE_STATES
+        lease.state = state  # type: ignore[assignment]
+        lease.end_reason = reason
+        lease.end_time.CopyFrom(to_timestamp(now))
+        lease.ClearField("claim_expire_time")
+        await self.store.put_lease(lease)
+        self._deadlines.cancel((LEASE_EXPIRY, lease.lease_id))
+        self._deadlines.cancel((CLAIM_END, lease.lease_id))
+        self._deadlines.schedule(
+            (FORGET_LEASE, lease.lease_id), now + self.config.ended_lease_retention_s
+        )
+        if was_live:
+            await self._account(lease, -1)
+        conversation = await self.store.get_conversation(lease.conversation_id)
+        if conversation is not None and conversation.lease_id == lease.lease_id:
+            self._deadlines.schedule(
+                (FORGET_CONVERSATION, lease.conversation_id),
+                now + self.config.conversation_retention_s,
+            )
+        self.metrics.lease_events.labels(state_name(state).lower()).inc()
+        if command_ttl is not None:
+            self._send_command(lease, command_ttl, reason)
+        log.info("lease_ended", lease=lease.lease_id, state=state_name(state), reason=reason)
+
+    async def _expire_if_due(self, lease: lease_pb2.Lease) -> bool:
+        """Expires a live lease whose deadline has passed; True if it is (now) not live."""
+        if lease.state not in LIVE_STATES:
+            return True
+        expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
+        if expires is not None and expires <= self.now():
+            await self._end_lease(lease, EXPIRED, "not renewed in time", command_ttl=0.0)
+            return True
+        return False
+
+    # ----------------------------------------------------------------- retention reports
+
+    async def report_retention(
+        self,
+        node_id: str,
+        incarnation: str,
+        events: Sequence[registry_pb2.RetentionEvent],
+        full_snapshot: bool,
+    ) -> tuple[int, list[lease_pb2.Lease]]:
+        for event in events:
+            if event.HasField("retained"):
+                r = event.retained
+                self._require_id(r.conversation_id, "retained.conversation_id")
+                self._validate_retention(r.handle, r.block_hashes, r.token_count)
+            elif event.HasField("released"):
+                self._require_id(event.released.remote_request_id, "released.remote_request_id")
+            else:
+                raise InvalidArgument(f"event {event.sequence} is neither retained nor released")
+        async with self._lock:
+            node = await self._session(node_id, incarnation)
+            runtime = self._runtime.setdefault(node_id, _NodeRuntime())
+            granted: list[lease_pb2.Lease] = []
+            snapshot_ids: set[str] = set()
+            for event in sorted(events, key=lambda e: e.sequence):
+                stale = event.sequence <= runtime.applied_sequence and not full_snapshot
+                if event.HasField("retained"):
+                    self._require_holder_role(node)
+                    lease = await self._apply_retained(node, event.retained, replay=stale)
+                    snapshot_ids.add(lease.lease_id)
+                    granted.append(self.lease_view(lease))
+                elif not stale:
+                    await self._apply_released(node, event.released)
+                runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
+            if full_snapshot:
+                for lease in await self.store.live_leases_of_node(node_id):
+                    if lease.lease_id not in snapshot_ids:
+                        await self._end_lease(
+                            lease, REVOKED, "not retained by the engine after reconnect", None
+                        )
+            return runtime.applied_sequence, granted
+
+    async def _apply_retained(
+        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, replay: bool
+    ) -> lease_pb2.Lease:
+        ttl = self._ttl(from_duration(retained.time_to_live) or None)
+        if not retained.lease_id:
+            if replay:
+                existing = await self.store.find_lease(
+                    node.spec.node_id, retained.handle.remote_request_id
+                )
+                if existing is not None:
+                    return existing
+            return await self._grant(
+                node,
+                retained.conversation_id,
+                retained.handle,
+                retained.block_hashes,
+                retained.token_count,
+                ttl,
+            )
+        return await self._restore(node, retained, ttl)
+
+    async def _restore(
+        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, ttl: float
+    ) -> lease_pb2.Lease:
+        """A replayed lease: kept, revived or recreated, unless a newer epoch fences it."""
+        now = self.now()
+        lease = await self.store.get_lease(retained.lease_id)
+        conversation = await self.store.get_conversation(retained.conversation_id)
+        current_epoch = conversation.epoch if conversation is not None else 0
+        fenced = current_epoch > retained.epoch
+        if lease is not None and lease.node_id != node.spec.node_id:
+            raise PermissionDenied(
+                f"lease {lease.lease_id} is held by node {lease.node_id!r}, "
+                f"not {node.spec.node_id!r}"
+            )
+        if lease is not None and lease.state in LIVE_STATES:
+            if lease.node_incarnation != node.spec.incarnation:
+                lease.node_incarnation = node.spec.incarnation
+                await self.store.put_lease(lease)
+            return lease
+        revivable = lease is None or (
+            lease.state == REVOKED and lease.end_reason.startswith(REASON_NODE_LOST)
+        )
+        if fenced or not revivable:
+            if lease is None:
+                lease = lease_pb2.Lease(
+                    lease_id=retained.lease_id,
+                    conversation_id=retained.conversation_id,
+                    node_id=node.spec.node_id,
+                    node_incarnation=node.spec.incarnation,
+                    epoch=retained.epoch,
+                    handle=retained.handle,
+                    state=REVOKED,
+                    end_reason=f"fenced: conversation is at epoch {current_epoch}",
+                    end_time=to_timestamp(now),
+                )
+            # The engine still holds blocks the registry no longer stands behind: free them.
+            self._send_command(lease, 0.0, lease.end_reason)
+            return lease
+        if lease is None:
+            lease = lease_pb2.Lease(
+                lease_id=retained.lease_id,
+                conversation_id=retained.conversation_id,
+                node_id=node.spec.node_id,
+                epoch=retained.epoch,
+                handle=retained.handle,
+                block_hashes=retained.block_hashes,
+                token_count=retained.token_count,
+                grant_time=to_timestamp(now),
+            )
+        lease.node_incarnation = node.spec.incarnation
+        lease.state = ACTIVE
+        lease.end_reason = ""
+        lease.ClearField("end_time")
+        lease.renew_time.CopyFrom(to_timestamp(now))
+        lease.expire_time.CopyFrom(to_timestamp(now + ttl))
+        self._deadlines.cancel((FORGET_LEASE, lease.lease_id))
+        self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
+        await self.store.put_lease(lease)
+        await self._account(lease, +1)
+        if conversation is None:
+            conversation = lease_pb2.Conversation(conversation_id=retained.conversation_id)
+        await self._supersede(conversation, lease)
+        self.metrics.lease_events.labels("restore").inc()
+        log.info("lease_restored", lease=lease.lease_id, node=node.spec.node_id, epoch=lease.epoch)
+        return lease
+
+    async def _apply_released(
+        self, node: node_pb2.Node, released: registry_pb2.ReleasedBlocks
+    ) -> None:
+        lease = await self.store.find_lease(node.spec.node_id, released.remote_request_id)
+        if lease is not None and lease.state in LIVE_STATES:
+            await self._end_lease(lease, RELEASED, released.reason or "freed by engine", None)
+
+    # ----------------------------------------------------------------- commands
+
+    def _send_command(self, lease: lease_pb2.Lease, ttl: float, reason: str) -> None:
+        queue = self._commands.get(lease.node_id)
+        if queue is None or queue.incarnation != lease.node_incarnation:
+            return
+        if queue.pending.qsize() >= self.config.max_pending_commands:
+            queue.pending.get_nowait()
+            self.metrics.commands_dropped.inc()
+        queue.pending.put_nowait(
+            registry_pb2.LeaseCommand(
+                lease_id=lease.lease_id,
+                remote_request_id=lease.handle.remote_request_id,
+                epoch=lease.epoch,
+                time_to_live=to_duration(ttl),
+                state=lease.state,
+                reason=reason,
+            )
+        )
+
+    async def watch_commands(
+        self, node_id: str, incarnation: str
+    ) -> AsyncIterator[registry_pb2.LeaseCommand]:
+        await self._session(node_id, incarnation)
+        queue = self._commands.setdefault(node_id, _CommandQueue(incarnation))
+        while queue is self._commands.get(node_id):
+            yield await queue.pending.get()
+
+    # ----------------------------------------------------------------- hints
+
+    def _pick(
+        self, nodes: Sequence[node_pb2.Node], prefer: str = ""
+    ) -> node_pb2.Node | None:
+        """The preferred node if eligible, else the least loaded (ties rotate)."""
+        for node in nodes:
+            if node.spec.node_id == prefer:
+                return node
+        if not nodes:
+            return None
+        turn = next(self._round_robin)
+
+        def load(indexed: tuple[int, node_pb2.Node]) -> tuple[float, float, int]:
+            i, node = indexed
+            runtime = self._runtime.get(node.spec.node_id)
+            assigned = runtime.assigned_since_heartbeat if runtime else 0
+            queued = node.load.running_requests + node.load.waiting_requests + assigned
+            return (queued, node.load.kv_cache_usage, (i - turn) % len(nodes))
+
+        return min(enumerate(nodes), key=load)[1]
+
+    async def routing_hint(
+        self, conversation_id: str, model: str, dry_run: bool = False
+    ) -> registry_pb2.RoutingHint:
+        started = self.now()
+        if conversation_id:
+            self._require_id(conversation_id, "conversation_id")
+        async with self._lock:
+            nodes = [
+                n
+                for n in await self.store.list_nodes()
+                if n.state == READY and (not model or n.spec.model == model)
+            ]
+            prefills = [n for n in nodes if n.spec.role in PREFILL_ROLES]
+            decodes = [n for n in nodes if n.spec.role in DECODE_ROLES]
+            served = f"model {model!r}" if model else "any model"
+            if not prefills:
+                raise Unavailable(f"no ready prefill node serves {served}")
+            if not decodes:
+                raise Unavailable(f"no ready decode node serves {served}")
+            decision, reason, lease = await self._reuse_decision(conversation_id, claim=not dry_run)
+            holder = lease.node_id if lease is not None else ""
+            if not holder and conversation_id:
+                conversation = await self.store.get_conversation(conversation_id)
+                holder = conversation.decode_node_id if conversation else ""
+            prefill = self._pick(prefills)
+            decode = self._pick(decodes, prefer=holder)
+            assert prefill is not None and decode is not None
+            for chosen in () if dry_run else (prefill, decode):
+                self._runtime.setdefault(chosen.spec.node_id, _NodeRuntime())
+                self._runtime[chosen.spec.node_id].assigned_since_heartbeat += 1
+            hint = registry_pb2.RoutingHint(
+                decision=decision,
+                reason=reason,
+                consistency=registry_pb2.HINT_CONSISTENCY_EXACT,
+                prefill=prefill.spec,
+                decode=decode.spec,
+            )
+            if lease is not None:
+                hint.lease.CopyFrom(self.lease_view(lease))
+        self.metrics.hints.labels(
+            registry_pb2.HintDecision.Name(decision).removeprefix("HINT_DECISION_"),
+            "EXACT",
+        ).inc()
+        self.metrics.hint_latency.observe(self.now() - started)
+        return hint
+
+    async def _reuse_decision(
+        self, conversation_id: str, claim: bool
+    ) -> tuple[registry_pb2.HintDecision.ValueType, str, lease_pb2.Lease | None]:
+        """Decides reuse and, on REUSE, claims the lease if asked (call under the lock)."""
+        if not conversation_id:
+            return registry_pb2.HINT_DECISION_MISS, "no conversation id: plain P/D", None
+        conversation = await self.store.get_conversation(conversation_id)
+        if conversation is None:
+            return registry_pb2.HINT_DECISION_MISS, "first turn of this conversation", None
+        lease = await self.store.get_lease(conversation.lease_id) if conversation.lease_id else None
+        if lease is None:
+            return registry_pb2.HINT_DECISION_MISS, "nothing retained for this conversation", None
+        if await self._expire_if_due(lease):
+            return (
+                registry_pb2.HINT_DECISION_MISS,
+                f"lease {lease.lease_id} is {state_name(lease.state)} ({lease.end_reason})",
+                None,
+            )
+        if lease.state == CLAIMED:
+            return (
+                registry_pb2.HINT_DECISION_RECOMPUTE,
+                f"lease {lease.lease_id} is claimed by a read in flight",
+                None,
+            )
+        holder = await self.store.get_node(lease.node_id)
+        if holder is None or holder.state not in (READY, DRAINING):
+            state = node_state_name(holder.state) if holder is not None else "gone"
+            return (
+                registry_pb2.HINT_DECISION_RECOMPUTE,
+                f"holder node {lease.node_id!r} is {state}",
+                None,
+            )
+        if claim:
+            await self._claim(lease)
+        return (
+            registry_pb2.HINT_DECISION_REUSE,
+            f"lease {lease.lease_id} (epoch {lease.epoch}) on {lease.node_id} holds "
+            f"{lease.token_count} tokens",
+            lease,
+        )
+
+    async def _claim(self, lease: lease_pb2.Lease) -> None:
+        now = self.now()
+        claim_end = now + self.config.claim_timeout_s
+        lease.state = CLAIMED
+        lease.claim_expire_time.CopyFrom(to_timestamp(claim_end))
+        expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id)) or now
+        if expires < claim_end:
+            lease.expire_time.CopyFrom(to_timestamp(claim_end))
+            self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), claim_end)
+            # The holder must keep the blocks for the whole claim.
+            self._send_command(lease, claim_end - now, "claimed by a read")
+        self._deadlines.schedule((CLAIM_END, lease.lease_id), claim_end)
+        await self.store.put_lease(lease)
+        self.metrics.lease_events.labels("claim").inc()
+
+    # ----------------------------------------------------------------- deadlines
+
+    async def _on_deadlines(self, keys: list[DeadlineKey]) -> None:
+        async with self._lock:
+            for kind, key in keys:
+                if kind == LEASE_EXPIRY:
+                    lease = await self.store.get_lease(key)
+                    if lease is not None and lease.state in LIVE_STATES:
+                        await self._end_lease(lease, EXPIRED, "not renewed in time", 0.0)
+                elif kind == CLAIM_END:
+                    lease = await self.store.get_lease(key)
+                    if lease is not None and lease.state == CLAIMED:
+                        lease.state = ACTIVE
+                        lease.ClearField("claim_expire_time")
+                        await self.store.put_lease(lease)
+                elif kind == NODE_SESSION:
+                    node = await self.store.get_node(key)
+                    if node is not None and node.state != DOWN:
+                        await self._mark_down(node, "missed heartbeats")
+                elif kind == FORGET_LEASE:
+                    await self.store.delete_lease(key)
+                elif kind == FORGET_CONVERSATION:
+                    await self._forget_conversation(key)
+
+    async def _forget_conversation(self, conversation_id: str) -> None:
+        conversation = await self.store.get_conversation(conversation_id)
+        if conversation is None:
+            return
+        lease = await self.store.get_lease(conversation.lease_id) if conversation.lease_id else None
+        if lease is None or lease.state not in LIVE_STATES:
+            await self.store.delete_conversation(conversation_id)

@@ -1,0 +1,1 @@
+"""The ``kvbroker`` command line."""

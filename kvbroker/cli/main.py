@@ -1,0 +1,476 @@
+"""``kvbroker``: run each part and manage leases and nodes.
+
+Every flag has an environment variable of the same name (``--registry`` is
+``KVBROKER_REGISTRY``), so deployments configure with either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import grpc
+import typer
+
+from controlplane.config import RegistryConfig
+from controlplane.server import ServerOptions, TlsFiles, serve_forever
+from kvbroker.cli.output import (
+    OutputFormat,
+    emit_fields,
+    emit_table,
+    fail,
+    fail_rpc,
+    render,
+    seconds_left,
+    to_dict,
+    when,
+)
+from kvbroker.common.clock import to_duration
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.logging import LogFormat, configure_logging
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+
+app = typer.Typer(
+    name="kvbroker",
+    help="Control plane for multi-turn KV reuse in P/D disaggregated vLLM serving.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+registry_app = typer.Typer(help="Run the registry.", no_args_is_help=True)
+lease_app = typer.Typer(help="Inspect and manage leases.", no_args_is_help=True)
+node_app = typer.Typer(help="Inspect and manage nodes.", no_args_is_help=True)
+app.add_typer(registry_app, name="registry")
+app.add_typer(lease_app, name="lease")
+app.add_typer(node_app, name="node")
+
+RegistryOpt = Annotated[
+    str,
+    typer.Option(
+        "--registry",
+        envvar="KVBROKER_REGISTRY",
+        help="Registry address HOST:PORT (several, comma-separated, to fail over).",
+    ),
+]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option("--token", envvar="KVBROKER_TOKEN", help="Bearer token for the registry."),
+]
+TlsCaOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--tls-ca", envvar="KVBROKER_TLS_CA", help="CA bundle to verify the registry's TLS."
+    ),
+]
+OutputOpt = Annotated[
+    OutputFormat,
+    typer.Option("--output", "-o", envvar="KVBROKER_OUTPUT", help="table for people, json."),
+]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option("--timeout", envvar="KVBROKER_TIMEOUT", help="Deadline per call, seconds."),
+]
+DEFAULT_REGISTRY = "127.0.0.1:7070"
+
+T = TypeVar("T")
+
+
+def _call(
+    registry: str,
+    token: str | None,
+    tls_ca: Path | None,
+    rpc: Callable[[Any], Awaitable[T]],
+) -> T:
+    """Runs one registry call with clear errors for bad addresses and unreachable servers."""
+    try:
+        endpoint = RegistryEndpoint.parse(registry, token, tls_ca)
+    except ValueError as error:
+        fail(str(error), 2)
+
+    async def run() -> T:
+        async with open_channel(endpoint) as channel:
+            return await rpc(registry_stub(channel))
+
+    try:
+        return asyncio.run(run())
+    except grpc.aio.AioRpcError as error:
+        fail_rpc(error, registry)
+
+
+# ---------------------------------------------------------------------- registry
+
+
+@registry_app.command("serve")
+def registry_serve(
+    listen: Annotated[
+        str, typer.Option(envvar="KVBROKER_LISTEN", help="gRPC address HOST:PORT (port 0: any).")
+    ] = DEFAULT_REGISTRY,
+    metrics_listen: Annotated[
+        str | None,
+        typer.Option(envvar="KVBROKER_METRICS_LISTEN", help="Prometheus HTTP HOST:PORT."),
+    ] = None,
+    token: TokenOpt = None,
+    tls_cert: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_CERT")] = None,
+    tls_key: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_KEY")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(envvar="KVBROKER_TLS_CLIENT_CA", help="Require client certs (mTLS)."),
+    ] = None,
+    lease_ttl: Annotated[
+        float, typer.Option(envvar="KVBROKER_LEASE_TTL", help="Default lease TTL, seconds.")
+    ] = RegistryConfig.default_lease_ttl_s,
+    max_lease_ttl: Annotated[
+        float, typer.Option(envvar="KVBROKER_MAX_LEASE_TTL", help="Longest TTL a call may ask.")
+    ] = RegistryConfig.max_lease_ttl_s,
+    claim_timeout: Annotated[
+        float,
+        typer.Option(envvar="KVBROKER_CLAIM_TIMEOUT", help="How long a hint protects a read."),
+    ] = RegistryConfig.claim_timeout_s,
+    revoke_grace: Annotated[
+        float,
+        typer.Option(envvar="KVBROKER_REVOKE_GRACE", help="Blocks kept after a revoke, seconds."),
+    ] = RegistryConfig.revoke_grace_s,
+    heartbeat_interval: Annotated[
+        float, typer.Option(envvar="KVBROKER_HEARTBEAT_INTERVAL", help="Sidecar heartbeat.")
+    ] = RegistryConfig.heartbeat_interval_s,
+    session_ttl: Annotated[
+        float,
+        typer.Option(envvar="KVBROKER_SESSION_TTL", help="Silence before a node is DOWN."),
+    ] = RegistryConfig.session_ttl_s,
+    log_level: Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")] = "info",
+    log_format: Annotated[str, typer.Option(envvar="KVBROKER_LOG_FORMAT")] = "auto",
+) -> None:
+    """Serve the registry (in-memory store). Prints one JSON line with its addresses."""
+    if (tls_cert is None) != (tls_key is None):
+        fail("--tls-cert and --tls-key go together", 2)
+    if log_format not in ("auto", "json", "console"):
+        fail("--log-format is auto, json or console", 2)
+    try:
+        config = RegistryConfig(
+            default_lease_ttl_s=lease_ttl,
+            max_lease_ttl_s=max_lease_ttl,
+            claim_timeout_s=claim_timeout,
+            revoke_grace_s=revoke_grace,
+            heartbeat_interval_s=heartbeat_interval,
+            session_ttl_s=session_ttl,
+        )
+    except ValueError as error:
+        fail(str(error), 2)
+    fmt: LogFormat = log_format  # type: ignore[assignment]
+    configure_logging(log_level, fmt)
+    tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
+    options = ServerOptions(listen, metrics_listen, token, tls, config)
+    try:
+        asyncio.run(serve_forever(options))
+    except OSError as error:
+        fail(f"cannot serve on {listen}: {error}")
+
+
+# ---------------------------------------------------------------------- leases
+
+_STATES = {
+    name.removeprefix("LEASE_STATE_").lower(): value
+    for name, value in lease_pb2.LeaseState.items()
+    if value != lease_pb2.LEASE_STATE_UNSPECIFIED
+}
+
+
+def _state(value: int) -> str:
+    return lease_pb2.LeaseState.Name(value).removeprefix("LEASE_STATE_")  # type: ignore[arg-type]
+
+
+def _lease_row(lease: lease_pb2.Lease) -> list[str]:
+    return [
+        lease.lease_id,
+        lease.conversation_id,
+        lease.node_id,
+        str(lease.epoch),
+        _state(lease.state),
+        str(lease.token_count),
+        str(sum(len(g.block_ids) for g in lease.handle.remote_block_groups)),
+        seconds_left(lease.time_to_live),
+    ]
+
+
+_LEASE_COLUMNS = ["LEASE", "CONVERSATION", "NODE", "EPOCH", "STATE", "TOKENS", "BLOCKS", "TTL"]
+
+
+def _show_lease(lease: lease_pb2.Lease, output: OutputFormat) -> None:
+    def table() -> None:
+        handle = lease.handle
+        emit_fields(
+            f"lease {lease.lease_id}",
+            [
+                ("conversation", lease.conversation_id),
+                ("state", _state(lease.state) + (f" ({lease.end_reason})" if lease.end_reason else "")),
+                ("epoch", str(lease.epoch)),
+                ("holder", f"{lease.node_id} (incarnation {lease.node_incarnation})"),
+                ("tokens", str(lease.token_count)),
+                ("blocks", str(sum(len(g.block_ids) for g in handle.remote_block_groups))),
+                ("block hashes", str(len(lease.block_hashes))),
+                ("engine", f"{handle.remote_engine_id} request {handle.remote_request_id}"),
+                ("side channel", f"{handle.remote_host}:{handle.remote_port}"),
+                ("granted", when(lease.grant_time)),
+                ("renewed", when(lease.renew_time)),
+                ("expires", when(lease.expire_time)),
+                ("time left", seconds_left(lease.time_to_live)),
+                ("ended", when(lease.end_time)),
+            ],
+        )
+
+    render(output, to_dict(lease), table)
+
+
+@lease_app.command("ls")
+def lease_ls(
+    node: Annotated[str, typer.Option(help="Only leases held by this node.")] = "",
+    conversation: Annotated[str, typer.Option(help="Only this conversation's leases.")] = "",
+    state: Annotated[
+        list[str] | None,
+        typer.Option(help=f"Only these states ({', '.join(_STATES)}); default live ones."),
+    ] = None,
+    all_states: Annotated[bool, typer.Option("--all", help="Every state.")] = False,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many leases.")] = 1000,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = 5.0,
+) -> None:
+    """List leases (live ones unless --state or --all)."""
+    unknown = [s for s in state or [] if s.lower() not in _STATES]
+    if unknown:
+        fail(f"unknown state {unknown[0]!r}; choose from {', '.join(_STATES)}", 2)
+    states = list(_STATES.values()) if all_states else [_STATES[s.lower()] for s in state or []]
+
+    async def rpc(stub: Any) -> list[lease_pb2.Lease]:
+        leases: list[lease_pb2.Lease] = []
+        page_token = ""
+        while len(leases) < limit:
+            request = registry_pb2.ListLeasesRequest(
+                node_id=node,
+                conversation_id=conversation,
+                states=states,
+                page_size=min(limit - len(leases), 1000),
+                page_token=page_token,
+            )
+            response = await stub.ListLeases(request, timeout=timeout)
+            leases.extend(response.leases)
+            page_token = response.next_page_token
+            if not page_token:
+                break
+        return leases
+
+    leases = _call(registry, token, tls_ca, rpc)
+    render(
+        output,
+        [to_dict(lease) for lease in leases],
+        lambda: emit_table(
+            "leases", _LEASE_COLUMNS, [_lease_row(lease) for lease in leases], "no leases"
+        ),
+    )
+
+
+@lease_app.command("show")
+def lease_show(
+    lease_id: Annotated[str, typer.Argument(help="The lease id.")],
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = 5.0,
+) -> None:
+    """Show one lease in full."""
+
+    async def rpc(stub: Any) -> lease_pb2.Lease:
+        response = await stub.GetLease(
+            registry_pb2.GetLeaseRequest(lease_id=lease_id), timeout=timeout
+        )
+        return response.lease  # type: ignore[no-any-return]
+
+    _show_lease(_call(registry, token, tls_ca, rpc), output)
+
+
+@lease_app.command("renew")
+def lease_renew(
+    target: Annotated[str, typer.Argument(help="Lease id (or conversation id with --conversation).")],
+    conversation: Annotated[
+        bool, typer.Option("--conversation", help="TARGET is a conversation id.")
+    ] = False,
+    ttl: Annotated[
+        float, typer.Option(min=0, help="New time to live, seconds (0: registry default).")
+    ] = 0.0,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = 5.0,
+) -> None:
+    """Extend a live lease."""
+    request = registry_pb2.RenewLeaseRequest(time_to_live=to_duration(ttl) if ttl else None)
+    if conversation:
+        request.conversation_id = target
+    else:
+        request.lease_id = target
+
+    async def rpc(stub: Any) -> lease_pb2.Lease:
+        return (await stub.RenewLease(request, timeout=timeout)).lease  # type: ignore[no-any-return]
+
+    _show_lease(_call(registry, token, tls_ca, rpc), output)
+
+
+@lease_app.command("revoke")
+def lease_revoke(
+    target: Annotated[str, typer.Argument(help="Lease id (or conversation id with --conversation).")],
+    conversation: Annotated[
+        bool, typer.Option("--conversation", help="TARGET is a conversation id.")
+    ] = False,
+    reason: Annotated[str, typer.Option(help="Recorded on the lease.")] = "revoked by operator",
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = 5.0,
+) -> None:
+    """End a lease; its holder frees the blocks once any in-flight read is done."""
+    request = registry_pb2.RevokeLeaseRequest(reason=reason)
+    if conversation:
+        request.conversation_id = target
+    else:
+        request.lease_id = target
+
+    async def rpc(stub: Any) -> lease_pb2.Lease:
+        return (await stub.RevokeLease(request, timeout=timeout)).lease  # type: ignore[no-any-return]
+
+    _show_lease(_call(registry, token, tls_ca, rpc), output)
+
+
+# ---------------------------------------------------------------------- nodes
+
+
+def _role(value: int) -> str:
+    return node_pb2.NodeRole.Name(value).removeprefix("NODE_ROLE_")  # type: ignore[arg-type]
+
+
+def _node_state(value: int) -> str:
+    return node_pb2.NodeState.Name(value).removeprefix("NODE_STATE_")  # type: ignore[arg-type]
+
+
+_ROLES = {"prefill": node_pb2.NODE_ROLE_PREFILL, "decode": node_pb2.NODE_ROLE_DECODE,
+          "both": node_pb2.NODE_ROLE_BOTH}
+
+
+def _node_rows(nodes: list[node_pb2.Node]) -> list[list[str]]:
+    return [
+        [
+            n.spec.node_id,
+            _role(n.spec.role),
+            _node_state(n.state),
+            n.spec.model,
+            n.spec.http_base_url,
+            f"{n.spec.side_channel_host}:{n.spec.side_channel_port}",
+            str(n.live_leases),
+            f"{n.retained_blocks}/{n.spec.capacity_blocks}",
+            str(n.load.running_requests + n.load.waiting_requests),
+            when(n.last_heartbeat_time),
+        ]
+        for n in nodes
+    ]
+
+
+_NODE_COLUMNS = ["NODE", "ROLE", "STATE", "MODEL", "HTTP", "NIXL", "LEASES", "BLOCKS", "QUEUE",
+                 "HEARTBEAT"]
+
+
+@node_app.command("ls")
+def node_ls(
+    role: Annotated[str, typer.Option(help="Only prefill, decode or both nodes.")] = "",
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = 5.0,
+) -> None:
+    """List registered nodes."""
+    if role and role not in _ROLES:
+        fail(f"unknown role {role!r}; choose from {', '.join(_ROLES)}", 2)
+
+    async def rpc(stub: Any) -> list[node_pb2.Node]:
+        request = registry_pb2.ListNodesRequest(role=_ROLES.get(role, 0))
+        return list((await stub.ListNodes(request, timeout=timeout)).nodes)
+
+    nodes = _call(registry, token, tls_ca, rpc)
+    render(
+        output,
+        [to_dict(n) for n in nodes],
+        lambda: emit_table("nodes", _NODE_COLUMNS, _node_rows(nodes), "no nodes registered"),
+    )
+
+
+@node_app.command("drain")
+def node_drain(
+    node_id: Annotated[str, typer.Argument(help="The node to drain.")],
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = 5.0,
+) -> None:
+    """Stop routing new turns to a node; its leases can still be read until they end."""
+
+    async def rpc(stub: Any) -> node_pb2.Node:
+        request = registry_pb2.DrainNodeRequest(node_id=node_id)
+        return (await stub.DrainNode(request, timeout=timeout)).node  # type: ignore[no-any-return]
+
+    node = _call(registry, token, tls_ca, rpc)
+    render(
+        output, to_dict(node), lambda: emit_table("nodes", _NODE_COLUMNS, _node_rows([node]), "")
+    )
+
+
+# ---------------------------------------------------------------------- hints
+
+
+@app.command("hint")
+def hint(
+    conversation: Annotated[str, typer.Argument(help="Conversation (session) id.")],
+    model: Annotated[str, typer.Option(help="Served model name (default: any).")] = "",
+    claim: Annotated[
+        bool,
+        typer.Option(help="Claim the lease as a router would (default: look only)."),
+    ] = False,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = 5.0,
+) -> None:
+    """Where the conversation's next turn would go, and whether it would reuse KV."""
+
+    async def rpc(stub: Any) -> registry_pb2.RoutingHint:
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id=conversation, model=model, dry_run=not claim
+        )
+        return (await stub.GetRoutingHint(request, timeout=timeout)).hint  # type: ignore[no-any-return]
+
+    result = _call(registry, token, tls_ca, rpc)
+
+    def table() -> None:
+        fields = [
+            ("decision", registry_pb2.HintDecision.Name(result.decision).removeprefix(
+                "HINT_DECISION_")),
+            ("reason", result.reason),
+            ("consistency", registry_pb2.HintConsistency.Name(result.consistency).removeprefix(
+                "HINT_CONSISTENCY_")),
+            ("prefill", f"{result.prefill.node_id} {result.prefill.http_base_url}"),
+            ("decode", f"{result.decode.node_id} {result.decode.http_base_url}"),
+        ]
+        if result.HasField("lease"):
+            fields += [
+                ("lease", f"{result.lease.lease_id} (epoch {result.lease.epoch})"),
+                ("tokens", str(result.lease.token_count)),
+            ]
+        emit_fields(f"hint for {conversation}", fields)
+
+    render(output, to_dict(result), table)

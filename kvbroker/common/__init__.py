@@ -1,0 +1,1 @@
+"""Small helpers shared by the registry, the sidecar, the router and the CLI."""

@@ -1,0 +1,43 @@
+"""The registry's clock and conversions between seconds and protobuf time types."""
+
+from __future__ import annotations
+
+import time
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+
+class MonotonicClock:
+    """Wall-clock seconds that never jump: the wall time at start plus monotonic elapsed time.
+
+    Deadlines are computed and compared on this clock only; other machines are sent durations,
+    never these values (DESIGN.md: compare deadlines as durations on each side).
+    """
+
+    def __init__(self) -> None:
+        self._wall_at_start = time.time()
+        self._mono_at_start = time.monotonic()
+
+    def now(self) -> float:
+        return self._wall_at_start + (time.monotonic() - self._mono_at_start)
+
+
+def to_timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def from_timestamp(ts: Timestamp) -> float:
+    return float(ts.ToNanoseconds()) / 1e9
+
+
+def to_duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
+    return d
+
+
+def from_duration(d: Duration) -> float:
+    return float(d.ToNanoseconds()) / 1e9

@@ -1,0 +1,357 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from kvbroker.v1 import lease_pb2 as _lease_pb2
+from kvbroker.v1 import node_pb2 as _node_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HintDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HINT_DECISION_UNSPECIFIED: _ClassVar[HintDecision]
+    HINT_DECISION_REUSE: _ClassVar[HintDecision]
+    HINT_DECISION_RECOMPUTE: _ClassVar[HintDecision]
+    HINT_DECISION_MISS: _ClassVar[HintDecision]
+
+class HintConsistency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HINT_CONSISTENCY_UNSPECIFIED: _ClassVar[HintConsistency]
+    HINT_CONSISTENCY_EXACT: _ClassVar[HintConsistency]
+    HINT_CONSISTENCY_DEGRADED: _ClassVar[HintConsistency]
+HINT_DECISION_UNSPECIFIED: HintDecision
+HINT_DECISION_REUSE: HintDecision
+HINT_DECISION_RECOMPUTE: HintDecision
+HINT_DECISION_MISS: HintDecision
+HINT_CONSISTENCY_UNSPECIFIED: HintConsistency
+HINT_CONSISTENCY_EXACT: HintConsistency
+HINT_CONSISTENCY_DEGRADED: HintConsistency
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: _node_pb2.NodeSpec
+    def __init__(self, spec: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("node", "heartbeat_interval", "session_ttl")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TTL_FIELD_NUMBER: _ClassVar[int]
+    node: _node_pb2.Node
+    heartbeat_interval: _duration_pb2.Duration
+    session_ttl: _duration_pb2.Duration
+    def __init__(self, node: _Optional[_Union[_node_pb2.Node, _Mapping]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., session_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation", "engine_ready", "load")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_READY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: str
+    engine_ready: bool
+    load: _node_pb2.NodeLoad
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., engine_ready: _Optional[bool] = ..., load: _Optional[_Union[_node_pb2.NodeLoad, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: _node_pb2.Node
+    def __init__(self, node: _Optional[_Union[_node_pb2.Node, _Mapping]] = ...) -> None: ...
+
+class DeregisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: str
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class DeregisterNodeResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: _node_pb2.Node
+    def __init__(self, node: _Optional[_Union[_node_pb2.Node, _Mapping]] = ...) -> None: ...
+
+class GetNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class GetNodeResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: _node_pb2.Node
+    def __init__(self, node: _Optional[_Union[_node_pb2.Node, _Mapping]] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ("role", "model")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    role: _node_pb2.NodeRole
+    model: str
+    def __init__(self, role: _Optional[_Union[_node_pb2.NodeRole, str]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[_node_pb2.Node]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[_node_pb2.Node, _Mapping]]] = ...) -> None: ...
+
+class DrainNodeRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DrainNodeResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: _node_pb2.Node
+    def __init__(self, node: _Optional[_Union[_node_pb2.Node, _Mapping]] = ...) -> None: ...
+
+class GrantLeaseRequest(_message.Message):
+    __slots__ = ("conversation_id", "node_id", "node_incarnation", "handle", "block_hashes", "token_count", "time_to_live")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    node_id: str
+    node_incarnation: str
+    handle: _lease_pb2.KvHandle
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    token_count: int
+    time_to_live: _duration_pb2.Duration
+    def __init__(self, conversation_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_incarnation: _Optional[str] = ..., handle: _Optional[_Union[_lease_pb2.KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class GrantLeaseResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: _lease_pb2.Lease
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "conversation_id", "time_to_live")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    conversation_id: str
+    time_to_live: _duration_pb2.Duration
+    def __init__(self, lease_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: _lease_pb2.Lease
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "node_id", "node_incarnation", "reason")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    node_id: str
+    node_incarnation: str
+    reason: str
+    def __init__(self, lease_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_incarnation: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: _lease_pb2.Lease
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+
+class RevokeLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "conversation_id", "reason")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    conversation_id: str
+    reason: str
+    def __init__(self, lease_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RevokeLeaseResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: _lease_pb2.Lease
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+
+class GetLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class GetLeaseResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: _lease_pb2.Lease
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+
+class ListLeasesRequest(_message.Message):
+    __slots__ = ("node_id", "conversation_id", "states", "page_size", "page_token")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    conversation_id: str
+    states: _containers.RepeatedScalarFieldContainer[_lease_pb2.LeaseState]
+    page_size: int
+    page_token: str
+    def __init__(self, node_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., states: _Optional[_Iterable[_Union[_lease_pb2.LeaseState, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListLeasesResponse(_message.Message):
+    __slots__ = ("leases", "next_page_token")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[_lease_pb2.Lease]
+    next_page_token: str
+    def __init__(self, leases: _Optional[_Iterable[_Union[_lease_pb2.Lease, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class RetainedBlocks(_message.Message):
+    __slots__ = ("conversation_id", "handle", "block_hashes", "token_count", "lease_id", "epoch", "time_to_live")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    handle: _lease_pb2.KvHandle
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    token_count: int
+    lease_id: str
+    epoch: int
+    time_to_live: _duration_pb2.Duration
+    def __init__(self, conversation_id: _Optional[str] = ..., handle: _Optional[_Union[_lease_pb2.KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ReleasedBlocks(_message.Message):
+    __slots__ = ("remote_request_id", "reason")
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    remote_request_id: str
+    reason: str
+    def __init__(self, remote_request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RetentionEvent(_message.Message):
+    __slots__ = ("sequence", "retained", "released")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    retained: RetainedBlocks
+    released: ReleasedBlocks
+    def __init__(self, sequence: _Optional[int] = ..., retained: _Optional[_Union[RetainedBlocks, _Mapping]] = ..., released: _Optional[_Union[ReleasedBlocks, _Mapping]] = ...) -> None: ...
+
+class ReportRetentionRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation", "events", "full_snapshot")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    FULL_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: str
+    events: _containers.RepeatedCompositeFieldContainer[RetentionEvent]
+    full_snapshot: bool
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RetentionEvent, _Mapping]]] = ..., full_snapshot: _Optional[bool] = ...) -> None: ...
+
+class ReportRetentionResponse(_message.Message):
+    __slots__ = ("applied_sequence", "leases")
+    APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    applied_sequence: int
+    leases: _containers.RepeatedCompositeFieldContainer[_lease_pb2.Lease]
+    def __init__(self, applied_sequence: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[_lease_pb2.Lease, _Mapping]]] = ...) -> None: ...
+
+class WatchLeaseCommandsRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: str
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class LeaseCommand(_message.Message):
+    __slots__ = ("lease_id", "remote_request_id", "epoch", "time_to_live", "state", "reason")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    remote_request_id: str
+    epoch: int
+    time_to_live: _duration_pb2.Duration
+    state: _lease_pb2.LeaseState
+    reason: str
+    def __init__(self, lease_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., state: _Optional[_Union[_lease_pb2.LeaseState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WatchLeaseCommandsResponse(_message.Message):
+    __slots__ = ("command",)
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    command: LeaseCommand
+    def __init__(self, command: _Optional[_Union[LeaseCommand, _Mapping]] = ...) -> None: ...
+
+class GetConversationRequest(_message.Message):
+    __slots__ = ("conversation_id",)
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    def __init__(self, conversation_id: _Optional[str] = ...) -> None: ...
+
+class GetConversationResponse(_message.Message):
+    __slots__ = ("conversation",)
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    conversation: _lease_pb2.Conversation
+    def __init__(self, conversation: _Optional[_Union[_lease_pb2.Conversation, _Mapping]] = ...) -> None: ...
+
+class GetRoutingHintRequest(_message.Message):
+    __slots__ = ("conversation_id", "model", "dry_run")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    model: str
+    dry_run: bool
+    def __init__(self, conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+
+class RoutingHint(_message.Message):
+    __slots__ = ("decision", "reason", "consistency", "prefill", "decode", "lease")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    decision: HintDecision
+    reason: str
+    consistency: HintConsistency
+    prefill: _node_pb2.NodeSpec
+    decode: _node_pb2.NodeSpec
+    lease: _lease_pb2.Lease
+    def __init__(self, decision: _Optional[_Union[HintDecision, str]] = ..., reason: _Optional[str] = ..., consistency: _Optional[_Union[HintConsistency, str]] = ..., prefill: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., decode: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+
+class GetRoutingHintResponse(_message.Message):
+    __slots__ = ("hint",)
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    hint: RoutingHint
+    def __init__(self, hint: _Optional[_Union[RoutingHint, _Mapping]] = ...) -> None: ...
