@@ -7,6 +7,7 @@ it is skipped when popped (lazy deletion), so schedule and cancel are O(log n) a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 from collections.abc import Awaitable, Callable, Hashable
@@ -65,7 +66,5 @@ class DeadlineQueue(Generic[K]):
                 continue
             self._changed.clear()
             timeout = self._heap[0][0] - self._now() if self._heap else None
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout)
-            except TimeoutError:
-                pass

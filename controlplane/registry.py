@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import uuid
+import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -59,11 +59,16 @@ DeadlineKey = tuple[str, str]
 
 
 def state_name(state: int) -> str:
-    return lease_pb2.LeaseState.Name(state).removeprefix("LEASE_STATE_")  # type: ignore[arg-type]
+    return lease_pb2.LeaseState.Name(state).removeprefix("LEASE_STATE_")
 
 
 def node_state_name(state: int) -> str:
-    return node_pb2.NodeState.Name(state).removeprefix("NODE_STATE_")  # type: ignore[arg-type]
+    return node_pb2.NodeState.Name(state).removeprefix("NODE_STATE_")
+
+
+def new_lease_id(now: float) -> str:
+    """Milliseconds then randomness: unique, and sorts in grant order for listings and paging."""
+    return f"{int(now * 1000):011x}{secrets.token_hex(5)}"
 
 
 def block_count(handle: lease_pb2.KvHandle) -> int:
@@ -388,7 +393,7 @@ class Registry:
         if conversation is None:
             conversation = lease_pb2.Conversation(conversation_id=conversation_id)
         lease = lease_pb2.Lease(
-            lease_id=uuid.uuid4().hex[:20],
+            lease_id=new_lease_id(now),
             conversation_id=conversation_id,
             node_id=node.spec.node_id,
             node_incarnation=node.spec.incarnation,
@@ -747,9 +752,7 @@ class Registry:
 
     # ----------------------------------------------------------------- hints
 
-    def _pick(
-        self, nodes: Sequence[node_pb2.Node], prefer: str = ""
-    ) -> node_pb2.Node | None:
+    def _pick(self, nodes: Sequence[node_pb2.Node], prefer: str = "") -> node_pb2.Node | None:
         """The preferred node if eligible, else the least loaded (ties rotate)."""
         for node in nodes:
             if node.spec.node_id == prefer:
@@ -815,7 +818,7 @@ class Registry:
 
     async def _reuse_decision(
         self, conversation_id: str, claim: bool
-    ) -> tuple[registry_pb2.HintDecision.ValueType, str, lease_pb2.Lease | None]:
+    ) -> tuple[registry_pb2.HintDecision, str, lease_pb2.Lease | None]:
         """Decides reuse and, on REUSE, claims the lease if asked (call under the lock)."""
         if not conversation_id:
             return registry_pb2.HINT_DECISION_MISS, "no conversation id: plain P/D", None

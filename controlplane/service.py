@@ -39,7 +39,7 @@ def _ttl(message: Any) -> float | None:
     return from_duration(message.time_to_live) if message.HasField("time_to_live") else None
 
 
-class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):  # type: ignore[misc]
+class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
@@ -164,9 +164,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):  # type: igno
         self, request: registry_pb2.WatchLeaseCommandsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[registry_pb2.WatchLeaseCommandsResponse]:
         try:
-            async for command in self.registry.watch_commands(
-                request.node_id, request.incarnation
-            ):
+            async for command in self.registry.watch_commands(request.node_id, request.incarnation):
                 yield registry_pb2.WatchLeaseCommandsResponse(command=command)
         except RegistryError as error:
             await context.abort(error.code, error.message)

@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, cast
 
 import grpc
 import typer
 
 from controlplane.config import RegistryConfig
-from controlplane.server import ServerOptions, TlsFiles, serve_forever
 from kvbroker.cli.output import (
     OutputFormat,
     emit_fields,
@@ -157,6 +156,9 @@ def registry_serve(
         )
     except ValueError as error:
         fail(str(error), 2)
+    # Imported here so that the operator commands start fast.
+    from controlplane.server import ServerOptions, TlsFiles, serve_forever
+
     fmt: LogFormat = log_format  # type: ignore[assignment]
     configure_logging(log_level, fmt)
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
@@ -169,15 +171,15 @@ def registry_serve(
 
 # ---------------------------------------------------------------------- leases
 
-_STATES = {
-    name.removeprefix("LEASE_STATE_").lower(): value
+_STATES: dict[str, lease_pb2.LeaseState] = {
+    name.removeprefix("LEASE_STATE_").lower(): cast("lease_pb2.LeaseState", value)
     for name, value in lease_pb2.LeaseState.items()
     if value != lease_pb2.LEASE_STATE_UNSPECIFIED
 }
 
 
 def _state(value: int) -> str:
-    return lease_pb2.LeaseState.Name(value).removeprefix("LEASE_STATE_")  # type: ignore[arg-type]
+    return lease_pb2.LeaseState.Name(value).removeprefix("LEASE_STATE_")
 
 
 def _lease_row(lease: lease_pb2.Lease) -> list[str]:
@@ -203,7 +205,10 @@ def _show_lease(lease: lease_pb2.Lease, output: OutputFormat) -> None:
             f"lease {lease.lease_id}",
             [
                 ("conversation", lease.conversation_id),
-                ("state", _state(lease.state) + (f" ({lease.end_reason})" if lease.end_reason else "")),
+                (
+                    "state",
+                    _state(lease.state) + (f" ({lease.end_reason})" if lease.end_reason else ""),
+                ),
                 ("epoch", str(lease.epoch)),
                 ("holder", f"{lease.node_id} (incarnation {lease.node_incarnation})"),
                 ("tokens", str(lease.token_count)),
@@ -294,7 +299,9 @@ def lease_show(
 
 @lease_app.command("renew")
 def lease_renew(
-    target: Annotated[str, typer.Argument(help="Lease id (or conversation id with --conversation).")],
+    target: Annotated[
+        str, typer.Argument(help="Lease id (or conversation id with --conversation).")
+    ],
     conversation: Annotated[
         bool, typer.Option("--conversation", help="TARGET is a conversation id.")
     ] = False,
@@ -322,7 +329,9 @@ def lease_renew(
 
 @lease_app.command("revoke")
 def lease_revoke(
-    target: Annotated[str, typer.Argument(help="Lease id (or conversation id with --conversation).")],
+    target: Annotated[
+        str, typer.Argument(help="Lease id (or conversation id with --conversation).")
+    ],
     conversation: Annotated[
         bool, typer.Option("--conversation", help="TARGET is a conversation id.")
     ] = False,
@@ -350,15 +359,18 @@ def lease_revoke(
 
 
 def _role(value: int) -> str:
-    return node_pb2.NodeRole.Name(value).removeprefix("NODE_ROLE_")  # type: ignore[arg-type]
+    return node_pb2.NodeRole.Name(value).removeprefix("NODE_ROLE_")
 
 
 def _node_state(value: int) -> str:
-    return node_pb2.NodeState.Name(value).removeprefix("NODE_STATE_")  # type: ignore[arg-type]
+    return node_pb2.NodeState.Name(value).removeprefix("NODE_STATE_")
 
 
-_ROLES = {"prefill": node_pb2.NODE_ROLE_PREFILL, "decode": node_pb2.NODE_ROLE_DECODE,
-          "both": node_pb2.NODE_ROLE_BOTH}
+_ROLES = {
+    "prefill": node_pb2.NODE_ROLE_PREFILL,
+    "decode": node_pb2.NODE_ROLE_DECODE,
+    "both": node_pb2.NODE_ROLE_BOTH,
+}
 
 
 def _node_rows(nodes: list[node_pb2.Node]) -> list[list[str]]:
@@ -379,8 +391,18 @@ def _node_rows(nodes: list[node_pb2.Node]) -> list[list[str]]:
     ]
 
 
-_NODE_COLUMNS = ["NODE", "ROLE", "STATE", "MODEL", "HTTP", "NIXL", "LEASES", "BLOCKS", "QUEUE",
-                 "HEARTBEAT"]
+_NODE_COLUMNS = [
+    "NODE",
+    "ROLE",
+    "STATE",
+    "MODEL",
+    "HTTP",
+    "NIXL",
+    "LEASES",
+    "BLOCKS",
+    "QUEUE",
+    "HEARTBEAT",
+]
 
 
 @node_app.command("ls")
@@ -397,7 +419,9 @@ def node_ls(
         fail(f"unknown role {role!r}; choose from {', '.join(_ROLES)}", 2)
 
     async def rpc(stub: Any) -> list[node_pb2.Node]:
-        request = registry_pb2.ListNodesRequest(role=_ROLES.get(role, 0))
+        request = registry_pb2.ListNodesRequest(
+            role=_ROLES.get(role, node_pb2.NODE_ROLE_UNSPECIFIED)
+        )
         return list((await stub.ListNodes(request, timeout=timeout)).nodes)
 
     nodes = _call(registry, token, tls_ca, rpc)
@@ -458,11 +482,17 @@ def hint(
 
     def table() -> None:
         fields = [
-            ("decision", registry_pb2.HintDecision.Name(result.decision).removeprefix(
-                "HINT_DECISION_")),
+            (
+                "decision",
+                registry_pb2.HintDecision.Name(result.decision).removeprefix("HINT_DECISION_"),
+            ),
             ("reason", result.reason),
-            ("consistency", registry_pb2.HintConsistency.Name(result.consistency).removeprefix(
-                "HINT_CONSISTENCY_")),
+            (
+                "consistency",
+                registry_pb2.HintConsistency.Name(result.consistency).removeprefix(
+                    "HINT_CONSISTENCY_"
+                ),
+            ),
             ("prefill", f"{result.prefill.node_id} {result.prefill.http_base_url}"),
             ("decode", f"{result.decode.node_id} {result.decode.http_base_url}"),
         ]

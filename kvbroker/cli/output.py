@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from enum import Enum
+from enum import StrEnum
 from typing import Any, NoReturn
 
 import grpc
@@ -24,13 +24,13 @@ EXIT_REJECTED = 1
 EXIT_UNREACHABLE = 3
 
 
-class OutputFormat(str, Enum):
+class OutputFormat(StrEnum):
     table = "table"
     json = "json"
 
 
 def fail(message: str, code: int = EXIT_REJECTED) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -88,9 +88,7 @@ def emit_fields(title: str, fields: Sequence[tuple[str, str]]) -> None:
     Console().print(table)
 
 
-def render(
-    output: OutputFormat, payload: Any, as_table: Callable[[], None]
-) -> None:
+def render(output: OutputFormat, payload: Any, as_table: Callable[[], None]) -> None:
     if output is OutputFormat.json:
         emit_json(payload)
     else:

@@ -23,7 +23,9 @@ class RegistryEndpoint:
     tls_ca: Path | None = None
 
     @classmethod
-    def parse(cls, spec: str, token: str | None = None, tls_ca: Path | None = None) -> RegistryEndpoint:
+    def parse(
+        cls, spec: str, token: str | None = None, tls_ca: Path | None = None
+    ) -> RegistryEndpoint:
         """``HOST:PORT[,HOST:PORT...]``; raises ValueError with a sentence on bad input."""
         addresses = [a.strip() for a in spec.split(",") if a.strip()]
         if not addresses:

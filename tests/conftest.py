@@ -1,0 +1,122 @@
+"""Fixtures that start real registry servers on loopback and talk to them over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from controlplane.config import RegistryConfig
+from controlplane.server import RunningRegistry, ServerOptions, start_registry
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.v1 import registry_pb2_grpc
+
+# Short times so expiry tests finish in about a second.
+FAST = RegistryConfig(
+    default_lease_ttl_s=30.0,
+    claim_timeout_s=1.0,
+    revoke_grace_s=0.5,
+    heartbeat_interval_s=0.2,
+    session_ttl_s=0.8,
+)
+KVBROKER = str(Path(sys.executable).with_name("kvbroker"))
+
+
+@pytest.fixture
+def registry_config() -> RegistryConfig:
+    return FAST
+
+
+@pytest.fixture
+async def registry_server(registry_config: RegistryConfig) -> AsyncIterator[RunningRegistry]:
+    running = await start_registry(
+        ServerOptions(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0", config=registry_config)
+    )
+    yield running
+    await running.stop(grace=0.1)
+
+
+@pytest.fixture
+async def channel(registry_server: RunningRegistry) -> AsyncIterator[grpc.aio.Channel]:
+    async with open_channel(RegistryEndpoint.parse(registry_server.address)) as ch:
+        yield ch
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> registry_pb2_grpc.RegistryServiceStub:
+    return registry_stub(channel)
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+    def json(self) -> Any:
+        return json.loads(self.stdout)
+
+
+CliRunner = Callable[..., "asyncio.Future[CliResult]"]
+
+
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> CliResult:
+    """Runs the installed ``kvbroker`` console script as a user would, without blocking the
+    event loop that serves the in-process registry."""
+    process = await asyncio.create_subprocess_exec(
+        KVBROKER,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return CliResult(process.returncode, out.decode(), err.decode())
+
+
+@dataclass
+class RegistryProcess:
+    process: asyncio.subprocess.Process
+    address: str
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            self.process.terminate()
+            await asyncio.wait_for(self.process.wait(), 10)
+
+
+async def spawn_registry(*extra: str, listen: str = "127.0.0.1:0") -> RegistryProcess:
+    """``kvbroker registry serve`` in its own process; returns once it announced its address."""
+    process = await asyncio.create_subprocess_exec(
+        KVBROKER,
+        "registry",
+        "serve",
+        "--listen",
+        listen,
+        "--log-format",
+        "json",
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 30)
+    if not line:
+        raise RuntimeError(f"registry exited with {await process.wait()} before serving")
+    return RegistryProcess(process, json.loads(line)["registry"])
+
+
+@pytest.fixture
+async def registry_process() -> AsyncIterator[RegistryProcess]:
+    running = await spawn_registry()
+    yield running
+    await running.stop()

@@ -1,0 +1,129 @@
+"""The ``kvbroker`` CLI against a registry served in its own process, as an operator uses it."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.v1 import node_pb2
+from tests.conftest import RegistryProcess, run_cli, spawn_registry
+from tests.factories import Heartbeats, grant, node_spec
+
+
+async def test_operator_session(registry_process: RegistryProcess) -> None:
+    address = registry_process.address
+    decode = node_spec("decode-0")
+    prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        async with Heartbeats(stub, decode, prefill):
+            lease = await grant(stub, decode, "conv-cli", "req-1", tokens=512)
+
+            table = await run_cli("lease", "ls", "--registry", address)
+            assert table.code == 0, table.stderr
+            assert lease.lease_id in table.stdout
+            assert "conv-cli" in table.stdout and "ACTIVE" in table.stdout
+
+            listed = await run_cli("lease", "ls", "--registry", address, "-o", "json")
+            assert [item["lease_id"] for item in listed.json()] == [lease.lease_id]
+
+            shown = await run_cli(
+                "lease", "show", lease.lease_id, "--registry", address, "-o", "json"
+            )
+            assert shown.json()["token_count"] == 512
+
+            renewed = await run_cli(
+                "lease",
+                "renew",
+                lease.lease_id,
+                "--ttl",
+                "600",
+                "--registry",
+                address,
+                "-o",
+                "json",
+            )
+            assert renewed.code == 0, renewed.stderr
+            assert float(renewed.json()["time_to_live"].rstrip("s")) > 590
+
+            hinted = await run_cli("hint", "conv-cli", "--registry", address, "-o", "json")
+            assert hinted.json()["decision"] == "HINT_DECISION_REUSE"
+            assert hinted.json()["decode"]["node_id"] == "decode-0"
+            # An operator's look-up does not claim the lease.
+            again = await run_cli("hint", "conv-cli", "--registry", address)
+            assert "REUSE" in again.stdout
+
+            nodes = await run_cli("node", "ls", "--registry", address, "-o", "json")
+            assert {n["spec"]["node_id"] for n in nodes.json()} == {"decode-0", "prefill-0"}
+            drained = await run_cli("node", "drain", "decode-0", "--registry", address)
+            assert drained.code == 0 and "DRAINING" in drained.stdout
+
+            revoked = await run_cli(
+                "lease", "revoke", lease.lease_id, "--reason", "maintenance", "--registry", address
+            )
+            assert revoked.code == 0
+            assert "REVOKED (maintenance)" in revoked.stdout
+            gone = await run_cli("lease", "ls", "--registry", address)
+            assert "no leases" in gone.stdout
+            every = await run_cli("lease", "ls", "--all", "--registry", address, "-o", "json")
+            assert every.json()[0]["state"] == "LEASE_STATE_REVOKED"
+
+
+async def test_clear_errors_and_exit_codes(registry_process: RegistryProcess) -> None:
+    address = registry_process.address
+    missing = await run_cli("lease", "show", "no-such-lease", "--registry", address)
+    assert missing.code == 1
+    assert "lease 'no-such-lease' does not exist" in missing.stderr
+    assert "NOT_FOUND" in missing.stderr
+
+    no_conv = await run_cli("lease", "renew", "ghost", "--conversation", "--registry", address)
+    assert no_conv.code == 1 and "conversation 'ghost' is unknown" in no_conv.stderr
+
+    bad_address = await run_cli("lease", "ls", "--registry", "not-an-address")
+    assert bad_address.code == 2 and "is not HOST:PORT" in bad_address.stderr
+
+    bad_state = await run_cli("lease", "ls", "--state", "sleepy", "--registry", address)
+    assert bad_state.code == 2 and "unknown state 'sleepy'" in bad_state.stderr
+
+    await registry_process.stop()
+    down = await run_cli("node", "ls", "--registry", address, "--timeout", "1")
+    assert down.code == 3
+    assert f"cannot reach the registry at {address}" in down.stderr
+
+
+async def test_environment_configures_the_cli(registry_process: RegistryProcess) -> None:
+    result = await run_cli(
+        "node", "ls", env={"KVBROKER_REGISTRY": registry_process.address, "KVBROKER_OUTPUT": "json"}
+    )
+    assert result.code == 0, result.stderr
+    assert result.json() == []
+
+
+async def test_bearer_token_is_enforced() -> None:
+    secured = await spawn_registry("--token", "s3cret")
+    try:
+        denied = await run_cli("node", "ls", "--registry", secured.address)
+        assert denied.code == 1
+        assert "UNAUTHENTICATED" in denied.stderr and "bearer token" in denied.stderr
+        wrong = await run_cli("node", "ls", "--registry", secured.address, "--token", "guess")
+        assert wrong.code == 1 and "UNAUTHENTICATED" in wrong.stderr
+        allowed = await run_cli("node", "ls", "--registry", secured.address, "--token", "s3cret")
+        assert allowed.code == 0, allowed.stderr
+
+        # Health probes need no token.
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        async with grpc.aio.insecure_channel(secured.address) as channel:
+            status = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="kvbroker.v1.RegistryService"), timeout=5
+            )
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await secured.stop()
+
+
+async def test_serve_rejects_bad_flags() -> None:
+    result = await run_cli("registry", "serve", "--tls-cert", "/nonexistent")
+    assert result.code == 2 and "--tls-cert and --tls-key go together" in result.stderr
+    result = await run_cli("registry", "serve", "--heartbeat-interval", "5", "--session-ttl", "1")
+    assert result.code == 2 and "heartbeat interval" in result.stderr

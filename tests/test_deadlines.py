@@ -1,0 +1,59 @@
+"""The heap-based deadline notifier in isolation, on a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+
+from controlplane.deadlines import DeadlineQueue
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_pops_due_keys_in_order_and_skips_superseded() -> None:
+    clock = FakeClock()
+    queue: DeadlineQueue[str] = DeadlineQueue(clock)
+    queue.schedule("a", 105)
+    queue.schedule("b", 101)
+    queue.schedule("c", 103)
+    queue.schedule("a", 102)  # renewed earlier: the 105 entry must not fire
+    queue.cancel("c")
+    assert queue.pop_due(10) == []
+    clock.t = 110
+    assert queue.pop_due(10) == ["b", "a"]
+    assert queue.pop_due(10) == []
+    assert len(queue) == 0
+
+
+def test_batches_respect_the_limit() -> None:
+    clock = FakeClock()
+    queue: DeadlineQueue[int] = DeadlineQueue(clock)
+    for i in range(10):
+        queue.schedule(i, 100 + i / 100)
+    clock.t = 200
+    assert queue.pop_due(4) == [0, 1, 2, 3]
+    assert queue.pop_due(100) == [4, 5, 6, 7, 8, 9]
+
+
+async def test_run_wakes_for_an_earlier_deadline() -> None:
+    loop = asyncio.get_running_loop()
+    queue: DeadlineQueue[str] = DeadlineQueue(loop.time)
+    fired: list[tuple[str, float]] = []
+
+    async def on_due(keys: list[str]) -> None:
+        fired.extend((k, loop.time()) for k in keys)
+
+    task = asyncio.create_task(queue.run(on_due, 100))
+    start = loop.time()
+    queue.schedule("late", start + 5)
+    await asyncio.sleep(0.01)
+    queue.schedule("soon", start + 0.1)
+    await asyncio.sleep(0.3)
+    task.cancel()
+    assert [k for k, _ in fired] == ["soon"]
+    assert fired[0][1] - start < 0.25
