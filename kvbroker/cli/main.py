@@ -7,7 +7,9 @@ Every flag has an environment variable of the same name (``--registry`` is
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, cast
 
@@ -40,9 +42,11 @@ app = typer.Typer(
 registry_app = typer.Typer(help="Run the registry.", no_args_is_help=True)
 lease_app = typer.Typer(help="Inspect and manage leases.", no_args_is_help=True)
 node_app = typer.Typer(help="Inspect and manage nodes.", no_args_is_help=True)
+sidecar_app = typer.Typer(help="Run the agent beside a vLLM server.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
 app.add_typer(lease_app, name="lease")
 app.add_typer(node_app, name="node")
+app.add_typer(sidecar_app, name="sidecar")
 
 RegistryOpt = Annotated[
     str,
@@ -167,6 +171,86 @@ def registry_serve(
         asyncio.run(serve_forever(options))
     except OSError as error:
         fail(f"cannot serve on {listen}: {error}")
+
+
+# ---------------------------------------------------------------------- sidecar
+
+
+class Role(StrEnum):
+    prefill = "prefill"
+    decode = "decode"
+    both = "both"
+
+
+_NODE_ROLES = {
+    Role.prefill: node_pb2.NODE_ROLE_PREFILL,
+    Role.decode: node_pb2.NODE_ROLE_DECODE,
+    Role.both: node_pb2.NODE_ROLE_BOTH,
+}
+
+
+@sidecar_app.command("run")
+def sidecar_run(
+    engine_url: Annotated[
+        str,
+        typer.Option(envvar="KVBROKER_ENGINE_URL", help="The vLLM server, http://HOST:PORT."),
+    ],
+    role: Annotated[Role, typer.Option(envvar="KVBROKER_ROLE", help="The node's P/D role.")],
+    node_id: Annotated[
+        str,
+        typer.Option(envvar="KVBROKER_NODE_ID", help="Unique node name [default: HOST-ROLE]."),
+    ] = "",
+    listen: Annotated[
+        str,
+        typer.Option(
+            envvar="KVBROKER_SIDECAR_LISTEN",
+            help="Local endpoint for the engine [default: unix:/tmp/kvbroker-NODE.sock].",
+        ),
+    ] = "",
+    model: Annotated[
+        str, typer.Option(envvar="KVBROKER_MODEL", help="Served model [default: ask the engine].")
+    ] = "",
+    advertise_url: Annotated[
+        str,
+        typer.Option(envvar="KVBROKER_ADVERTISE_URL", help="URL routers use [default: engine's]."),
+    ] = "",
+    metrics_listen: Annotated[
+        str | None,
+        typer.Option(envvar="KVBROKER_METRICS_LISTEN", help="Prometheus HTTP HOST:PORT."),
+    ] = None,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    log_level: Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")] = "info",
+    log_format: Annotated[str, typer.Option(envvar="KVBROKER_LOG_FORMAT")] = "auto",
+) -> None:
+    """Register this node, keep its session, and link its engine to the registry."""
+    if not engine_url.startswith(("http://", "https://")):
+        fail(f"--engine-url {engine_url!r} is not an http(s) URL", 2)
+    if log_format not in ("auto", "json", "console"):
+        fail("--log-format is auto, json or console", 2)
+    try:
+        endpoint = RegistryEndpoint.parse(registry, token, tls_ca)
+    except ValueError as error:
+        fail(str(error), 2)
+    from sidecar.agent import SidecarConfig
+    from sidecar.server import serve_forever as serve_sidecar
+
+    node_id = node_id or f"{socket.gethostname()}-{role.value}"
+    listen = listen or f"unix:/tmp/kvbroker-{node_id}.sock"
+    fmt: LogFormat = log_format  # type: ignore[assignment]
+    configure_logging(log_level, fmt)
+    config = SidecarConfig(
+        node_id=node_id,
+        role=_NODE_ROLES[role],
+        engine_url=engine_url,
+        model=model,
+        advertise_url=advertise_url,
+    )
+    try:
+        asyncio.run(serve_sidecar(config, endpoint, listen, metrics_listen))
+    except OSError as error:
+        fail(f"cannot serve the sidecar on {listen}: {error}")
 
 
 # ---------------------------------------------------------------------- leases

@@ -1,0 +1,204 @@
+"""The engine's side of the local link to its sidecar, for code that runs inside vLLM.
+
+vLLM's scheduler is synchronous and must never block, so this client runs its own asyncio
+loop on a daemon thread: ``retained``/``released`` only record and enqueue, and
+``poll_deadlines`` drains what the sidecar sent since the last call (vLLM's connector calls it
+once per scheduler step). After any disconnect the link re-attaches and sends everything the
+engine still retains, so a restarted sidecar rebuilds its view.
+
+No vLLM import here: engine_ext adapts vLLM's objects to these proto messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from kvbroker.common.clock import from_duration
+from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2, sidecar_pb2_grpc
+
+log = structlog.get_logger("kvbroker.engine_link")
+
+LIVE_STATES = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """Keep ``remote_request_id``'s blocks until ``expires_at`` (this process's monotonic
+    clock), computed on receipt from the registry's duration."""
+
+    remote_request_id: str
+    lease_id: str
+    epoch: int
+    expires_at: float
+    state: lease_pb2.LeaseState
+    reason: str
+
+    @property
+    def lease_live(self) -> bool:
+        return self.state in LIVE_STATES
+
+
+class EngineLink:
+    def __init__(
+        self,
+        target: str,
+        engine: sidecar_pb2.EngineInfo,
+        reconnect_initial_s: float = 0.05,
+        reconnect_max_s: float = 2.0,
+    ) -> None:
+        self.target = target
+        self.engine = engine
+        self._reconnect = (reconnect_initial_s, reconnect_max_s)
+        self._lock = threading.Lock()
+        self._retained: dict[str, registry_pb2.RetainedBlocks] = {}
+        self._deadlines: queue.SimpleQueue[Deadline] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: asyncio.Queue[registry_pb2.RetentionEvent] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self.attached = threading.Event()
+        self.node_id = ""
+
+    # ------------------------------------------------------------ called by the engine
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvbroker-engine-link", daemon=True)
+        self._thread.start()
+
+    def retained(self, blocks: registry_pb2.RetainedBlocks) -> None:
+        with self._lock:
+            self._retained[blocks.handle.remote_request_id] = blocks
+        self._send(registry_pb2.RetentionEvent(retained=blocks))
+
+    def released(self, remote_request_id: str, reason: str) -> None:
+        with self._lock:
+            if self._retained.pop(remote_request_id, None) is None:
+                return
+        self._send(
+            registry_pb2.RetentionEvent(
+                released=registry_pb2.ReleasedBlocks(
+                    remote_request_id=remote_request_id, reason=reason
+                )
+            )
+        )
+
+    def poll_deadlines(self) -> list[Deadline]:
+        drained: list[Deadline] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                drained.append(self._deadlines.get_nowait())
+        return drained
+
+    def retained_count(self) -> int:
+        with self._lock:
+            return len(self._retained)
+
+    def close(self, timeout: float = 2.0) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _send(self, event: registry_pb2.RetentionEvent) -> None:
+        loop, outbox = self._loop, self._outbox
+        if loop is not None and outbox is not None:
+            # If the link is down, the next attach's snapshot carries the change instead.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(outbox.put_nowait, event)
+
+    # ------------------------------------------------------------ the link's own thread
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+        self._stop = asyncio.Event()
+        stopper = asyncio.create_task(self._stop.wait())
+        backoff, backoff_max = self._reconnect
+        while not self._stop.is_set():
+            session = asyncio.create_task(self._session())
+            done, _ = await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if stopper in done:
+                session.cancel()
+                await asyncio.gather(session, return_exceptions=True)
+                break
+            self.attached.clear()
+            error = session.exception()
+            log.warning("sidecar_link_down", error=str(error), retry_in_s=backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, backoff_max)
+
+    async def _session(self) -> None:
+        assert self._outbox is not None
+        async with grpc.aio.insecure_channel(self.target) as channel:
+            stub = sidecar_pb2_grpc.SidecarServiceStub(channel)
+            while not self._outbox.empty():
+                self._outbox.get_nowait()  # superseded by the snapshot below
+            with self._lock:
+                snapshot = list(self._retained.values())
+            response = await stub.AttachEngine(
+                sidecar_pb2.AttachEngineRequest(engine=self.engine, retained=snapshot),
+                timeout=5,
+                wait_for_ready=True,
+            )
+            self.node_id = response.node_id
+            watch = stub.WatchDeadlines(sidecar_pb2.WatchDeadlinesRequest())
+            self.attached.set()
+            # A failure of either ends the session; the next attach's snapshot repairs it.
+            tasks = [
+                asyncio.create_task(self._forward(stub)),
+                asyncio.create_task(self._receive(watch)),
+            ]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _receive(self, watch: grpc.aio.UnaryStreamCall) -> None:
+        async for item in watch:
+            command = item.command
+            if command.state in LIVE_STATES:
+                self._note_lease(command)
+            self._deadlines.put(
+                Deadline(
+                    remote_request_id=command.remote_request_id,
+                    lease_id=command.lease_id,
+                    epoch=command.epoch,
+                    expires_at=time.monotonic() + from_duration(command.time_to_live),
+                    state=command.state,
+                    reason=command.reason,
+                )
+            )
+        raise ConnectionError("the sidecar closed the deadline stream")
+
+    def _note_lease(self, command: registry_pb2.LeaseCommand) -> None:
+        """Remembers the lease behind a retained request, so a replay can restore it exactly."""
+        with self._lock:
+            blocks = self._retained.get(command.remote_request_id)
+            if blocks is not None:
+                blocks.lease_id = command.lease_id
+                blocks.epoch = command.epoch
+
+    async def _forward(self, stub: sidecar_pb2_grpc.SidecarServiceStub) -> None:
+        assert self._outbox is not None
+        while True:
+            batch = [await self._outbox.get()]
+            while not self._outbox.empty() and len(batch) < 512:
+                batch.append(self._outbox.get_nowait())
+            await stub.SubmitRetentionEvents(
+                sidecar_pb2.SubmitRetentionEventsRequest(events=batch), timeout=5
+            )

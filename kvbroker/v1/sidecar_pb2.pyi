@@ -1,0 +1,64 @@
+from kvbroker.v1 import registry_pb2 as _registry_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EngineInfo(_message.Message):
+    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SIDE_CHANNEL_HOST_FIELD_NUMBER: _ClassVar[int]
+    SIDE_CHANNEL_PORT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    block_size: int
+    capacity_blocks: int
+    bytes_per_block: int
+    model: str
+    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+
+class AttachEngineRequest(_message.Message):
+    __slots__ = ("engine", "retained")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    engine: EngineInfo
+    retained: _containers.RepeatedCompositeFieldContainer[_registry_pb2.RetainedBlocks]
+    def __init__(self, engine: _Optional[_Union[EngineInfo, _Mapping]] = ..., retained: _Optional[_Iterable[_Union[_registry_pb2.RetainedBlocks, _Mapping]]] = ...) -> None: ...
+
+class AttachEngineResponse(_message.Message):
+    __slots__ = ("node_id", "incarnation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: str
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class SubmitRetentionEventsRequest(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_registry_pb2.RetentionEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[_registry_pb2.RetentionEvent, _Mapping]]] = ...) -> None: ...
+
+class SubmitRetentionEventsResponse(_message.Message):
+    __slots__ = ("queue_depth",)
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    queue_depth: int
+    def __init__(self, queue_depth: _Optional[int] = ...) -> None: ...
+
+class WatchDeadlinesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchDeadlinesResponse(_message.Message):
+    __slots__ = ("command",)
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    command: _registry_pb2.LeaseCommand
+    def __init__(self, command: _Optional[_Union[_registry_pb2.LeaseCommand, _Mapping]] = ...) -> None: ...

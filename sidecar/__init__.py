@@ -1,0 +1,1 @@
+"""The kvbroker sidecar: the agent beside each vLLM server."""

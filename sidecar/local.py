@@ -1,0 +1,49 @@
+"""The engine-facing endpoint: SidecarService on a Unix socket (or loopback TCP)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvbroker.v1 import sidecar_pb2, sidecar_pb2_grpc
+from sidecar.agent import Agent
+
+
+class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    async def AttachEngine(
+        self, request: sidecar_pb2.AttachEngineRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.AttachEngineResponse:
+        engine = request.engine
+        if not engine.engine_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "engine.engine_id is required")
+        if engine.block_size == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "engine.block_size is required")
+        self.agent.attach_engine(engine, request.retained)
+        return sidecar_pb2.AttachEngineResponse(
+            node_id=self.agent.config.node_id, incarnation=self.agent.incarnation
+        )
+
+    async def SubmitRetentionEvents(
+        self, request: sidecar_pb2.SubmitRetentionEventsRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.SubmitRetentionEventsResponse:
+        if self.agent.engine is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "attach the engine before reporting"
+            )
+        for event in request.events:
+            if not (event.HasField("retained") or event.HasField("released")):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "an event is neither retained nor released"
+                )
+        depth = self.agent.submit(request.events)
+        return sidecar_pb2.SubmitRetentionEventsResponse(queue_depth=depth)
+
+    async def WatchDeadlines(
+        self, request: sidecar_pb2.WatchDeadlinesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[sidecar_pb2.WatchDeadlinesResponse]:
+        async for command in self.agent.deadlines():
+            yield sidecar_pb2.WatchDeadlinesResponse(command=command)

@@ -1,0 +1,41 @@
+"""The sidecar's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.reports = Counter(
+            "kvbroker_sidecar_reports",
+            "Retention events forwarded to the registry.",
+            registry=self.registry,
+        )
+        self.commands = Counter(
+            "kvbroker_sidecar_commands",
+            "Lease deadlines handed to the engine, by the lease state they carry.",
+            ["state"],
+            registry=self.registry,
+        )
+        self.reconnects = Counter(
+            "kvbroker_sidecar_reconnects",
+            "Registry sessions re-established after a failure.",
+            registry=self.registry,
+        )
+        self.replay_size = Gauge(
+            "kvbroker_sidecar_replay_size",
+            "Retained requests in the last snapshot replayed to the registry.",
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "kvbroker_sidecar_queue_depth",
+            "Retention events waiting to reach the registry.",
+            registry=self.registry,
+        )
+        self.engine_ready = Gauge(
+            "kvbroker_sidecar_engine_ready",
+            "1 while the engine answers its health check.",
+            registry=self.registry,
+        )

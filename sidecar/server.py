@@ -1,0 +1,82 @@
+"""Running a sidecar: the agent, its local endpoint and its metrics, until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from prometheus_client import start_http_server
+
+from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.v1 import sidecar_pb2_grpc
+from sidecar.agent import Agent, SidecarConfig
+from sidecar.local import SidecarServicer
+
+log = structlog.get_logger("kvbroker.sidecar")
+
+
+@dataclass
+class RunningSidecar:
+    agent: Agent
+    server: grpc.aio.Server
+    listen: str
+    metrics_address: str | None
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.agent.close()
+        await self.server.stop(0.5)
+
+
+async def start_sidecar(
+    config: SidecarConfig,
+    registry: RegistryEndpoint,
+    listen: str,
+    metrics_listen: str | None = None,
+) -> RunningSidecar:
+    agent = Agent(config, registry)
+    server = grpc.aio.server()
+    sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(SidecarServicer(agent), server)
+    if server.add_insecure_port(listen) == 0:
+        raise OSError(f"cannot listen on {listen}")
+    metrics_address = None
+    if metrics_listen is not None:
+        host, _, port = metrics_listen.rpartition(":")
+        http_server, _thread = start_http_server(
+            int(port), addr=host, registry=agent.metrics.registry
+        )
+        metrics_address = f"{host}:{http_server.server_port}"
+    await server.start()
+    task = asyncio.create_task(agent.run(), name="kvbroker-sidecar-session")
+    log.info("sidecar_serving", listen=listen, node=config.node_id, registry=registry.target)
+    return RunningSidecar(agent, server, listen, metrics_address, task)
+
+
+async def serve_forever(
+    config: SidecarConfig, registry: RegistryEndpoint, listen: str, metrics_listen: str | None
+) -> None:
+    running = await start_sidecar(config, registry, listen, metrics_listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(
+        json.dumps(
+            {
+                "sidecar": listen,
+                "node": config.node_id,
+                "incarnation": running.agent.incarnation,
+                "metrics": running.metrics_address,
+            }
+        ),
+        flush=True,
+    )
+    await stop.wait()
+    log.info("sidecar_stopping")
+    await running.stop()

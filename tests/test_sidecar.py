@@ -1,0 +1,297 @@
+"""Real registry, real `kvbroker sidecar run` processes, the engine side driven by EngineLink."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvbroker.common.engine_link import Deadline, EngineLink
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from tests.conftest import KVBROKER, RegistryProcess, run_cli, spawn_registry
+from tests.engine_http import EngineHttp
+from tests.factories import Heartbeats, block_hashes, handle, hint, node_spec
+
+SESSION_FLAGS = ("--heartbeat-interval", "0.2", "--session-ttl", "1.0", "--revoke-grace", "0.5")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class SidecarProcess:
+    process: asyncio.subprocess.Process
+    socket_path: Path
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            self.process.terminate()
+            await asyncio.wait_for(self.process.wait(), 10)
+
+
+async def spawn_sidecar(
+    registry: str, engine_url: str, node_id: str, socket_path: Path, role: str = "decode"
+) -> SidecarProcess:
+    process = await asyncio.create_subprocess_exec(
+        KVBROKER,
+        "sidecar",
+        "run",
+        "--registry",
+        registry,
+        "--engine-url",
+        engine_url,
+        "--role",
+        role,
+        "--node-id",
+        node_id,
+        "--listen",
+        f"unix:{socket_path}",
+        "--log-format",
+        "json",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ},
+    )
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 30)
+    assert json.loads(line)["node"] == node_id
+    return SidecarProcess(process, socket_path)
+
+
+def engine_info(node_id: str, port: int = 5601) -> sidecar_pb2.EngineInfo:
+    return sidecar_pb2.EngineInfo(
+        engine_id=f"engine-{node_id}",
+        side_channel_host="127.0.0.1",
+        side_channel_port=port,
+        block_size=16,
+        capacity_blocks=4096,
+        bytes_per_block=65536,
+    )
+
+
+def retained_blocks(
+    node_id: str, conversation: str, request_id: str, tokens: int = 160
+) -> registry_pb2.RetainedBlocks:
+    spec = node_spec(node_id)
+    spec.engine_id = f"engine-{node_id}"
+    return registry_pb2.RetainedBlocks(
+        conversation_id=conversation,
+        handle=handle(request_id, tokens, spec),
+        block_hashes=block_hashes(tokens),
+        token_count=tokens,
+    )
+
+
+async def eventually(check, within: float = 10.0, every: float = 0.05):  # type: ignore[no-untyped-def]
+    """Polls an async check until it returns something truthy; returns that."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        result = await check()
+        if result:
+            return result
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(every)
+
+
+async def live_leases(stub: RegistryServiceStub, node_id: str = "") -> list[lease_pb2.Lease]:
+    response = await stub.ListLeases(
+        registry_pb2.ListLeasesRequest(node_id=node_id, page_size=1000), timeout=5
+    )
+    return list(response.leases)
+
+
+async def node_state(stub: RegistryServiceStub, node_id: str) -> int:
+    return (await stub.GetNode(registry_pb2.GetNodeRequest(node_id=node_id), timeout=5)).node.state
+
+
+@dataclass
+class Stack:
+    registry: RegistryProcess
+    stub: RegistryServiceStub
+    engine: EngineHttp
+    sidecar: SidecarProcess
+    link: EngineLink
+    port: int
+
+
+@pytest.fixture
+async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+    port = free_port()
+    registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{port}")
+    async with (
+        EngineHttp() as engine,
+        open_channel(RegistryEndpoint.parse(registry.address)) as channel,
+    ):
+        sidecar = await spawn_sidecar(registry.address, engine.url, "decode-0", tmp_path / "s.sock")
+        link = EngineLink(f"unix:{sidecar.socket_path}", engine_info("decode-0"))
+        link.start()
+        stub = registry_stub(channel)
+        try:
+            await eventually(lambda: asyncio.to_thread(link.attached.wait, 0.1))
+            yield Stack(registry, stub, engine, sidecar, link, port)
+        finally:
+            link.close()
+            await sidecar.stop()
+            await registry.stop()
+
+
+async def drain_deadlines(link: EngineLink) -> list[Deadline]:
+    return link.poll_deadlines()
+
+
+async def test_retention_is_visible_and_deadlines_reach_the_engine(stack: Stack) -> None:
+    stack.link.retained(retained_blocks("decode-0", "conv-1", "req-1"))
+    leases = await eventually(lambda: live_leases(stack.stub))
+    assert [(lease.conversation_id, lease.node_id) for lease in leases] == [("conv-1", "decode-0")]
+    lease = leases[0]
+    node = (
+        await stack.stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"), timeout=5)
+    ).node
+    assert node.spec.engine_id == "engine-decode-0"
+    assert node.spec.model == "tiny-qwen3"  # learned from the engine's /v1/models
+    assert node.spec.http_base_url == stack.engine.url
+
+    table = await run_cli("lease", "ls", "--registry", stack.registry.address)
+    assert lease.lease_id in table.stdout and "conv-1" in table.stdout
+
+    granted = await eventually(lambda: drain_deadlines(stack.link))
+    assert granted[0].lease_id == lease.lease_id and granted[0].lease_live
+
+    renewed = await run_cli(
+        "lease", "renew", lease.lease_id, "--ttl", "300", "--registry", stack.registry.address
+    )
+    assert renewed.code == 0, renewed.stderr
+    [renewal] = await eventually(lambda: drain_deadlines(stack.link))
+    loop_now = asyncio.get_running_loop().time()
+    assert renewal.remote_request_id == "req-1"
+    assert 295 < renewal.expires_at - loop_now <= 300.5
+
+    revoked = await run_cli("lease", "revoke", lease.lease_id, "--registry", stack.registry.address)
+    assert revoked.code == 0, revoked.stderr
+    [revocation] = await eventually(lambda: drain_deadlines(stack.link))
+    assert revocation.state == lease_pb2.LEASE_STATE_REVOKED and not revocation.lease_live
+    assert revocation.expires_at - asyncio.get_running_loop().time() <= 0.5  # the revoke grace
+
+    # The engine frees the blocks and says so; nothing stays live.
+    stack.link.released("req-1", "revoked")
+    assert stack.link.retained_count() == 0
+
+
+async def test_registry_restart_loses_nothing(stack: Stack) -> None:
+    for i in range(40):
+        stack.link.retained(retained_blocks("decode-0", f"conv-{i}", f"req-{i}"))
+    before = await eventually(lambda: _when_count(stack.stub, 40))
+    stack.registry.process.send_signal(signal.SIGKILL)
+    await stack.registry.process.wait()
+    # While the registry is away the engine keeps working: frees some, retains more.
+    for i in range(5):
+        stack.link.released(f"req-{i}", "read completed")
+    for i in range(40, 45):
+        stack.link.retained(retained_blocks("decode-0", f"conv-{i}", f"req-{i}"))
+    await asyncio.sleep(0.5)
+
+    stack.registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{stack.port}")
+    after = await eventually(lambda: _when_count(stack.stub, 40, exact=True), within=15)
+    ids_after = {lease.handle.remote_request_id: lease for lease in after}
+    assert set(ids_after) == {f"req-{i}" for i in range(5, 45)}
+    # Leases that existed before keep their ids and epochs.
+    for lease in before:
+        if lease.handle.remote_request_id in ids_after:
+            again = ids_after[lease.handle.remote_request_id]
+            assert (again.lease_id, again.epoch) == (lease.lease_id, lease.epoch)
+    assert len({lease.lease_id for lease in after}) == 40
+
+
+async def _when_count(stub: RegistryServiceStub, n: int, exact: bool = False):  # type: ignore[no-untyped-def]
+    try:
+        leases = await live_leases(stub)
+    except Exception:  # the registry may still be starting
+        return None
+    if len(leases) == n:
+        return leases
+    assert not exact or len(leases) <= n, f"{len(leases)} leases: duplicates after replay"
+    return None
+
+
+async def test_killed_sidecar_withdraws_its_leases(stack: Stack) -> None:
+    stack.link.retained(retained_blocks("decode-0", "conv-k", "req-k"))
+    await eventually(lambda: live_leases(stack.stub))
+    others = [
+        node_spec("decode-1", port=5602),
+        node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700),
+    ]
+    async with Heartbeats(stack.stub, *others):
+        assert (await hint(stack.stub, "conv-k", dry_run=True)).decode.node_id == "decode-0"
+        stack.sidecar.kill()
+        killed_at = asyncio.get_running_loop().time()
+        await eventually(lambda: _no_live(stack.stub), within=5)
+        elapsed = asyncio.get_running_loop().time() - killed_at
+        assert elapsed < 1.0 + 0.5  # one session TTL plus the registry's scheduling slack
+        assert await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_DOWN
+        result = await hint(stack.stub, "conv-k")
+        assert result.decision == registry_pb2.HINT_DECISION_MISS
+        assert result.decode.node_id == "decode-1"
+
+
+async def _no_live(stub: RegistryServiceStub) -> bool:
+    return not await live_leases(stub)
+
+
+async def test_sidecar_restart_replays_from_the_engine(stack: Stack, tmp_path: Path) -> None:
+    for i in range(3):
+        stack.link.retained(retained_blocks("decode-0", f"conv-{i}", f"req-{i}"))
+    before = await eventually(lambda: _when_count(stack.stub, 3))
+    seen: list[Deadline] = []
+    await eventually(lambda: _leases_known(stack.link, seen, 3))
+    stack.sidecar.kill()
+    await eventually(lambda: _no_live(stack.stub), within=5)
+    stack.sidecar = await spawn_sidecar(
+        stack.registry.address, stack.engine.url, "decode-0", stack.sidecar.socket_path
+    )
+    after = await eventually(lambda: _when_count(stack.stub, 3, exact=True), within=10)
+    assert {(x.lease_id, x.epoch) for x in after} == {(x.lease_id, x.epoch) for x in before}
+
+
+async def _leases_known(link: EngineLink, seen: list[Deadline], n: int) -> bool:
+    # Deadlines for the grants arrived, so the link knows each lease id for a replay.
+    seen.extend(d for d in link.poll_deadlines() if d.lease_live)
+    return len({d.lease_id for d in seen}) >= n
+
+
+async def test_unhealthy_engine_makes_the_node_not_ready(stack: Stack) -> None:
+    stack.link.retained(retained_blocks("decode-0", "conv-u", "req-u"))
+    await eventually(lambda: live_leases(stack.stub))
+    async with Heartbeats(
+        stack.stub, node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+    ):
+        stack.engine.healthy = False
+
+        async def not_ready() -> bool:
+            return await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_NOT_READY
+
+        await eventually(not_ready, within=5)
+        with pytest.raises(Exception) as error:  # no ready decode node is left to route to
+            await hint(stack.stub, "conv-u")
+        assert "no ready decode node" in str(error.value)
+        stack.engine.healthy = True
+
+        async def ready() -> bool:
+            return await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_READY
+
+        await eventually(ready, within=5)
+        assert (await hint(stack.stub, "conv-u")).decision == registry_pb2.HINT_DECISION_REUSE
