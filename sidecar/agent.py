@@ -97,6 +97,7 @@ class Agent:
         self._sequence = 0
         self._subscribers: set[asyncio.Queue[registry_pb2.LeaseCommand]] = set()
         self._heartbeat_interval_s = 2.0
+        self._stub: RegistryServiceStub | None = None
         self._http = httpx.AsyncClient(timeout=config.health_timeout_s)
 
     # ------------------------------------------------------------ engine side
@@ -133,6 +134,25 @@ class Agent:
                 yield await queue.get()
         finally:
             self._subscribers.discard(queue)
+
+    async def check_lease(self, lease_id: str, epoch: int) -> tuple[bool, str]:
+        """The fence before a read: live, and not superseded by a newer turn."""
+        stub = self._stub
+        if stub is None:
+            return False, "the sidecar has no registry session"
+        try:
+            response = await stub.GetLease(
+                registry_pb2.GetLeaseRequest(lease_id=lease_id), timeout=_RPC_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as error:
+            return False, f"registry could not confirm lease {lease_id}: {error.details()}"
+        lease = response.lease
+        if lease.epoch != epoch:
+            return False, f"stale epoch {epoch}: lease {lease_id} is at epoch {lease.epoch}"
+        if lease.state not in (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED):
+            state = lease_pb2.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_")
+            return False, f"lease {lease_id} is {state} ({lease.end_reason})"
+        return True, ""
 
     def _to_engine(self, command: registry_pb2.LeaseCommand) -> None:
         for queue in self._subscribers:
@@ -201,6 +221,7 @@ class Agent:
         )
         self._heartbeat_interval_s = from_duration(response.heartbeat_interval)
         await self._replay(stub)
+        self._stub = stub
         self.connected.set()
         log.info("registry_session", node=self.config.node_id, incarnation=self.incarnation)
         tasks = [
@@ -213,6 +234,7 @@ class Agent:
             for task in done:
                 task.result()
         finally:
+            self._stub = None
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

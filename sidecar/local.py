@@ -42,6 +42,14 @@ class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
         depth = self.agent.submit(request.events)
         return sidecar_pb2.SubmitRetentionEventsResponse(queue_depth=depth)
 
+    async def CheckLease(
+        self, request: sidecar_pb2.CheckLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.CheckLeaseResponse:
+        if not request.lease_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id is required")
+        usable, reason = await self.agent.check_lease(request.lease_id, request.epoch)
+        return sidecar_pb2.CheckLeaseResponse(usable=usable, reason=reason)
+
     async def WatchDeadlines(
         self, request: sidecar_pb2.WatchDeadlinesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[sidecar_pb2.WatchDeadlinesResponse]:

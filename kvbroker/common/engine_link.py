@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -66,6 +67,7 @@ class EngineLink:
         self._stop: asyncio.Event | None = None
         self.attached = threading.Event()
         self.node_id = ""
+        self._stub: sidecar_pb2_grpc.SidecarServiceStub | None = None
 
     # ------------------------------------------------------------ called by the engine
 
@@ -96,6 +98,23 @@ class EngineLink:
             while True:
                 drained.append(self._deadlines.get_nowait())
         return drained
+
+    def check_lease(self, lease_id: str, epoch: int, timeout_s: float) -> tuple[bool, str]:
+        """Asks the registry, through the sidecar, whether a handle may still be read. Blocks
+        the caller for at most ``timeout_s``; any failure answers "no" with the reason."""
+        loop, stub = self._loop, self._stub
+        if loop is None or stub is None or not self.attached.is_set():
+            return False, "no link to the sidecar"
+        call = stub.CheckLease(
+            sidecar_pb2.CheckLeaseRequest(lease_id=lease_id, epoch=epoch), timeout=timeout_s
+        )
+        future = asyncio.run_coroutine_threadsafe(_await(call), loop)
+        try:
+            response = future.result(timeout_s + 0.05)
+        except Exception as error:  # timeout, RPC error, loop gone: all mean "not verified"
+            future.cancel()
+            return False, f"lease check failed: {error!r}"
+        return bool(response.usable), str(response.reason)
 
     def retained_count(self) -> int:
         with self._lock:
@@ -152,6 +171,7 @@ class EngineLink:
                 wait_for_ready=True,
             )
             self.node_id = response.node_id
+            self._stub = stub
             watch = stub.WatchDeadlines(sidecar_pb2.WatchDeadlinesRequest())
             self.attached.set()
             # A failure of either ends the session; the next attach's snapshot repairs it.
@@ -164,6 +184,7 @@ class EngineLink:
                 for task in done:
                     task.result()
             finally:
+                self._stub = None
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -202,3 +223,7 @@ class EngineLink:
             await stub.SubmitRetentionEvents(
                 sidecar_pb2.SubmitRetentionEventsRequest(events=batch), timeout=5
             )
+
+
+async def _await(call: Any) -> Any:
+    return await call

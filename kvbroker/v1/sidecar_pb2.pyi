@@ -62,3 +62,19 @@ class WatchDeadlinesResponse(_message.Message):
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     command: _registry_pb2.LeaseCommand
     def __init__(self, command: _Optional[_Union[_registry_pb2.LeaseCommand, _Mapping]] = ...) -> None: ...
+
+class CheckLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "epoch")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    epoch: int
+    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class CheckLeaseResponse(_message.Message):
+    __slots__ = ("usable", "reason")
+    USABLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    usable: bool
+    reason: str
+    def __init__(self, usable: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

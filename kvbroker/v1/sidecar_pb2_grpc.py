@@ -51,6 +51,11 @@ class SidecarServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_sidecar__pb2.WatchDeadlinesRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.WatchDeadlinesResponse.FromString,
                 _registered_method=True)
+        self.CheckLease = channel.unary_unary(
+                '/kvbroker.v1.SidecarService/CheckLease',
+                request_serializer=kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServiceServicer:
@@ -81,6 +86,14 @@ class SidecarServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckLease(self, request, context):
+        """Whether a handle a router gave this (prefill) engine may still be read: its lease is live
+        and its epoch is the conversation's current one. Asked once per turn, before the read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +111,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.WatchDeadlines,
                     request_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.WatchDeadlinesRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_sidecar__pb2.WatchDeadlinesResponse.SerializeToString,
+            ),
+            'CheckLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckLease,
+                    request_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +201,33 @@ class SidecarService:
             '/kvbroker.v1.SidecarService/WatchDeadlines',
             kvbroker_dot_v1_dot_sidecar__pb2.WatchDeadlinesRequest.SerializeToString,
             kvbroker_dot_v1_dot_sidecar__pb2.WatchDeadlinesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.SidecarService/CheckLease',
+            kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseRequest.SerializeToString,
+            kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,282 @@
+"""kvbroker's KV connector: vLLM's NIXL pull connector, with retention under leases and a
+verified local-then-remote match.
+
+Load it into unmodified vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "NixlConnector",
+                           "kv_connector_module_path": "engine_ext.connector", ...}'
+
+It keeps vLLM's class name because several of vLLM's config checks match on it.
+
+Decode side: a finished request with bidirectional transfer keeps its blocks as vLLM does, and
+the handle (with kvbroker's prefix hashes and the conversation id) goes to the sidecar. From
+then on the deadline comes from the lease: grants and renewals extend it, revocations shorten
+it to the grace the registry computed, expiry ends it, and ``decoder_kv_blocks_ttl`` caps every
+deadline so blocks are freed even if the control plane disappears. Requests without a
+conversation id are not retained. Frees are reported back.
+
+Prefill side: a remote handle is used only when its lease is live at its epoch (asked through
+the sidecar), only up to the first block whose hash differs from this prompt's, and only when
+the reusable remainder meets ``kv_recompute_threshold``; otherwise the handle is removed and P
+recomputes. vLLM's own prefix cache is consulted first (``num_computed_tokens``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlPullConnector,
+    NixlPullConnectorScheduler,
+)
+
+from engine_ext.nixl_tuning import calm_progress_thread
+from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
+from kvbroker.common import handles
+from kvbroker.common.clock import to_duration
+from kvbroker.common.engine_link import EngineLink
+from kvbroker.v1 import registry_pb2, sidecar_pb2
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = structlog.get_logger("kvbroker.engine_ext")
+
+_CHECKED_KEY = "_kvbroker_checked"
+
+
+@dataclass(frozen=True)
+class KvBrokerSettings:
+    """``kv_connector_extra_config`` keys (vLLM's own keys keep their meaning)."""
+
+    # Where the sidecar listens, e.g. "unix:/tmp/kvbroker-decode-0.sock"; empty: no control
+    # plane (vLLM's behaviour, except that sessionless requests are not retained).
+    sidecar: str = ""
+    # vLLM's: reuse only when at least this many remote tokens remain to be read.
+    recompute_threshold: int = 64
+    # vLLM's hard cap on retention, seconds: no deadline from the lease may exceed it.
+    hard_cap_s: float = 480.0
+    # How long the prefill side waits for the lease check before recomputing.
+    lease_check_timeout_s: float = 0.25
+    # Engine steps that schedule nothing sleep this long (vLLM spins at ~1 kHz while it
+    # retains blocks; on a shared CPU that starves the model threads).
+    idle_step_sleep_s: float = 0.005
+    # NIXL's progress thread poll delay, microseconds (NIXL's Python API forces 0: a spin).
+    progress_thread_delay_us: int = 1000
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> KvBrokerSettings:
+        config = vllm_config.kv_transfer_config
+        assert config is not None
+        extra = config.kv_connector_extra_config or {}
+        return cls(
+            sidecar=str(extra.get("kvbroker_sidecar", "")),
+            recompute_threshold=int(extra.get("kv_recompute_threshold", 64)),
+            hard_cap_s=float(extra.get("decoder_kv_blocks_ttl", 480)),
+            lease_check_timeout_s=float(extra.get("kvbroker_lease_check_timeout_s", 0.25)),
+            idle_step_sleep_s=float(extra.get("kvbroker_idle_step_sleep_s", 0.005)),
+            progress_thread_delay_us=int(extra.get("kvbroker_progress_thread_delay_us", 1000)),
+        )
+
+
+class NixlConnector(NixlPullConnector):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.settings = KvBrokerSettings.from_vllm(vllm_config)
+        if role == KVConnectorRole.WORKER:
+            calm_progress_thread(self.settings.progress_thread_delay_us)
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        # Requests vLLM tracks for retention (went through update_state_after_alloc with
+        # transfer params); others must not be retained (vLLM 0.32 would leak their blocks).
+        self._tracked: set[str] = set()
+        # Decode side: retained request id -> hard-cap deadline (perf_counter clock).
+        self._retained: dict[str, float] = {}
+        self.link: EngineLink | None = None
+        if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
+            self.link = EngineLink(self.settings.sidecar, _engine_info(vllm_config, kv_cache_config))
+            self.link.start()
+            log.info("kvbroker_link_started", sidecar=self.settings.sidecar)
+
+    @property
+    def _sched(self) -> NixlPullConnectorScheduler:
+        assert isinstance(self.connector_scheduler, NixlPullConnectorScheduler)
+        return self.connector_scheduler
+
+    # ------------------------------------------------------------ prefill side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
+            if not params.get(_CHECKED_KEY):
+                params[_CHECKED_KEY] = True
+                self._verify_remote(request, params, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _verify_remote(
+        self, request: Request, params: dict[str, Any], num_computed_tokens: int
+    ) -> None:
+        """Keeps the handle only if it is safe and worth reading; trims it to the verified
+        prefix. A removed handle means vLLM recomputes and never touches the decode node."""
+        verdict = self._remote_verdict(request, params, num_computed_tokens)
+        if verdict is not None:
+            log.info("kvbroker_remote_declined", request=request.request_id, reason=verdict)
+            handles.strip_handle(params)
+            return
+        log.info(
+            "kvbroker_remote_accepted",
+            request=request.request_id,
+            tokens=params["remote_num_tokens"],
+            local_tokens=num_computed_tokens,
+        )
+
+    def _remote_verdict(
+        self, request: Request, params: dict[str, Any], num_computed_tokens: int
+    ) -> str | None:
+        lease_id = params.get(handles.LEASE_ID_KEY)
+        epoch = params.get(handles.EPOCH_KEY)
+        remote_hashes = handles.hashes_from_params(params)
+        if not lease_id or epoch is None or remote_hashes is None:
+            return "handle carries no kvbroker lease (id, epoch, block hashes)"
+        prompt = request.prompt_token_ids or []
+        # vLLM needs at least one prompt token computed here to sample from.
+        usable_limit = len(prompt) - 1
+        matched = verified_prefix_tokens(
+            remote_hashes, prompt, self._block_size, int(params.get("remote_num_tokens") or 0)
+        )
+        matched = min(matched, usable_limit)
+        if matched - num_computed_tokens < max(self.settings.recompute_threshold, 1):
+            return (
+                f"verified prefix {matched} tokens, {num_computed_tokens} cached locally: "
+                f"below the recompute threshold {self.settings.recompute_threshold}"
+            )
+        if self.link is None:
+            return "no sidecar configured to check the lease"
+        usable, reason = self.link.check_lease(
+            str(lease_id), int(epoch), self.settings.lease_check_timeout_s
+        )
+        if not usable:
+            return reason
+        params["remote_num_tokens"] = matched
+        blocks = -(-matched // self._block_size)
+        params["remote_block_ids"] = [list(group)[:blocks] for group in params["remote_block_ids"]]
+        return None
+
+    # ------------------------------------------------------------ decode side
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if request.kv_transfer_params:
+            self._tracked.add(request.request_id)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        tracked = request_id in self._tracked
+        self._tracked.discard(request_id)
+        params = request.kv_transfer_params
+        in_transfer_path = params and (
+            params.get("do_remote_decode") or params.get("do_remote_prefill")
+        )
+        if params and not tracked and not in_transfer_path:
+            # Params that never entered the transfer path (neither flag set): vLLM would
+            # retain the blocks with a deadline its worker never applies. Free them now.
+            return False, None
+        delay_free, out = self._sched.request_finished(request, block_ids)
+        is_decode_retention = bool(delay_free and out and out.get("do_remote_decode"))
+        if not is_decode_retention:
+            return delay_free, out
+        assert out is not None
+        session = getattr(request, "session_id", None)
+        if not session or self.link is None:
+            # Nothing can ask for this KV again: let the worker free it at the next step.
+            self._sched._reqs_need_send[request_id] = time.perf_counter()
+            return delay_free, None
+        num_tokens = int(out["remote_num_tokens"])
+        self._retained[request_id] = time.perf_counter() + self.settings.hard_cap_s
+        self.link.retained(
+            registry_pb2.RetainedBlocks(
+                conversation_id=session,
+                handle=handles.handle_from_params(out),
+                block_hashes=prefix_hashes(request.all_token_ids, self._block_size, num_tokens),
+                token_count=num_tokens,
+                time_to_live=to_duration(self.settings.hard_cap_s),
+            )
+        )
+        return delay_free, out
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        self._apply_deadlines()
+        meta = super().build_connector_meta(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0 and self.settings.idle_step_sleep_s:
+            time.sleep(self.settings.idle_step_sleep_s)
+        return meta
+
+    def _apply_deadlines(self) -> None:
+        """The lease's deadlines become the worker's deadlines, never past the hard cap."""
+        if self.link is None:
+            return
+        now_mono, now_perf = time.monotonic(), time.perf_counter()
+        for deadline in self.link.poll_deadlines():
+            cap = self._retained.get(deadline.remote_request_id)
+            if cap is None:
+                continue
+            left = max(deadline.expires_at - now_mono, 0.0)
+            if deadline.lease_live:
+                # Each grant or renewal may keep the blocks up to one hard cap from now.
+                cap = now_perf + self.settings.hard_cap_s
+                self._retained[deadline.remote_request_id] = cap
+            self._sched._reqs_need_send[deadline.remote_request_id] = min(now_perf + left, cap)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        for request_id in connector_output.finished_sending or ():
+            if self._retained.pop(request_id, None) is not None and self.link is not None:
+                self.link.released(request_id, "freed by the engine (read or deadline)")
+
+    def shutdown(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        super().shutdown()
+
+
+def _engine_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> sidecar_pb2.EngineInfo:
+    from vllm import envs
+
+    assert vllm_config.kv_transfer_config is not None
+    page_bytes = sum(
+        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        for group in kv_cache_config.kv_cache_groups
+    )
+    served = vllm_config.model_config.served_model_name
+    model = served[0] if isinstance(served, list) else str(served)
+    return sidecar_pb2.EngineInfo(
+        engine_id=str(vllm_config.kv_transfer_config.engine_id),
+        side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+        side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT
+        + vllm_config.parallel_config.data_parallel_index,
+        block_size=vllm_config.cache_config.block_size,
+        capacity_blocks=kv_cache_config.num_blocks,
+        bytes_per_block=page_bytes,
+        model=model,
+    )

@@ -1,0 +1,44 @@
+"""Makes NIXL's UCX progress thread sleep between polls.
+
+NIXL 1.5.1's Python API builds every agent with ``pthrDelay = 0``, so the progress thread
+polls with a zero timeout and each idle vLLM worker burns a whole core; on a small CPU host
+that starves the model's own threads. There is no option for it, so before vLLM creates its
+agent we hand NIXL's ``_api`` module a view of its bindings whose agent config never accepts a
+delay below ours. Only this process is affected; nothing installed is changed.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+_MARK = "_kvbroker_progress_delay_us"
+
+
+def calm_progress_thread(delay_us: int) -> None:
+    if delay_us <= 0:
+        return
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    agent_cls = base_worker.NixlWrapper
+    if agent_cls is None:  # NIXL is not installed; vLLM reports that itself
+        return
+    api = sys.modules[agent_cls.__module__]
+    bindings = api.nixlBind
+    if getattr(bindings, _MARK, None) == delay_us:
+        return
+    original = getattr(bindings, "_kvbroker_original", bindings)
+
+    class AgentConfig(original.nixlAgentConfig):  # type: ignore[name-defined,misc]
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "pthrDelay":
+                value = max(int(value), delay_us)
+            super().__setattr__(name, value)
+
+    view = types.ModuleType(original.__name__)
+    view.__dict__.update(original.__dict__)
+    view.nixlAgentConfig = AgentConfig  # type: ignore[attr-defined]
+    setattr(view, _MARK, delay_us)
+    view._kvbroker_original = original  # type: ignore[attr-defined]
+    api.nixlBind = view

@@ -1,0 +1,45 @@
+"""Chained block hashes of token ids: what lets a prefill node prove that a decode node's
+retained KV belongs to a prefix of its own prompt before reading it.
+
+vLLM's own block hashes are seeded per process (and off when prefix caching is off), so P and
+D cannot compare them; these are sha256 over the token ids, chained, so equal hashes at block
+i mean equal tokens in blocks 0..i. The last block may be partial: its hash covers the tokens
+up to ``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+HASH_BYTES = 16
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int, num_tokens: int) -> list[bytes]:
+    """Hashes of blocks covering ``tokens[:num_tokens]`` (the last one possibly partial)."""
+    hashes: list[bytes] = []
+    previous = b""
+    for start in range(0, min(num_tokens, len(tokens)), block_size):
+        end = min(start + block_size, num_tokens)
+        digest = hashlib.sha256(previous)
+        digest.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:end]))
+        previous = digest.digest()[:HASH_BYTES]
+        hashes.append(previous)
+    return hashes
+
+
+def verified_prefix_tokens(
+    remote_hashes: Sequence[bytes],
+    prompt: Sequence[int],
+    block_size: int,
+    remote_num_tokens: int,
+) -> int:
+    """How many leading tokens of the remote KV equal the prompt's: up to the first block
+    whose hash differs (whole blocks; a partial last block counts only if it matches)."""
+    local = prefix_hashes(prompt, block_size, min(remote_num_tokens, len(prompt)))
+    matched = 0
+    for theirs, ours in zip(remote_hashes, local, strict=False):
+        if theirs != ours:
+            break
+        matched += 1
+    return min(matched * block_size, remote_num_tokens, len(prompt))

@@ -1,0 +1,134 @@
+"""A small local model for tests, the demo and the benchmark: a random-weight
+Qwen3-architecture model and a byte-level BPE tokenizer trained here on generated text, with a
+ChatML chat template. Nothing is downloaded; the same inputs give the same files everywhere
+(fixed seeds, a deterministic corpus), and the result is cached by its parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MODEL_NAME = "kvbroker-tiny-qwen3"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sized so that a CPU prefill of a few thousand tokens takes seconds while reading the
+    same KV over NIXL takes tens of milliseconds."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 512
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 16384
+    dtype: str = "float32"
+    seed: int = 0
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("KVBROKER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvbroker"
+    )
+    return Path(root) / "models"
+
+
+def corpus(lines: int = 20_000, seed: int = 1234) -> list[str]:
+    """Deterministic pseudo-English: syllable words with a Zipf-like frequency."""
+    rng = random.Random(seed)
+    syllables = [a + b for a in "bcdfghjklmnprstvwz" for b in ("a", "e", "i", "o", "u", "ai")]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(3000)]
+    weights = [1.0 / (rank + 1) for rank in range(len(words))]
+    text = []
+    for _ in range(lines):
+        sentence = rng.choices(words, weights, k=rng.randint(4, 18))
+        text.append(" ".join(sentence).capitalize() + rng.choice([".", "?", "!", ":"]))
+    return text
+
+
+def make_model(spec: ModelSpec | None = None, cache_dir: Path | None = None) -> Path:
+    """Builds the model once and returns its directory (cached by the spec's digest)."""
+    spec = spec or ModelSpec()
+    target = (cache_dir or default_cache_dir()) / f"{MODEL_NAME}-{spec.digest()}"
+    if (target / "model.safetensors").exists():
+        return target
+    scratch = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    _write_tokenizer(scratch, spec)
+    _write_weights(scratch, spec)
+    try:
+        scratch.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _write_tokenizer(directory: Path, spec: ModelSpec) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=spec.max_position_embeddings,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+
+def _write_weights(directory: Path, spec: ModelSpec) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
+        pad_token_id=0,
+        torch_dtype=spec.dtype,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, spec.dtype))
+    model.save_pretrained(directory, safe_serialization=True)
+    GenerationConfig(eos_token_id=config.eos_token_id).save_pretrained(directory)
