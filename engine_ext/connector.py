@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlPullConnector,
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
 
@@ -104,7 +104,9 @@ class NixlConnector(NixlPullConnector):
         self._retained: dict[str, float] = {}
         self.link: EngineLink | None = None
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
-            self.link = EngineLink(self.settings.sidecar, _engine_info(vllm_config, kv_cache_config))
+            self.link = EngineLink(
+                self.settings.sidecar, _engine_info(vllm_config, kv_cache_config)
+            )
             self.link.start()
             log.info("kvbroker_link_started", sidecar=self.settings.sidecar)
 
@@ -119,10 +121,12 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
-            if not params.get(_CHECKED_KEY):
-                params[_CHECKED_KEY] = True
-                self._verify_remote(request, params, num_computed_tokens)
+        has_handle = bool(
+            params and params.get("do_remote_decode") and params.get("remote_block_ids")
+        )
+        if params is not None and has_handle and not params.get(_CHECKED_KEY):
+            params[_CHECKED_KEY] = True
+            self._verify_remote(request, params, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def _verify_remote(

@@ -21,11 +21,11 @@ def calm_progress_thread(delay_us: int) -> None:
         return
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-    agent_cls = base_worker.NixlWrapper
+    agent_cls = getattr(base_worker, "NixlWrapper", None)
     if agent_cls is None:  # NIXL is not installed; vLLM reports that itself
         return
     api = sys.modules[agent_cls.__module__]
-    bindings = api.nixlBind
+    bindings: Any = getattr(api, "nixlBind")  # noqa: B009 - not in NIXL's type stubs
     if getattr(bindings, _MARK, None) == delay_us:
         return
     original = getattr(bindings, "_kvbroker_original", bindings)
@@ -41,4 +41,4 @@ def calm_progress_thread(delay_us: int) -> None:
     view.nixlAgentConfig = AgentConfig  # type: ignore[attr-defined]
     setattr(view, _MARK, delay_us)
     view._kvbroker_original = original  # type: ignore[attr-defined]
-    api.nixlBind = view
+    setattr(api, "nixlBind", view)  # noqa: B010

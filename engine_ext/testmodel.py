@@ -126,9 +126,13 @@ def _write_weights(directory: Path, spec: ModelSpec) -> None:
         bos_token_id=None,
         eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
         pad_token_id=0,
-        torch_dtype=spec.dtype,
+        dtype=spec.dtype,
     )
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(config).to(getattr(torch, spec.dtype))
     model.save_pretrained(directory, safe_serialization=True)
     GenerationConfig(eos_token_id=config.eos_token_id).save_pretrained(directory)
+
+
+if __name__ == "__main__":
+    print(make_model())

@@ -7,6 +7,8 @@ Every flag has an environment variable of the same name (``--registry`` is
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import socket
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -15,6 +17,7 @@ from typing import Annotated, Any, TypeVar, cast
 
 import grpc
 import typer
+from rich.console import Console
 
 from controlplane.config import RegistryConfig
 from kvbroker.cli.output import (
@@ -43,10 +46,12 @@ registry_app = typer.Typer(help="Run the registry.", no_args_is_help=True)
 lease_app = typer.Typer(help="Inspect and manage leases.", no_args_is_help=True)
 node_app = typer.Typer(help="Inspect and manage nodes.", no_args_is_help=True)
 sidecar_app = typer.Typer(help="Run the agent beside a vLLM server.", no_args_is_help=True)
+router_app = typer.Typer(help="Run the KV-aware OpenAI-compatible proxy.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
 app.add_typer(lease_app, name="lease")
 app.add_typer(node_app, name="node")
 app.add_typer(sidecar_app, name="sidecar")
+app.add_typer(router_app, name="router")
 
 RegistryOpt = Annotated[
     str,
@@ -251,6 +256,98 @@ def sidecar_run(
         asyncio.run(serve_sidecar(config, endpoint, listen, metrics_listen))
     except OSError as error:
         fail(f"cannot serve the sidecar on {listen}: {error}")
+
+
+# ---------------------------------------------------------------------- the whole stack
+
+
+class Switch(StrEnum):
+    on = "on"
+    off = "off"
+
+
+@app.command("up")
+def up(
+    reuse: Annotated[Switch, typer.Option(help="KV reuse across turns.")] = Switch.on,
+    model: Annotated[
+        Path | None,
+        typer.Option(help="A model directory [default: the generated test model]."),
+    ] = None,
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs of every process.")] = Path(
+        "/tmp/kvbroker-up"
+    ),
+) -> None:
+    """Start registry, prefill and decode vLLM servers with sidecars, and the router, on this
+    machine; print one JSON line when ready; stop everything on Ctrl-C or SIGTERM."""
+    from kvbroker.stack import Stack, StackConfig
+
+    async def run() -> None:
+        console = Console(stderr=True)
+        stack = Stack(
+            StackConfig(workdir=workdir, model_dir=model, reuse=reuse is Switch.on),
+            progress=lambda message: console.print(f"[dim]·[/] {message}"),
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            with console.status("starting the stack"):
+                starting = asyncio.create_task(stack.start())
+                waiter = asyncio.create_task(stop.wait())
+                await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if stop.is_set():
+                    starting.cancel()
+                else:
+                    waiter.cancel()
+                    starting.result()
+            if not stop.is_set():
+                print(json.dumps(stack.describe()), flush=True)
+                await stop.wait()
+        finally:
+            console.print("[dim]·[/] stopping")
+            await stack.stop()
+
+    try:
+        asyncio.run(run())
+    except (RuntimeError, TimeoutError) as error:
+        fail(str(error))
+
+
+# ---------------------------------------------------------------------- router
+
+
+@router_app.command("run")
+def router_run(
+    listen: Annotated[
+        str, typer.Option(envvar="KVBROKER_ROUTER_LISTEN", help="HTTP address HOST:PORT.")
+    ] = "127.0.0.1:8000",
+    hint_timeout: Annotated[
+        float,
+        typer.Option(envvar="KVBROKER_HINT_TIMEOUT", help="Registry deadline per hint, s."),
+    ] = 0.5,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    log_level: Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")] = "info",
+    log_format: Annotated[str, typer.Option(envvar="KVBROKER_LOG_FORMAT")] = "auto",
+) -> None:
+    """Serve /v1/chat/completions and /v1/completions, routing turns by the registry."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        fail(f"--listen {listen!r} is not HOST:PORT", 2)
+    if log_format not in ("auto", "json", "console"):
+        fail("--log-format is auto, json or console", 2)
+    try:
+        endpoint = RegistryEndpoint.parse(registry, token, tls_ca)
+    except ValueError as error:
+        fail(str(error), 2)
+    from router.proxy import RouterConfig
+    from router.server import serve as serve_router
+
+    fmt: LogFormat = log_format  # type: ignore[assignment]
+    configure_logging(log_level, fmt)
+    serve_router(endpoint, host, int(port), RouterConfig(hint_timeout_s=hint_timeout))
 
 
 # ---------------------------------------------------------------------- leases

@@ -1,0 +1,263 @@
+"""The whole stack on one machine, as processes: registry, a prefill and a decode vLLM server
+with kvbroker's connector, their sidecars, and the router. Used by ``kvbroker up``, the demo,
+the benchmark and the end-to-end tests.
+
+Nothing here imports vLLM: engines run as ``python -m vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.v1.node_pb2 import NODE_STATE_READY
+from kvbroker.v1.registry_pb2 import ListNodesRequest
+
+PYTHON = sys.executable
+KVBROKER = str(Path(sys.executable).with_name("kvbroker"))
+SERVED_MODEL = "kvbroker-tiny-qwen3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_test_model() -> Path:
+    """The project's generated model (built once, then cached), via engine_ext."""
+    import subprocess
+
+    out = subprocess.run(
+        [PYTHON, "-m", "engine_ext.testmodel"], check=True, capture_output=True, text=True
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    role: str  # "prefill" or "decode"
+    cpus: str  # VLLM_CPU_OMP_THREADS_BIND
+    http_port: int = field(default_factory=free_port)
+    side_channel_port: int = field(default_factory=free_port)
+
+
+@dataclass
+class StackConfig:
+    workdir: Path
+    model_dir: Path | None = None
+    reuse: bool = True
+    served_model: str = SERVED_MODEL
+    kv_cache_gib: int = 1
+    max_model_len: int = 8192
+    recompute_threshold: int = 64
+    hard_cap_s: int = 480
+    registry_flags: tuple[str, ...] = ()
+    engine_args: tuple[str, ...] = ()
+    # CPU binding of the two engines; on a 2-core host one core each.
+    prefill_cpus: str = "0"
+    decode_cpus: str = "1" if (os.cpu_count() or 1) > 1 else "0"
+
+
+@dataclass
+class Process:
+    name: str
+    process: asyncio.subprocess.Process
+    log: Path
+
+
+class Stack:
+    def __init__(self, config: StackConfig, progress: Callable[[str], None] | None = None):
+        self.config = config
+        self.progress = progress or (lambda message: None)
+        self.processes: list[Process] = []
+        self.registry_address = f"127.0.0.1:{free_port()}"
+        self.router_url = f"http://127.0.0.1:{free_port()}"
+        self.prefill = EngineSpec("prefill", config.prefill_cpus)
+        self.decode = EngineSpec("decode", config.decode_cpus)
+        self.model_dir: Path | None = config.model_dir
+
+    def url(self, engine: EngineSpec) -> str:
+        return f"http://127.0.0.1:{engine.http_port}"
+
+    def socket_path(self, engine: EngineSpec) -> Path:
+        return self.config.workdir / f"{engine.role}.sock"
+
+    async def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> Process:
+        log = self.config.workdir / f"{name}.log"
+        handle = log.open("wb")
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=handle,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # its own group: stop() ends vLLM's children too
+        )
+        handle.close()
+        entry = Process(name, process, log)
+        self.processes.append(entry)
+        return entry
+
+    def _kv_transfer_config(self, engine: EngineSpec) -> str:
+        extra: dict[str, object] = {
+            "backends": ["UCX"],
+            "bidirectional_kv_xfer": self.config.reuse,
+            "kv_recompute_threshold": self.config.recompute_threshold,
+            "decoder_kv_blocks_ttl": self.config.hard_cap_s,
+            "kvbroker_sidecar": f"unix:{self.socket_path(engine)}",
+        }
+        return json.dumps(
+            {
+                "kv_connector": "NixlConnector",
+                "kv_connector_module_path": "engine_ext.connector",
+                "kv_role": "kv_producer" if engine.role == "prefill" else "kv_consumer",
+                "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": extra,
+            }
+        )
+
+    def engine_env(self, engine: EngineSpec) -> dict[str, str]:
+        return {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(engine.side_channel_port),
+            "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": engine.cpus,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            # The in-process executor: the multiprocess one's shared-memory queue was seen
+            # losing a wake-up under NIXL on 2 cores and hanging the engine (VLLM-NOTES).
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "HF_HUB_OFFLINE": "1",
+            "UCX_TLS": "tcp,self,sm",
+            "UCX_NET_DEVICES": "lo",
+        }
+
+    def engine_argv(self, engine: EngineSpec) -> list[str]:
+        assert self.model_dir is not None
+        caching = (
+            "--no-enable-prefix-caching"
+            if engine.role == "prefill"
+            else ("--enable-prefix-caching")
+        )
+        return [
+            PYTHON, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.config.served_model,
+            "--host", "127.0.0.1",
+            "--port", str(engine.http_port),
+            "--enforce-eager",
+            "--max-num-seqs", "4",
+            "--max-model-len", str(self.config.max_model_len),
+            "--dtype", "float32",
+            "--disable-uvicorn-access-log",
+            caching,
+            "--kv-transfer-config", self._kv_transfer_config(engine),
+            *self.config.engine_args,
+        ]  # fmt: skip
+
+    async def start(self) -> None:
+        self.config.workdir.mkdir(parents=True, exist_ok=True)
+        if self.model_dir is None:
+            self.progress("making the test model (cached after the first run)")
+            self.model_dir = await asyncio.to_thread(make_test_model)
+        self.progress(f"starting the registry on {self.registry_address}")
+        await self._spawn(
+            "registry",
+            [KVBROKER, "registry", "serve", "--listen", self.registry_address,
+             "--log-format", "json", *self.config.registry_flags],
+        )  # fmt: skip
+        for engine in (self.prefill, self.decode):
+            await self._spawn(
+                f"sidecar-{engine.role}",
+                [KVBROKER, "sidecar", "run", "--registry", self.registry_address,
+                 "--engine-url", self.url(engine), "--role", engine.role,
+                 "--node-id", f"{engine.role}-0", "--listen", f"unix:{self.socket_path(engine)}",
+                 "--log-format", "json"],
+            )  # fmt: skip
+        self.progress("starting the prefill and decode vLLM servers (about a minute)")
+        engines = [
+            await self._spawn(f"vllm-{e.role}", self.engine_argv(e), self.engine_env(e))
+            for e in (self.prefill, self.decode)
+        ]
+        await self._spawn(
+            "router",
+            [KVBROKER, "router", "run", "--registry", self.registry_address,
+             "--listen", self.router_url.removeprefix("http://"), "--log-format", "json"],
+        )  # fmt: skip
+        await asyncio.gather(
+            *(
+                self._wait_healthy(p, self.url(e))
+                for p, e in zip(engines, (self.prefill, self.decode), strict=True)
+            ),
+            self._wait_healthy(self.processes[-1], self.router_url),
+        )
+        self.progress("engines up; waiting for their sidecars to register")
+        await self._wait_registered()
+
+    async def _wait_healthy(self, process: Process, url: str, timeout_s: float = 600) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        async with httpx.AsyncClient(timeout=2) as client:
+            while True:
+                if process.process.returncode is not None:
+                    tail = process.log.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{process.name} exited early:\n{tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{url}/health")).status_code == 200:
+                        return
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"{process.name} not healthy after {timeout_s} s")
+                await asyncio.sleep(0.5)
+
+    async def _wait_registered(self, timeout_s: float = 60) -> None:
+        endpoint = RegistryEndpoint.parse(self.registry_address)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        async with open_channel(endpoint) as channel:
+            stub = registry_stub(channel)
+            while True:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    nodes = (await stub.ListNodes(ListNodesRequest(), timeout=2)).nodes
+                    if sum(n.state == NODE_STATE_READY for n in nodes) >= 2:
+                        return
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError("the engines' sidecars did not register in time")
+                await asyncio.sleep(0.25)
+
+    async def stop(self) -> None:
+        for entry in reversed(self.processes):
+            if entry.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(entry.process.pid, signal.SIGTERM)
+        for entry in reversed(self.processes):
+            try:
+                await asyncio.wait_for(entry.process.wait(), 15)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(entry.process.pid, signal.SIGKILL)
+                await entry.process.wait()
+        self.processes.clear()
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "router": self.router_url,
+            "registry": self.registry_address,
+            "prefill": self.url(self.prefill),
+            "decode": self.url(self.decode),
+            "model": self.config.served_model,
+            "model_dir": str(self.model_dir),
+            "reuse": self.config.reuse,
+            "logs": str(self.config.workdir),
+        }

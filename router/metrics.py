@@ -1,0 +1,44 @@
+"""The router's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.hints = Counter(
+            "kvbroker_router_requests",
+            "Requests routed, by the registry's decision and consistency (DEGRADED when the "
+            "registry was unreachable).",
+            ["decision", "consistency"],
+            registry=self.registry,
+        )
+        self.prefill_seconds = Histogram(
+            "kvbroker_router_prefill_leg_seconds",
+            "Prefill leg time (request to P's response).",
+            buckets=_LEG_BUCKETS,
+            registry=self.registry,
+        )
+        self.decode_seconds = Histogram(
+            "kvbroker_router_decode_leg_seconds",
+            "Decode leg time (to the end of D's response).",
+            buckets=_LEG_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft_seconds = Histogram(
+            "kvbroker_router_ttft_seconds",
+            "Time to first token as the router sees it (first streamed byte, or the whole "
+            "response when not streaming).",
+            buckets=_LEG_BUCKETS,
+            registry=self.registry,
+        )
+        self.overhead_seconds = Histogram(
+            "kvbroker_router_overhead_seconds",
+            "Router time before the prefill leg starts (parsing and the routing hint).",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+            registry=self.registry,
+        )
