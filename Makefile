@@ -40,8 +40,10 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy .
 
+# Fast tests in parallel, then the end-to-end tests (real vLLM engines) on their own.
 test: install
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e"
+	$(BIN)/python -m pytest -q -m e2e
 
 test-fast: install
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e"

@@ -184,7 +184,7 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if request.kv_transfer_params:
+        if request.request_id in self._sched._reqs_in_batch:
             self._tracked.add(request.request_id)
 
     def request_finished(

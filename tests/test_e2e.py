@@ -1,0 +1,273 @@
+"""End to end on real parts: registry, two sidecars, a prefill and a decode vLLM CPU server
+with kvbroker's connector, real NIXL reads, and the router in front.
+
+One stack serves the whole module (starting it takes about a minute on 2 cores). The proof
+that P read from D is P's own NIXL telemetry (only a D->P read is initiated by P).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_ext.testmodel import corpus
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.handles import prefill_params
+from kvbroker.stack import Stack, StackConfig
+from kvbroker.v1 import lease_pb2, registry_pb2
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+MODEL = "kvbroker-tiny-qwen3"
+LINES = corpus(lines=400, seed=7)
+
+
+def user_message(turn: int, lines: int = 14) -> str:
+    return " ".join(LINES[(turn * lines) % len(LINES) :][:lines])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    workdir: Path = tmp_path_factory.mktemp("stack")
+    running = Stack(
+        StackConfig(
+            workdir=workdir,
+            registry_flags=("--revoke-grace", "0.5", "--claim-timeout", "5"),
+        )
+    )
+    try:
+        await running.start()
+        yield running
+    finally:
+        await running.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        yield client
+
+
+async def metric(client: httpx.AsyncClient, base_url: str, name: str) -> float:
+    """Sum of a metric's samples on one vLLM server."""
+    text = (await client.get(f"{base_url}/metrics")).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                total += sample.value
+    return total
+
+
+async def reads_by_prefill(stack: Stack, client: httpx.AsyncClient) -> float:
+    return await metric(client, stack.url(stack.prefill), "vllm:nixl_xfer_time_seconds_count")
+
+
+async def chat(
+    stack: Stack,
+    client: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    session: str | None,
+    stream: bool = False,
+    max_tokens: int = 12,
+) -> tuple[str, httpx.Headers]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if session is not None:
+        body["session_id"] = session
+    if not stream:
+        response = await client.post(f"{stack.router_url}/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"], response.headers
+    body["stream"] = True
+    parts: list[str] = []
+    async with client.stream(
+        "POST", f"{stack.router_url}/v1/chat/completions", json=body
+    ) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                import json
+
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                delta = event["choices"][0]["delta"]
+                parts.append(delta.get("content") or "")
+        return "".join(parts), response.headers
+
+
+async def conversation(
+    stack: Stack, client: httpx.AsyncClient, session: str | None, turns: int, stream: bool = False
+) -> tuple[list[str], list[float]]:
+    """A growing conversation; returns each answer and P's read count after each turn."""
+    messages = [{"role": "system", "content": user_message(99, lines=10)}]
+    answers, reads = [], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": user_message(turn)})
+        answer, _ = await chat(stack, client, messages, session, stream=stream)
+        messages.append({"role": "assistant", "content": answer})
+        answers.append(answer)
+        reads.append(await reads_by_prefill(stack, client))
+        await asyncio.sleep(0.3)  # let D's retention report reach the registry
+    return answers, reads
+
+
+async def current_lease(stack: Stack, session: str) -> lease_pb2.Lease:
+    async with open_channel(RegistryEndpoint.parse(stack.registry_address)) as channel:
+        conversation = (
+            await registry_stub(channel).GetConversation(
+                registry_pb2.GetConversationRequest(conversation_id=session), timeout=5
+            )
+        ).conversation
+        response = await registry_stub(channel).GetLease(
+            registry_pb2.GetLeaseRequest(lease_id=conversation.lease_id), timeout=5
+        )
+        return response.lease  # type: ignore[no-any-return]
+
+
+async def test_prefill_reads_history_from_decode_and_outputs_match(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    start = await reads_by_prefill(stack, http)
+    with_reuse, reads = await conversation(stack, http, "conv-e2e", turns=4)
+    # Turn 1 has nothing to read; every later turn reads the history from D.
+    assert reads[0] == start
+    assert [b - a for a, b in zip([start, *reads], reads, strict=False)][1:] == [1, 1, 1]
+    bytes_read = await metric(http, stack.url(stack.prefill), "vllm:nixl_bytes_transferred_sum")
+    assert bytes_read > 0
+
+    before_plain = await reads_by_prefill(stack, http)
+    without_reuse, plain_reads = await conversation(stack, http, None, turns=4)
+    assert plain_reads[-1] == before_plain  # reuse off: no read at all
+    assert with_reuse == without_reuse
+
+
+async def test_streaming_turns_are_retained_and_reused(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    start = await reads_by_prefill(stack, http)
+    streamed, reads = await conversation(stack, http, "conv-stream", turns=3, stream=True)
+    assert reads[-1] - start == 2  # turns 2 and 3 read from D
+    plain, _ = await conversation(stack, http, None, turns=3)
+    assert streamed == plain
+
+
+async def test_stripped_reasoning_gets_partial_reuse_and_same_output(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    system = {"role": "system", "content": user_message(50, lines=20)}
+    first = [system, {"role": "user", "content": user_message(51)}]
+    answer, _ = await chat(stack, http, first, "conv-strip", max_tokens=24)
+    await asyncio.sleep(0.3)
+    held = await current_lease(stack, "conv-strip")
+    # The client drops the first half of the answer (as clients drop reasoning traces).
+    edited = [*first, {"role": "assistant", "content": answer[len(answer) // 2 :]},
+              {"role": "user", "content": user_message(52)}]  # fmt: skip
+    bytes_before = await metric(http, stack.url(stack.prefill), "vllm:nixl_bytes_transferred_sum")
+    reused, headers = await chat(stack, http, edited, "conv-strip")
+    assert headers["x-kvbroker-decision"] == "REUSE"
+    bytes_read = (
+        await metric(http, stack.url(stack.prefill), "vllm:nixl_bytes_transferred_sum")
+        - bytes_before
+    )
+    full_bytes = sum(len(g.block_ids) for g in held.handle.remote_block_groups) * (
+        await _bytes_per_block(stack)
+    )
+    # Only the verified prefix (system prompt and first question) may be read, never all.
+    assert bytes_read < full_bytes
+    plain, _ = await chat(stack, http, edited, None)
+    assert reused == plain
+
+
+async def _bytes_per_block(stack: Stack) -> int:
+    async with open_channel(RegistryEndpoint.parse(stack.registry_address)) as channel:
+        node = (
+            await registry_stub(channel).GetNode(
+                registry_pb2.GetNodeRequest(node_id="decode-0"), timeout=5
+            )
+        ).node
+    return int(node.spec.bytes_per_block)
+
+
+async def kv_usage(stack: Stack, client: httpx.AsyncClient) -> float:
+    return await metric(client, stack.url(stack.decode), "vllm:kv_cache_usage_perc")
+
+
+async def test_closing_a_session_frees_decode_blocks_within_seconds(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    baseline = await kv_usage(stack, http)  # other tests' conversations are still retained
+    messages = [{"role": "user", "content": user_message(70, lines=40)}]
+    await chat(stack, http, messages, "conv-close")
+    await asyncio.sleep(0.5)
+    assert await kv_usage(stack, http) > baseline  # D retains the turn
+    closed = await http.delete(f"{stack.router_url}/v1/sessions/conv-close")
+    assert closed.status_code == 200 and closed.json()["state"] == "REVOKED"
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while await kv_usage(stack, http) > baseline:
+        assert loop.time() - started < 5.0, "blocks still held 5 s after the close"
+        await asyncio.sleep(0.1)
+
+
+async def test_stale_handles_are_declined_and_the_turn_recomputes(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    messages = [{"role": "user", "content": user_message(80, lines=30)}]
+    first_answer, _ = await chat(stack, http, messages, "conv-stale")
+    await asyncio.sleep(0.3)
+    turn1 = await current_lease(stack, "conv-stale")
+    messages += [{"role": "assistant", "content": first_answer},
+                 {"role": "user", "content": user_message(81)}]  # fmt: skip
+    await chat(stack, http, messages, "conv-stale")
+    await asyncio.sleep(0.3)
+    turn2 = await current_lease(stack, "conv-stale")
+    assert turn2.epoch == turn1.epoch + 1
+
+    messages += [{"role": "user", "content": user_message(82)}]
+    stale_epoch = lease_pb2.Lease()
+    stale_epoch.CopyFrom(turn2)
+    stale_epoch.epoch = turn1.epoch
+    for handle in (turn1, stale_epoch):  # a superseded lease; a live lease at an old epoch
+        reads = await reads_by_prefill(stack, http)
+        body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": prefill_params(handle)}  # fmt: skip
+        response = await http.post(f"{stack.url(stack.prefill)}/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert await reads_by_prefill(stack, http) == reads  # declined: nothing read
+        plain = {**body, "kv_transfer_params": prefill_params(None)}
+        recomputed = await http.post(f"{stack.url(stack.prefill)}/v1/chat/completions", json=plain)
+        assert (
+            response.json()["choices"][0]["message"]["content"]
+            == recomputed.json()["choices"][0]["message"]["content"]
+        )
+
+
+async def test_params_without_transfer_flags_do_not_leak_blocks(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    baseline = await kv_usage(stack, http)
+    body = {"model": MODEL, "prompt": user_message(90, lines=30), "max_tokens": 4,
+            "temperature": 0, "kv_transfer_params": {"note": "neither flag"}}  # fmt: skip
+    response = await http.post(f"{stack.url(stack.decode)}/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    for _ in range(50):
+        if await kv_usage(stack, http) <= baseline:
+            break
+        await asyncio.sleep(0.1)
+    assert await kv_usage(stack, http) <= baseline
