@@ -137,7 +137,7 @@ async def current_lease(stack: Stack, session: str) -> lease_pb2.Lease:
         response = await registry_stub(channel).GetLease(
             registry_pb2.GetLeaseRequest(lease_id=conversation.lease_id), timeout=5
         )
-        return response.lease  # type: ignore[no-any-return]
+        return response.lease
 
 
 async def test_prefill_reads_history_from_decode_and_outputs_match(
