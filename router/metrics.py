@@ -36,6 +36,11 @@ class RouterMetrics:
             buckets=_LEG_BUCKETS,
             registry=self.registry,
         )
+        self.prefill_failovers = Counter(
+            "kvbroker_router_prefill_failovers",
+            "Prefill legs retried on another prefill node because the chosen one was unreachable.",
+            registry=self.registry,
+        )
         self.overhead_seconds = Histogram(
             "kvbroker_router_overhead_seconds",
             "Router time before the prefill leg starts (parsing and the routing hint).",

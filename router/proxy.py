@@ -289,6 +289,7 @@ class Handlers:
             if fallback is None:
                 raise
             log.warning("prefill_node_failed", node=plan.prefill.node_id, retry=fallback.node_id)
+            self.metrics.prefill_failovers.inc()
             return fallback, await self.router.prefill(fallback.http_base_url + path, body, None)
 
     async def models(self, request: Request) -> Response:

@@ -8,6 +8,8 @@ that P read from D is P's own NIXL telemetry (only a D->P read is initiated by P
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_ext.testmodel import corpus
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import prefill_params
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import KVBROKER, Stack, StackConfig, free_port
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 pytestmark = [
@@ -81,7 +83,9 @@ async def chat(
     session: str | None,
     stream: bool = False,
     max_tokens: int = 12,
+    router_url: str | None = None,
 ) -> tuple[str, httpx.Headers]:
+    router_url = router_url or stack.router_url
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
@@ -91,14 +95,12 @@ async def chat(
     if session is not None:
         body["session_id"] = session
     if not stream:
-        response = await client.post(f"{stack.router_url}/v1/chat/completions", json=body)
+        response = await client.post(f"{router_url}/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["message"]["content"], response.headers
     body["stream"] = True
     parts: list[str] = []
-    async with client.stream(
-        "POST", f"{stack.router_url}/v1/chat/completions", json=body
-    ) as response:
+    async with client.stream("POST", f"{router_url}/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -155,6 +157,38 @@ async def test_prefill_reads_history_from_decode_and_outputs_match(
     without_reuse, plain_reads = await conversation(stack, http, None, turns=4)
     assert plain_reads[-1] == before_plain  # reuse off: no read at all
     assert with_reuse == without_reuse
+
+
+async def test_two_router_replicas_serve_alternate_turns_with_reuse(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    port = free_port()
+    replica = await asyncio.create_subprocess_exec(
+        KVBROKER, "router", "run", "--registry", stack.registry_address,
+        "--listen", f"127.0.0.1:{port}", "--log-format", "json",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    second = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(f"{second}/health")).status_code == 200:
+                    break
+            await asyncio.sleep(0.1)
+        messages = [{"role": "system", "content": user_message(60, lines=10)}]
+        reads = [await reads_by_prefill(stack, http)]
+        for turn in range(4):
+            messages.append({"role": "user", "content": user_message(61 + turn)})
+            router = (stack.router_url, second)[turn % 2]
+            answer, headers = await chat(stack, http, messages, "conv-replicas", router_url=router)
+            assert headers["x-kvbroker-decision"] == ("MISS" if turn == 0 else "REUSE")
+            messages.append({"role": "assistant", "content": answer})
+            reads.append(await reads_by_prefill(stack, http))
+            await asyncio.sleep(0.3)
+        assert [b - a for a, b in itertools.pairwise(reads)] == [0, 1, 1, 1]
+    finally:
+        replica.terminate()
+        await replica.wait()
 
 
 async def test_streaming_turns_are_retained_and_reused(

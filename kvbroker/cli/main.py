@@ -314,6 +314,84 @@ def up(
         fail(str(error))
 
 
+def _run_with_stack(
+    reuse: bool, model: Path | None, workdir: Path, body: Callable[[Any, Console], Awaitable[None]]
+) -> None:
+    """Starts the stack, runs ``body(stack, console)``, and always stops the stack."""
+    from kvbroker.stack import Stack, StackConfig
+
+    async def run() -> None:
+        console = Console()
+        stack = Stack(
+            StackConfig(workdir=workdir, model_dir=model, reuse=reuse),
+            progress=lambda message: console.print(f"[dim]·[/] {message}"),
+        )
+        try:
+            with console.status("starting the stack"):
+                await stack.start()
+            console.print(f"[dim]·[/] stack ready: router {stack.router_url}")
+            await body(stack, console)
+        finally:
+            console.print("[dim]·[/] stopping the stack")
+            await stack.stop()
+
+    try:
+        asyncio.run(run())
+    except (RuntimeError, TimeoutError) as error:
+        fail(str(error))
+
+
+@app.command("demo")
+def demo(
+    model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-demo"),
+) -> None:
+    """Start the stack and run a scripted agent session with reuse and without."""
+    from kvbroker.demo import run_demo
+
+    _run_with_stack(True, model, workdir, run_demo)
+
+
+bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("multiturn")
+def bench_multiturn(
+    output: Annotated[Path, typer.Option(help="Where records and charts go.")] = Path(
+        "results/multiturn"
+    ),
+    lengths: Annotated[
+        str, typer.Option(help="Prompt lengths the conversations grow through.")
+    ] = "512,1024,2048,4096,6144",
+    conversations: Annotated[int, typer.Option(min=1, help="Conversations per mode.")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 32,
+    model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-bench"),
+) -> None:
+    """TTFT vs prompt length with reuse ON and OFF in the same run: JSON, charts, a table."""
+    try:
+        targets = [int(n) for n in lengths.split(",")]
+    except ValueError:
+        fail(f"--lengths {lengths!r} is not a comma-separated list of token counts", 2)
+    from kvbroker.bench.multiturn import plot, print_table, run_sweep, summarise, write_records
+
+    async def body(stack: Any, console: Console) -> None:
+        records = await run_sweep(stack, output, targets, conversations, max_tokens, console)
+        write_records(records, output)
+        rows = summarise(records)
+        print_table(rows, console)
+        (output / "summary.json").write_text(
+            json.dumps({"model_dir": str(stack.model_dir), "rows": rows}, indent=2)
+        )
+        charts = plot(rows, output, f"TTFT vs prompt length ({stack.config.served_model}, CPU)")
+        console.print(
+            f"records, summary and charts in {output}: {', '.join(c.name for c in charts)}"
+        )
+
+    _run_with_stack(True, model, workdir, body)
+
+
 # ---------------------------------------------------------------------- router
 
 

@@ -1,0 +1,113 @@
+"""One measured chat turn through the router, as a client sees it.
+
+TTFT is measured on the client (first streamed content); P's prefill leg comes from the
+router's ``x-kvbroker-prefill-ms`` header; the KV read from D comes from the prefill server's
+NIXL telemetry (only D->P reads are initiated by P, so every delta there is reuse).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+NIXL_METRICS = {
+    "reads": "vllm:nixl_xfer_time_seconds_count",
+    "read_seconds": "vllm:nixl_xfer_time_seconds_sum",
+    "read_bytes": "vllm:nixl_bytes_transferred_sum",
+}
+
+
+@dataclass
+class TurnRecord:
+    conversation_id: str
+    turn: int
+    reuse: bool
+    target_tokens: int
+    input_num_tokens: int
+    output_num_tokens: int
+    ttft_ms: float
+    e2e_ms: float
+    prefill_leg_ms: float
+    kv_read_ms: float
+    kv_read_bytes: float
+    kv_reads: int
+    decision: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def nixl_counters(client: httpx.AsyncClient, prefill_url: str) -> dict[str, float]:
+    text = (await client.get(f"{prefill_url}/metrics")).text
+    totals = dict.fromkeys(NIXL_METRICS, 0.0)
+    wanted = {name: key for key, name in NIXL_METRICS.items()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                totals[wanted[sample.name]] += sample.value
+    return totals
+
+
+async def measured_turn(
+    client: httpx.AsyncClient,
+    router_url: str,
+    prefill_url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    session: str | None,
+    max_tokens: int,
+) -> tuple[str, dict[str, Any]]:
+    """Streams one chat completion; returns the answer and its measurements."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if session is not None:
+        body["session_id"] = session
+    before = await nixl_counters(client, prefill_url)
+    started = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    usage: dict[str, int] = {}
+    async with client.stream("POST", f"{router_url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"router answered {response.status_code}: {await response.aread()!r}"
+            )
+        headers = response.headers
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream failed: {event['error']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+                    parts.append(content)
+    done = time.perf_counter()
+    after = await nixl_counters(client, prefill_url)
+    return "".join(parts), {
+        "input_num_tokens": int(usage.get("prompt_tokens", 0)),
+        "output_num_tokens": int(usage.get("completion_tokens", 0)),
+        "ttft_ms": 1000 * (ttft if ttft is not None else done - started),
+        "e2e_ms": 1000 * (done - started),
+        "prefill_leg_ms": float(headers.get("x-kvbroker-prefill-ms", "nan")),
+        "kv_read_ms": 1000 * (after["read_seconds"] - before["read_seconds"]),
+        "kv_read_bytes": after["read_bytes"] - before["read_bytes"],
+        "kv_reads": int(after["reads"] - before["reads"]),
+        "decision": headers.get("x-kvbroker-decision", "?"),
+    }
