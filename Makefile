@@ -49,10 +49,10 @@ test-fast: install
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e"
 
 demo: install
-	$(BIN)/python scripts/registry_demo.py
+	$(BIN)/kvbroker demo
 
 bench: install
-	@echo "no benchmark yet: the multi-turn and registry benchmarks are issues #6 and #8" >&2; exit 1
+	$(BIN)/kvbroker bench multiturn --output results/multiturn
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache

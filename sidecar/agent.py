@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.clock import from_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from sidecar.metrics import SidecarMetrics
@@ -224,20 +225,10 @@ class Agent:
         self._stub = stub
         self.connected.set()
         log.info("registry_session", node=self.config.node_id, incarnation=self.incarnation)
-        tasks = [
-            asyncio.create_task(self._heartbeats(stub)),
-            asyncio.create_task(self._forward(stub)),
-            asyncio.create_task(self._watch(stub)),
-        ]
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                task.result()
+            await until_first_exits(self._heartbeats(stub), self._forward(stub), self._watch(stub))
         finally:
             self._stub = None
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _next_sequence(self) -> int:
         self._sequence += 1

@@ -20,6 +20,7 @@ from kvbroker.bench.turns import TurnRecord, measured_turn
 from kvbroker.stack import Stack
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 6144)
+FOLLOW_UP_TOKENS = 16
 
 
 class ContextBuilder:
@@ -61,7 +62,7 @@ async def run_sweep(
 ) -> list[TurnRecord]:
     console = console or Console()
     records: list[TurnRecord] = []
-    total = conversations * 2 * len(lengths)
+    total = conversations * 2 * len(lengths)  # progress counts lengths reached
     async with httpx.AsyncClient(timeout=600) as client:
         with Progress(console=console) as progress:
             task = progress.add_task("multi-turn sweep", total=total)
@@ -94,46 +95,52 @@ async def _conversation(
     lengths: Sequence[int],
     max_tokens: int,
 ) -> list[TurnRecord]:
+    """Grows one conversation through ``lengths``. At each length, a *grow* turn brings the
+    context near the length (tool output, documents), then a *follow-up* turn adds one short
+    question: the follow-up is the measured point, as in the seed's sweep."""
     builder = ContextBuilder(seed)  # same seed ON and OFF: the same conversation
     messages: list[dict[str, str]] = []
     records = []
     context_tokens = 0
-    for turn, target in enumerate(lengths, start=1):
-        grow = max(target - context_tokens - max_tokens, 16)
-        content = builder.text(grow)
-        role = "system" if turn == 1 else "user"
-        messages.append({"role": role, "content": content})
-        if turn == 1:
-            messages.append({"role": "user", "content": "Summarise the notes above."})
-        answer, measured = await measured_turn(
-            client,
-            stack.router_url,
-            stack.url(stack.prefill),
-            stack.config.served_model,
-            messages,
-            conversation_id if reuse else None,
-            max_tokens,
-        )
-        messages.append({"role": "assistant", "content": answer})
-        builder.learn(sum(len(m["content"]) for m in messages[:-1]), measured["input_num_tokens"])
-        context_tokens = measured["input_num_tokens"] + measured["output_num_tokens"]
-        records.append(
-            TurnRecord(
-                conversation_id=conversation_id,
-                turn=turn,
-                reuse=reuse,
-                target_tokens=target,
-                **measured,
+    turn = 0
+    for target in lengths:
+        grow = max(target - context_tokens - 2 * max_tokens - FOLLOW_UP_TOKENS, 16)
+        for kind, content in (("grow", builder.text(grow)), ("follow-up", builder.text(16))):
+            turn += 1
+            messages.append({"role": "user", "content": content})
+            answer, measured = await measured_turn(
+                client,
+                stack.router_url,
+                stack.url(stack.prefill),
+                stack.config.served_model,
+                messages,
+                conversation_id if reuse else None,
+                max_tokens,
             )
-        )
+            messages.append({"role": "assistant", "content": answer})
+            builder.learn(
+                sum(len(m["content"]) for m in messages[:-1]), measured["input_num_tokens"]
+            )
+            context_tokens = measured["input_num_tokens"] + measured["output_num_tokens"]
+            records.append(
+                TurnRecord(
+                    conversation_id=conversation_id,
+                    turn=turn,
+                    kind=kind,
+                    reuse=reuse,
+                    target_tokens=target,
+                    **measured,
+                )
+            )
     return records
 
 
 def summarise(records: Sequence[TurnRecord]) -> list[dict[str, float]]:
-    """Median figures per prompt length, ON and OFF side by side."""
+    """Median figures of the follow-up turns per prompt length, ON and OFF side by side."""
     groups: dict[tuple[int, bool], list[TurnRecord]] = defaultdict(list)
     for record in records:
-        groups[(record.target_tokens, record.reuse)].append(record)
+        if record.kind == "follow-up":
+            groups[(record.target_tokens, record.reuse)].append(record)
     rows = []
     for length in sorted({r.target_tokens for r in records}):
         on, off = groups[(length, True)], groups[(length, False)]

@@ -26,6 +26,8 @@ NIXL_METRICS = {
 class TurnRecord:
     conversation_id: str
     turn: int
+    # "grow" (adds bulk context) or "follow-up" (a short question: the measured point).
+    kind: str
     reuse: bool
     target_tokens: int
     input_num_tokens: int
@@ -92,12 +94,12 @@ async def measured_turn(
                 raise RuntimeError(f"stream failed: {event['error']}")
             if event.get("usage"):
                 usage = event["usage"]
-            for choice in event.get("choices", []):
-                content = choice.get("delta", {}).get("content")
-                if content:
-                    if ttft is None:
-                        ttft = time.perf_counter() - started
-                    parts.append(content)
+            choices = event.get("choices") or []
+            if choices and ttft is None:
+                # vLLM sends its first chunk with the first generated token.
+                ttft = time.perf_counter() - started
+            for choice in choices:
+                parts.append(choice.get("delta", {}).get("content") or "")
     done = time.perf_counter()
     after = await nixl_counters(client, prefill_url)
     return "".join(parts), {

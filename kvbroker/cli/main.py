@@ -79,9 +79,27 @@ TimeoutOpt = Annotated[
     float,
     typer.Option("--timeout", envvar="KVBROKER_TIMEOUT", help="Deadline per call, seconds."),
 ]
+TargetArg = Annotated[
+    str, typer.Argument(help="Lease id (or conversation id with --conversation).")
+]
+ConversationFlag = Annotated[
+    bool, typer.Option("--conversation", help="TARGET is a conversation id.")
+]
+LogLevelOpt = Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")]
+LogFormatOpt = Annotated[
+    str, typer.Option(envvar="KVBROKER_LOG_FORMAT", help="auto, json or console.")
+]
 DEFAULT_REGISTRY = "127.0.0.1:7070"
 
 T = TypeVar("T")
+
+
+def _configure_logging(level: str, fmt: str) -> None:
+    if fmt not in ("auto", "json", "console"):
+        fail("--log-format is auto, json or console", 2)
+    if level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        fail("--log-level is debug, info, warning, error or critical", 2)
+    configure_logging(level, cast(LogFormat, fmt))
 
 
 def _call(
@@ -146,14 +164,12 @@ def registry_serve(
         float,
         typer.Option(envvar="KVBROKER_SESSION_TTL", help="Silence before a node is DOWN."),
     ] = RegistryConfig.session_ttl_s,
-    log_level: Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")] = "info",
-    log_format: Annotated[str, typer.Option(envvar="KVBROKER_LOG_FORMAT")] = "auto",
+    log_level: LogLevelOpt = "info",
+    log_format: LogFormatOpt = "auto",
 ) -> None:
     """Serve the registry (in-memory store). Prints one JSON line with its addresses."""
     if (tls_cert is None) != (tls_key is None):
         fail("--tls-cert and --tls-key go together", 2)
-    if log_format not in ("auto", "json", "console"):
-        fail("--log-format is auto, json or console", 2)
     try:
         config = RegistryConfig(
             default_lease_ttl_s=lease_ttl,
@@ -168,8 +184,7 @@ def registry_serve(
     # Imported here so that the operator commands start fast.
     from controlplane.server import ServerOptions, TlsFiles, serve_forever
 
-    fmt: LogFormat = log_format  # type: ignore[assignment]
-    configure_logging(log_level, fmt)
+    _configure_logging(log_level, log_format)
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
     options = ServerOptions(listen, metrics_listen, token, tls, config)
     try:
@@ -226,14 +241,12 @@ def sidecar_run(
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
-    log_level: Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")] = "info",
-    log_format: Annotated[str, typer.Option(envvar="KVBROKER_LOG_FORMAT")] = "auto",
+    log_level: LogLevelOpt = "info",
+    log_format: LogFormatOpt = "auto",
 ) -> None:
     """Register this node, keep its session, and link its engine to the registry."""
     if not engine_url.startswith(("http://", "https://")):
         fail(f"--engine-url {engine_url!r} is not an http(s) URL", 2)
-    if log_format not in ("auto", "json", "console"):
-        fail("--log-format is auto, json or console", 2)
     try:
         endpoint = RegistryEndpoint.parse(registry, token, tls_ca)
     except ValueError as error:
@@ -243,8 +256,7 @@ def sidecar_run(
 
     node_id = node_id or f"{socket.gethostname()}-{role.value}"
     listen = listen or f"unix:/tmp/kvbroker-{node_id}.sock"
-    fmt: LogFormat = log_format  # type: ignore[assignment]
-    configure_logging(log_level, fmt)
+    _configure_logging(log_level, log_format)
     config = SidecarConfig(
         node_id=node_id,
         role=_NODE_ROLES[role],
@@ -407,15 +419,13 @@ def router_run(
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
-    log_level: Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")] = "info",
-    log_format: Annotated[str, typer.Option(envvar="KVBROKER_LOG_FORMAT")] = "auto",
+    log_level: LogLevelOpt = "info",
+    log_format: LogFormatOpt = "auto",
 ) -> None:
     """Serve /v1/chat/completions and /v1/completions, routing turns by the registry."""
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         fail(f"--listen {listen!r} is not HOST:PORT", 2)
-    if log_format not in ("auto", "json", "console"):
-        fail("--log-format is auto, json or console", 2)
     try:
         endpoint = RegistryEndpoint.parse(registry, token, tls_ca)
     except ValueError as error:
@@ -423,8 +433,7 @@ def router_run(
     from router.proxy import RouterConfig
     from router.server import serve as serve_router
 
-    fmt: LogFormat = log_format  # type: ignore[assignment]
-    configure_logging(log_level, fmt)
+    _configure_logging(log_level, log_format)
     serve_router(endpoint, host, int(port), RouterConfig(hint_timeout_s=hint_timeout))
 
 
@@ -558,12 +567,8 @@ def lease_show(
 
 @lease_app.command("renew")
 def lease_renew(
-    target: Annotated[
-        str, typer.Argument(help="Lease id (or conversation id with --conversation).")
-    ],
-    conversation: Annotated[
-        bool, typer.Option("--conversation", help="TARGET is a conversation id.")
-    ] = False,
+    target: TargetArg,
+    conversation: ConversationFlag = False,
     ttl: Annotated[
         float, typer.Option(min=0, help="New time to live, seconds (0: registry default).")
     ] = 0.0,
@@ -588,12 +593,8 @@ def lease_renew(
 
 @lease_app.command("revoke")
 def lease_revoke(
-    target: Annotated[
-        str, typer.Argument(help="Lease id (or conversation id with --conversation).")
-    ],
-    conversation: Annotated[
-        bool, typer.Option("--conversation", help="TARGET is a conversation id.")
-    ] = False,
+    target: TargetArg,
+    conversation: ConversationFlag = False,
     reason: Annotated[str, typer.Option(help="Recorded on the lease.")] = "revoked by operator",
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,

@@ -23,6 +23,7 @@ import grpc
 import structlog
 
 from kvbroker.common.clock import from_duration
+from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 log = structlog.get_logger("kvbroker.engine_link")
@@ -175,19 +176,10 @@ class EngineLink:
             watch = stub.WatchDeadlines(sidecar_pb2.WatchDeadlinesRequest())
             self.attached.set()
             # A failure of either ends the session; the next attach's snapshot repairs it.
-            tasks = [
-                asyncio.create_task(self._forward(stub)),
-                asyncio.create_task(self._receive(watch)),
-            ]
             try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()
+                await until_first_exits(self._forward(stub), self._receive(watch))
             finally:
                 self._stub = None
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _receive(self, watch: grpc.aio.UnaryStreamCall) -> None:
         async for item in watch:
