@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
@@ -127,3 +129,23 @@ async def test_serve_rejects_bad_flags() -> None:
     assert result.code == 2 and "--tls-cert and --tls-key go together" in result.stderr
     result = await run_cli("registry", "serve", "--heartbeat-interval", "5", "--session-ttl", "1")
     assert result.code == 2 and "heartbeat interval" in result.stderr
+
+
+async def test_tls_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """TLS end to end with a throwaway self-signed certificate for 127.0.0.1."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    openssl = await asyncio.create_subprocess_exec(
+        "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+        "-keyout", str(key), "-out", str(cert),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert await openssl.wait() == 0
+    secured = await spawn_registry("--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        trusted = await run_cli("node", "ls", "--registry", secured.address, "--tls-ca", str(cert))
+        assert trusted.code == 0, trusted.stderr
+        plain = await run_cli("node", "ls", "--registry", secured.address, "--timeout", "1")
+        assert plain.code == 3  # a plaintext client cannot talk to a TLS registry
+    finally:
+        await secured.stop()

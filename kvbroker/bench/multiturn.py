@@ -219,6 +219,15 @@ def plot(rows: Sequence[dict[str, float]], output: Path, title: str) -> list[Pat
            color="#4c72b0")  # fmt: skip
     ax.bar([p + width / 2 for p in positions], on_read, width, bottom=on_compute,
            label="ON: KV transfer from D", color="#55a868")  # fmt: skip
+    for position, off, compute, read in zip(positions, off_total, on_compute, on_read, strict=True):
+        ax.annotate(f"{off:.0f}", (position - width / 2, off), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{compute + read:.0f}\n(KV {read:.0f})",
+            (position + width / 2, compute + read),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(list(positions), [str(n) for n in lengths])
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("prefill leg, median (ms)")
