@@ -248,6 +248,7 @@ class Stack:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(entry.process.pid, signal.SIGKILL)
                 await entry.process.wait()
+            await _reap_group(entry.process.pid)
         self.processes.clear()
 
     def describe(self) -> dict[str, object]:
@@ -261,3 +262,18 @@ class Stack:
             "reuse": self.config.reuse,
             "logs": str(self.config.workdir),
         }
+
+
+async def _reap_group(group: int, grace_s: float = 10.0) -> None:
+    """Waits until every process of a group is gone (vLLM's engine core outlives its API
+    server for a moment), killing what is left after the grace."""
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while True:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        await asyncio.sleep(0.1)

@@ -90,6 +90,8 @@ class Heartbeats:
     ) -> None:
         self._stub = stub
         self._specs = list(specs)
+        # What every beat reports; tests change it to steer the least-loaded choice.
+        self.load = node_pb2.NodeLoad()
         self._task: asyncio.Task[None] | None = None
 
     async def _beat(self) -> None:
@@ -97,7 +99,10 @@ class Heartbeats:
             for spec in self._specs:
                 await self._stub.Heartbeat(
                     registry_pb2.HeartbeatRequest(
-                        node_id=spec.node_id, incarnation=spec.incarnation, engine_ready=True
+                        node_id=spec.node_id,
+                        incarnation=spec.incarnation,
+                        engine_ready=True,
+                        load=self.load,
                     ),
                     timeout=5,
                 )

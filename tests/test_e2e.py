@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -104,8 +106,6 @@ async def chat(
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                import json
-
                 event = json.loads(line[6:])
                 assert "error" not in event, event
                 delta = event["choices"][0]["delta"]
@@ -305,3 +305,37 @@ async def test_params_without_transfer_flags_do_not_leak_blocks(
             break
         await asyncio.sleep(0.1)
     assert await kv_usage(stack, http) <= baseline
+
+
+def _processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every process."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                found.append((int(entry.name), int(fields[1]), int(fields[2])))
+    return found
+
+
+async def test_up_prints_its_addresses_and_stops_everything(tmp_path: Path) -> None:
+    """`kvbroker up` as a user runs it: ready line, a working router, SIGTERM, nothing left."""
+    process = await asyncio.create_subprocess_exec(
+        KVBROKER, "up", "--workdir", str(tmp_path / "up"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert process.stdout is not None
+    try:
+        line = await asyncio.wait_for(process.stdout.readline(), 600)
+        ready = json.loads(line)
+        async with httpx.AsyncClient(timeout=60) as client:
+            models = (await client.get(f"{ready['router']}/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        # Each part runs in its own process group, led by a child of `kvbroker up`.
+        groups = {pid for pid, parent, _ in _processes() if parent == process.pid}
+        assert len(groups) == 6  # registry, 2 sidecars, 2 vLLM servers, router
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 60) == 0
+    assert [pid for pid, _, group in _processes() if group in groups] == []

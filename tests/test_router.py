@@ -30,6 +30,7 @@ class Fleet:
     decode_spec: node_pb2.NodeSpec
     router_url: str
     router: Router
+    heartbeats: Heartbeats
 
 
 @pytest.fixture
@@ -49,15 +50,16 @@ async def fleet(
         RegistryEndpoint.parse(registry_server.address), RouterConfig(node_refresh_s=0.1)
     )
     port = free_port()
+    heartbeats = Heartbeats(stub, *specs)
     async with (
-        Heartbeats(stub, *specs),
+        heartbeats,
         serving(prefills[0].app(), prefills[0].port),
         serving(prefills[1].app(), prefills[1].port),
         serving(decode.app(), decode.port),
         serving(build_app(router), port),
     ):
         await asyncio.sleep(0.3)  # the router's first node refresh
-        yield Fleet(prefills, decode, specs[2], f"http://127.0.0.1:{port}", router)
+        yield Fleet(prefills, decode, specs[2], f"http://127.0.0.1:{port}", router, heartbeats)
 
 
 async def test_two_legs_with_session_and_handle(fleet: Fleet, stub: RegistryServiceStub) -> None:
@@ -124,17 +126,19 @@ async def test_upstream_client_errors_pass_through(fleet: Fleet) -> None:
 async def test_a_dead_prefill_node_is_routed_around(
     fleet: Fleet, stub: RegistryServiceStub
 ) -> None:
-    # A prefill node whose server is gone while its sidecar still heartbeats (not yet noticed).
+    # A prefill node whose server is gone while its sidecar still heartbeats (not yet noticed);
+    # the live nodes report a queue, so every hint picks the dead one first.
+    fleet.heartbeats.load = node_pb2.NodeLoad(running_requests=50)
     dead = node_spec("prefill-dead", node_pb2.NODE_ROLE_PREFILL, port=free_port())
     dead.http_base_url = f"http://127.0.0.1:{dead.side_channel_port}"
     async with Heartbeats(stub, dead), httpx.AsyncClient() as client:
         await asyncio.sleep(0.3)
-        for _ in range(6):  # hints rotate over the three prefill nodes
+        for _ in range(4):
             response = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
             assert response.status_code == 200
         metrics = (await client.get(f"{fleet.router_url}/metrics")).text
-    assert sum(len(p.received) for p in fleet.prefills) == 6
-    assert "kvbroker_router_prefill_failovers_total 2.0" in metrics
+    assert sum(len(p.received) for p in fleet.prefills) == 4
+    assert "kvbroker_router_prefill_failovers_total 4.0" in metrics
 
 
 async def test_no_prefill_node_is_a_clear_503(
