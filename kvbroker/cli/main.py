@@ -404,6 +404,23 @@ def bench_multiturn(
     _run_with_stack(True, model, workdir, body)
 
 
+@bench_app.command("retention")
+def bench_retention(
+    output: Annotated[Path, typer.Option(help="Where the table's JSON and the plot go.")] = Path(
+        "results/retention"
+    ),
+    conversations: Annotated[int, typer.Option(min=1, help="Conversations in the trace.")] = 5000,
+    fixed_ttl: Annotated[float, typer.Option(min=1, help="The fixed TTL to compare, s.")] = 480,
+    seed: Annotated[int, typer.Option(help="Trace seed.")] = 0,
+) -> None:
+    """Simulate decode retention on an agentic trace: fixed TTL vs kvbroker idle leases."""
+    from kvbroker.bench.retention import TraceConfig, report, simulate
+
+    config = TraceConfig(conversations=conversations, seed=seed)
+    baseline, sweep = simulate(config, fixed_ttl)
+    report(baseline, sweep, output, Console())
+
+
 # ---------------------------------------------------------------------- router
 
 
