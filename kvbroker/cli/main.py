@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar, cast
 import grpc
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from controlplane.config import RegistryConfig
 from kvbroker.cli.output import (
@@ -419,6 +420,55 @@ def bench_retention(
     config = TraceConfig(conversations=conversations, seed=seed)
     baseline, sweep = simulate(config, fixed_ttl)
     report(baseline, sweep, output, Console())
+
+
+@bench_app.command("registry")
+def bench_registry(
+    output: Annotated[Path, typer.Option(help="Where the JSON and the plot go.")] = Path(
+        "results/registry"
+    ),
+    rates: Annotated[str, typer.Option(help="Offered turns per second.")] = "250,500,1000",
+    live_leases: Annotated[int, typer.Option(help="Live leases during the load.")] = 10_000,
+    memory_points: Annotated[
+        str, typer.Option(help="Live-lease counts at which RSS is read.")
+    ] = "100000,250000,500000,1000000",
+    restart_leases: Annotated[int, typer.Option(help="Leases replayed after restart.")] = 100_000,
+    seconds: Annotated[float, typer.Option(help="Seconds per load level.")] = 10.0,
+) -> None:
+    """Registry latency and throughput over gRPC, RSS per lease, and restart recovery."""
+    try:
+        rate_list = [float(r) for r in rates.split(",")]
+        points = [int(p) for p in memory_points.split(",")]
+    except ValueError:
+        fail("--rates and --memory-points are comma-separated numbers", 2)
+    from kvbroker.bench.registry_load import run_registry_bench, write
+
+    console = Console()
+    result = asyncio.run(
+        run_registry_bench(
+            rate_list, live_leases, points, restart_leases, seconds,
+            progress=lambda message: console.print(f"[dim]·[/] {message}"),
+        )
+    )  # fmt: skip
+    table = Table(title="registry under load", title_justify="left")
+    for column in ("rpc", "offered", "p50", "p99", "p999", "answered/s", "errors"):
+        table.add_column(column, justify="right")
+    for row in result["load"]:
+        table.add_row(
+            row["rpc"], f"{row['rate']:.0f}/s" if row["rate"] else "saturation",
+            f"{row['p50_ms']:.2f} ms", f"{row['p99_ms']:.2f} ms", f"{row['p999_ms']:.2f} ms",
+            f"{row['throughput']:,.0f}", str(row["errors"]),
+        )  # fmt: skip
+    console.print(table)
+    for point in result["memory"]:
+        console.print(f"RSS {point['rss_mib']:,.0f} MiB with {point['live_leases']:,} live leases")
+    restart = result["restart"]
+    console.print(
+        f"restart: {restart['recovered']:,} of {restart['leases']:,} leases back in "
+        f"{restart['recovery_s']:.2f} s (process start {restart['startup_s']:.2f} s)"
+    )
+    paths = write(result, output)
+    console.print(f"written: {', '.join(str(p) for p in paths)}")
 
 
 # ---------------------------------------------------------------------- router

@@ -1,0 +1,432 @@
+"""`kvbroker bench registry`: the registry under load, over real gRPC, from its own processes.
+
+Simulated sidecars (many nodes) and routers drive a registry served by `kvbroker registry
+serve` in its own process:
+
+1. populate: nodes register, then report retained blocks until the live-lease target;
+2. fixed rates: turns at given rates, each a routing hint (claim) plus the decode node's
+   retention report (a grant that supersedes the previous lease), and a renewal every fourth
+   turn; open loop, so a slow registry cannot slow the load down;
+3. saturation: hints from many concurrent callers as fast as they are answered;
+4. memory: the registry's RSS as live leases grow;
+5. restart: the registry is killed and started again, every node re-registers and replays
+   its leases; the time until all are back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.stack import KVBROKER, free_port
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+
+BLOCK_SIZE = 128  # vLLM's CPU default; a 4k-token conversation has 32 blocks
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    rpc: str
+    rate: float  # offered turns (or calls) per second; 0 for saturation
+    p50_ms: float
+    p99_ms: float
+    p999_ms: float
+    throughput: float  # answered per second
+    errors: int
+
+
+def _spec(index: int, role: node_pb2.NodeRole) -> node_pb2.NodeSpec:
+    name = "prefill" if role == node_pb2.NODE_ROLE_PREFILL else "decode"
+    return node_pb2.NodeSpec(
+        node_id=f"{name}-{index}",
+        role=role,
+        engine_id=f"engine-{name}-{index}",
+        side_channel_host="10.0.0.1",
+        side_channel_port=5600 + index,
+        http_base_url=f"http://10.0.0.1:{8000 + index}",
+        model="bench",
+        block_size=BLOCK_SIZE,
+        capacity_blocks=100_000,
+        bytes_per_block=1 << 20,
+        incarnation=uuid.uuid4().hex,
+    )
+
+
+def _retained(conversation: str, request_id: str, node: node_pb2.NodeSpec, blocks: int) -> Any:
+    return registry_pb2.RetainedBlocks(
+        conversation_id=conversation,
+        handle=lease_pb2.KvHandle(
+            remote_engine_id=node.engine_id,
+            remote_request_id=request_id,
+            remote_block_groups=[lease_pb2.BlockIdGroup(block_ids=range(blocks))],
+            remote_host=node.side_channel_host,
+            remote_port=node.side_channel_port,
+            remote_num_tokens=blocks * BLOCK_SIZE,
+            tp_size=1,
+        ),
+        block_hashes=[os.urandom(16) for _ in range(blocks)],
+        token_count=blocks * BLOCK_SIZE,
+    )
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+def _summarise(
+    rpc: str, rate: float, latencies: list[float], seconds: float, errors: int
+) -> LoadResult:
+    return LoadResult(
+        rpc=rpc,
+        rate=rate,
+        p50_ms=1000 * statistics.median(latencies) if latencies else float("nan"),
+        p99_ms=1000 * _percentile(latencies, 0.99),
+        p999_ms=1000 * _percentile(latencies, 0.999),
+        throughput=len(latencies) / seconds,
+        errors=errors,
+    )
+
+
+# ---------------------------------------------------------------- load worker processes
+
+
+def _fixed_rate_worker(
+    address: str,
+    decodes: list[bytes],
+    conversations: int,
+    rate: float,
+    seconds: float,
+    seed: int,
+    out: Any,
+) -> None:
+    out.put(asyncio.run(_fixed_rate(address, decodes, conversations, rate, seconds, seed)))
+
+
+async def _fixed_rate(
+    address: str, decodes: list[bytes], conversations: int, rate: float, seconds: float, seed: int
+) -> dict[str, Any]:
+    nodes = [node_pb2.NodeSpec.FromString(raw) for raw in decodes]
+    latencies: dict[str, list[float]] = {"GetRoutingHint": [], "ReportRetention": [],
+                                         "RenewLease": []}  # fmt: skip
+    errors = 0
+    sequence = [int(time.time() * 1e6) + seed * 10**12]
+
+    async def turn(stub: Any, index: int) -> None:
+        nonlocal errors
+        conversation = f"conv-{(index * 7919 + seed) % conversations}"
+        try:
+            started = time.perf_counter()
+            hint = (
+                await stub.GetRoutingHint(
+                    registry_pb2.GetRoutingHintRequest(conversation_id=conversation), timeout=5
+                )
+            ).hint
+            latencies["GetRoutingHint"].append(time.perf_counter() - started)
+            node = next((n for n in nodes if n.node_id == hint.decode.node_id), nodes[0])
+            sequence[0] += 1
+            event = registry_pb2.RetentionEvent(
+                sequence=sequence[0],
+                retained=_retained(conversation, uuid.uuid4().hex, node, 32),
+            )
+            started = time.perf_counter()
+            await stub.ReportRetention(
+                registry_pb2.ReportRetentionRequest(
+                    node_id=node.node_id, incarnation=node.incarnation, events=[event]
+                ),
+                timeout=5,
+            )
+            latencies["ReportRetention"].append(time.perf_counter() - started)
+            if index % 4 == 0:
+                started = time.perf_counter()
+                await stub.RenewLease(
+                    registry_pb2.RenewLeaseRequest(conversation_id=conversation), timeout=5
+                )
+                latencies["RenewLease"].append(time.perf_counter() - started)
+        except Exception:  # counted: any failure of a turn
+            errors += 1
+
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        tasks = []
+        start = time.perf_counter()
+        total = int(rate * seconds)
+        for index in range(total):
+            delay = start + index / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(turn(stub, index)))
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    return {"latencies": latencies, "errors": errors, "seconds": elapsed}
+
+
+def _saturation_worker(address: str, conversations: int, seconds: float, out: Any) -> None:
+    out.put(asyncio.run(_saturation(address, conversations, seconds)))
+
+
+async def _saturation(address: str, conversations: int, seconds: float) -> dict[str, Any]:
+    latencies: list[float] = []
+    errors = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def caller(stub: Any, offset: int) -> None:
+        nonlocal errors
+        index = offset
+        while time.perf_counter() < stop_at:
+            request = registry_pb2.GetRoutingHintRequest(
+                conversation_id=f"conv-{index % conversations}", dry_run=True
+            )
+            started = time.perf_counter()
+            try:
+                await stub.GetRoutingHint(request, timeout=5)
+                latencies.append(time.perf_counter() - started)
+            except Exception:
+                errors += 1
+            index += 97
+
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        start = time.perf_counter()
+        await asyncio.gather(*(caller(stub, i) for i in range(64)))
+        elapsed = time.perf_counter() - start
+    return {"latencies": latencies, "errors": errors, "seconds": elapsed}
+
+
+def _run_workers(target: Any, args_per_worker: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    workers = [context.Process(target=target, args=(*args, out)) for args in args_per_worker]
+    for worker in workers:
+        worker.start()
+    results = [out.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    return results
+
+
+# ---------------------------------------------------------------- the registry process
+
+
+class RegistryProcess:
+    def __init__(self, port: int) -> None:
+        self.address = f"127.0.0.1:{port}"
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> float:
+        """Starts it; returns the seconds until it answered its first call."""
+        started = time.perf_counter()
+        self.process = await asyncio.create_subprocess_exec(
+            KVBROKER, "registry", "serve", "--listen", self.address, "--log-level", "warning",
+            "--session-ttl", "3600", "--heartbeat-interval", "60",
+            "--lease-ttl", "3600",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        assert self.process.stdout is not None
+        await self.process.stdout.readline()
+        return time.perf_counter() - started
+
+    def rss_mib(self) -> float:
+        assert self.process is not None
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    async def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        await self.process.wait()
+
+
+@dataclass
+class Fleet:
+    decodes: list[node_pb2.NodeSpec]
+    prefills: list[node_pb2.NodeSpec]
+    # What each decode node retains, as its sidecar would replay it.
+    retained: dict[str, list[Any]]
+
+
+async def _register(stub: Any, fleet: Fleet) -> None:
+    for spec in (*fleet.prefills, *fleet.decodes):
+        await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=10)
+
+
+async def _populate(stub: Any, fleet: Fleet, target: int, start: int) -> None:
+    """Grants leases until ``target`` are live, in batches of 500 per node report."""
+    batch = 500
+    index = start
+    while index < target:
+        node = fleet.decodes[(index // batch) % len(fleet.decodes)]
+        count = min(batch, target - index)
+        blocks = [
+            _retained(f"conv-{index + i}", f"req-{index + i}", node, 32) for i in range(count)
+        ]
+        events = [registry_pb2.RetentionEvent(sequence=index + i + 1, retained=b)
+                  for i, b in enumerate(blocks)]  # fmt: skip
+        response = await stub.ReportRetention(
+            registry_pb2.ReportRetentionRequest(
+                node_id=node.node_id, incarnation=node.incarnation, events=events
+            ),
+            timeout=60,
+        )
+        for retained, lease in zip(blocks, response.leases, strict=True):
+            retained.lease_id = lease.lease_id
+            retained.epoch = lease.epoch
+            fleet.retained[node.node_id].append(retained)
+        index += count
+
+
+async def _replay(stub: Any, fleet: Fleet) -> None:
+    await _register(stub, fleet)
+
+    async def one(node: node_pb2.NodeSpec) -> None:
+        events = [registry_pb2.RetentionEvent(sequence=i + 1, retained=r)
+                  for i, r in enumerate(fleet.retained[node.node_id])]  # fmt: skip
+        await stub.ReportRetention(
+            registry_pb2.ReportRetentionRequest(
+                node_id=node.node_id, incarnation=node.incarnation, events=events,
+                full_snapshot=True,
+            ),
+            timeout=120,
+        )  # fmt: skip
+
+    await asyncio.gather(*(one(node) for node in fleet.decodes))
+
+
+async def _live_leases(stub: Any) -> int:
+    total, token = 0, ""
+    while True:
+        response = await stub.ListLeases(
+            registry_pb2.ListLeasesRequest(page_size=1000, page_token=token), timeout=60
+        )
+        total += len(response.leases)
+        token = response.next_page_token
+        if not token:
+            return total
+
+
+async def run_registry_bench(
+    rates: Sequence[float] = (250, 500, 1000),
+    live_leases: int = 10_000,
+    memory_points: Sequence[int] = (100_000, 250_000, 500_000, 1_000_000),
+    restart_leases: int = 100_000,
+    seconds: float = 10.0,
+    nodes: int = 50,
+    progress: Any = print,
+) -> dict[str, Any]:
+    registry = RegistryProcess(free_port())
+    await registry.start()
+    fleet = Fleet(
+        decodes=[_spec(i, node_pb2.NODE_ROLE_DECODE) for i in range(nodes)],
+        prefills=[_spec(i, node_pb2.NODE_ROLE_PREFILL) for i in range(nodes)],
+        retained={},
+    )
+    fleet.retained = {n.node_id: [] for n in fleet.decodes}
+    results: list[LoadResult] = []
+    memory: list[dict[str, float]] = []
+    try:
+        async with open_channel(RegistryEndpoint.parse(registry.address)) as channel:
+            stub = registry_stub(channel)
+            await _register(stub, fleet)
+            progress(f"populating {live_leases:,} live leases over {nodes} decode nodes")
+            await _populate(stub, fleet, live_leases, 0)
+            decodes = [spec.SerializeToString() for spec in fleet.decodes]
+            for rate in rates:
+                progress(f"{rate:.0f} turns/s for {seconds:.0f} s")
+                # Two load processes share the offered rate, each the sidecar of half the nodes.
+                outputs = await asyncio.to_thread(
+                    _run_workers,
+                    _fixed_rate_worker,
+                    [(registry.address, decodes[seed::2], live_leases, rate / 2, seconds, seed)
+                     for seed in (0, 1)],
+                )  # fmt: skip
+                for rpc in ("GetRoutingHint", "ReportRetention", "RenewLease"):
+                    merged = [x for o in outputs for x in o["latencies"][rpc]]
+                    errors = sum(o["errors"] for o in outputs)
+                    elapsed = max(o["seconds"] for o in outputs)
+                    results.append(_summarise(rpc, rate, merged, elapsed, errors))
+            progress(f"saturation: hints from 2 processes x 64 callers for {seconds:.0f} s")
+            outputs = await asyncio.to_thread(
+                _run_workers, _saturation_worker, [(registry.address, live_leases, seconds)] * 2
+            )
+            merged = [x for o in outputs for x in o["latencies"]]
+            elapsed = max(o["seconds"] for o in outputs)
+            results.append(
+                _summarise("GetRoutingHint", 0, merged, elapsed, sum(o["errors"] for o in outputs))
+            )
+            base = registry.rss_mib()
+            populated = await _live_leases(stub)
+            memory.append({"live_leases": populated, "rss_mib": base})
+            for point in memory_points:
+                progress(f"memory: growing to {point:,} live leases")
+                await _populate(stub, fleet, point, populated)
+                populated = point
+                memory.append({"live_leases": point, "rss_mib": registry.rss_mib()})
+        progress(f"restart: kill the registry, replay {restart_leases:,} leases")
+        restart = await _restart(registry, fleet, restart_leases)
+    finally:
+        if registry.process is not None and registry.process.returncode is None:
+            await registry.kill()
+    return {
+        "load": [asdict(r) for r in results],
+        "memory": memory,
+        "restart": restart,
+        "nodes": nodes,
+        "hashes_per_lease": 32,
+    }
+
+
+async def _restart(registry: RegistryProcess, fleet: Fleet, leases: int) -> dict[str, float]:
+    # Keep exactly `leases` of what the nodes hold, spread over all nodes.
+    kept = 0
+    per_node = leases // len(fleet.decodes)
+    for node in fleet.decodes:
+        fleet.retained[node.node_id] = fleet.retained[node.node_id][:per_node]
+        kept += len(fleet.retained[node.node_id])
+    await registry.kill()
+    started = time.perf_counter()
+    startup = await registry.start()
+    async with open_channel(RegistryEndpoint.parse(registry.address)) as channel:
+        stub = registry_stub(channel)
+        await _replay(stub, fleet)
+        recovered = time.perf_counter() - started
+        back = await _live_leases(stub)
+    return {"leases": kept, "recovered": back, "startup_s": startup, "recovery_s": recovered}
+
+
+def write(report: dict[str, Any], output: Path) -> list[Path]:
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "registry.json").write_text(json.dumps(report, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for rpc in ("GetRoutingHint", "ReportRetention", "RenewLease"):
+        rows = [r for r in report["load"] if r["rpc"] == rpc and r["rate"] > 0]
+        ax.plot([r["rate"] for r in rows], [r["p99_ms"] for r in rows], "o-", label=f"{rpc} p99")
+        ax.plot([r["rate"] for r in rows], [r["p50_ms"] for r in rows], "o--", alpha=0.6,
+                label=f"{rpc} p50")  # fmt: skip
+    ax.set_xlabel("offered load (turns/s)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title("Registry latency vs load (10k live leases, gRPC on loopback)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = output / "registry_latency.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [output / "registry.json", path]
