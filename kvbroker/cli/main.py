@@ -292,58 +292,52 @@ def up(
 ) -> None:
     """Start registry, prefill and decode vLLM servers with sidecars, and the router, on this
     machine; print one JSON line when ready; stop everything on Ctrl-C or SIGTERM."""
-    from kvbroker.stack import Stack, StackConfig
 
-    async def run() -> None:
-        console = Console(stderr=True)
-        stack = Stack(
-            StackConfig(workdir=workdir, model_dir=model, reuse=reuse is Switch.on),
-            progress=lambda message: console.print(f"[dim]·[/] {message}"),
-        )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            with console.status("starting the stack"):
-                starting = asyncio.create_task(stack.start())
-                waiter = asyncio.create_task(stop.wait())
-                await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                if stop.is_set():
-                    starting.cancel()
-                else:
-                    waiter.cancel()
-                    starting.result()
-            if not stop.is_set():
-                print(json.dumps(stack.describe()), flush=True)
-                await stop.wait()
-        finally:
-            console.print("[dim]·[/] stopping")
-            await stack.stop()
+    async def serve(stack: Any, console: Console) -> None:
+        print(json.dumps(stack.describe()), flush=True)
+        await asyncio.Event().wait()  # until a signal
 
-    try:
-        asyncio.run(run())
-    except (RuntimeError, TimeoutError) as error:
-        fail(str(error))
+    _run_with_stack(reuse is Switch.on, model, workdir, serve, Console(stderr=True))
 
 
 def _run_with_stack(
-    reuse: bool, model: Path | None, workdir: Path, body: Callable[[Any, Console], Awaitable[None]]
+    reuse: bool,
+    model: Path | None,
+    workdir: Path,
+    body: Callable[[Any, Console], Awaitable[None]],
+    console: Console | None = None,
 ) -> None:
-    """Starts the stack, runs ``body(stack, console)``, and always stops the stack."""
+    """Starts the stack, runs ``body(stack, console)``, and always stops the stack: when the
+    body ends, fails, or Ctrl-C / SIGTERM arrives (also while the engines are starting)."""
     from kvbroker.stack import Stack, StackConfig
 
+    console = console or Console()
+
+    async def until_signal(work: Awaitable[None], stop: asyncio.Event) -> None:
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        else:
+            task.result()
+
     async def run() -> None:
-        console = Console()
         stack = Stack(
             StackConfig(workdir=workdir, model_dir=model, reuse=reuse),
             progress=lambda message: console.print(f"[dim]·[/] {message}"),
         )
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
             with console.status("starting the stack"):
-                await stack.start()
-            console.print(f"[dim]·[/] stack ready: router {stack.router_url}")
-            await body(stack, console)
+                await until_signal(stack.start(), stop)
+            if not stop.is_set():
+                console.print(f"[dim]·[/] stack ready: router {stack.router_url}")
+                await until_signal(body(stack, console), stop)
         finally:
             console.print("[dim]·[/] stopping the stack")
             await stack.stop()
