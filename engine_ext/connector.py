@@ -121,6 +121,11 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
+        if params is not None and params.get("_remote_blocks_processed"):
+            # A read was already attempted for this request (it failed, or the request was
+            # preempted after it): vLLM 0.32 would report the remote tokens again without
+            # starting a new read, leaving the request waiting forever. Recompute instead.
+            handles.strip_handle(params)
         has_handle = bool(
             params and params.get("do_remote_decode") and params.get("remote_block_ids")
         )
