@@ -25,7 +25,7 @@ from controlplane.errors import (
     PermissionDenied,
     Unavailable,
 )
-from controlplane.metrics import RegistryMetrics
+from controlplane.metrics import NodeFigures, RegistryMetrics
 from controlplane.store import LIVE_STATES, Store
 from kvbroker.common.clock import from_duration, to_duration, to_timestamp
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -96,6 +96,9 @@ class _NodeRuntime:
     # Hints that chose this node since its last heartbeat reported load.
     assigned_since_heartbeat: int = 0
     applied_sequence: int = 0
+    # Derived from the node's live leases, kept by every transition.
+    live_leases: int = 0
+    retained_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.node_id = self.spec.node_id
@@ -124,6 +127,7 @@ class Registry:
         self._runtime: dict[str, _NodeRuntime] = {}
         self._round_robin = itertools.count()
         self._expiry_task: asyncio.Task[None] | None = None
+        self.metrics.watch_nodes(self._node_figures)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -205,11 +209,26 @@ class Registry:
             view.time_to_live.CopyFrom(to_duration((expires or 0.0) - self.now()))
         return view
 
-    @staticmethod
-    def node_view(node: node_pb2.Node) -> node_pb2.Node:
+    def node_view(self, node: node_pb2.Node) -> node_pb2.Node:
         view = node_pb2.Node()
         view.CopyFrom(node)
+        runtime = self._runtime.get(node.spec.node_id)
+        if runtime is not None:
+            view.live_leases = runtime.live_leases
+            view.retained_blocks = runtime.retained_blocks
         return view
+
+    def _node_figures(self) -> list[NodeFigures]:
+        return [
+            NodeFigures(
+                node_id=r.node_id,
+                state=node_state_name(r.state),
+                live_leases=r.live_leases,
+                retained_blocks=r.retained_blocks,
+                retained_bytes=r.retained_blocks * r.spec.bytes_per_block,
+            )
+            for r in list(self._runtime.values())
+        ]
 
     # ----------------------------------------------------------------- nodes
 
@@ -240,10 +259,8 @@ class Registry:
                 self._runtime[spec.node_id] = _NodeRuntime(spec)
                 self._commands[spec.node_id] = _CommandQueue(spec.incarnation)
             self._runtime[spec.node_id].state = node.state
-            await self._recount_node(node)
             await self.store.put_node(node)
             self._deadlines.schedule((NODE_SESSION, spec.node_id), now + self.config.session_ttl_s)
-            await self._update_node_gauge()
             log.info(
                 "node_registered",
                 node=spec.node_id,
@@ -272,7 +289,6 @@ class Registry:
             runtime.kv_usage = load.kv_cache_usage
             runtime.assigned_since_heartbeat = 0
             self._deadlines.schedule((NODE_SESSION, node_id), now + self.config.session_ttl_s)
-            await self._update_node_gauge()
             return self.node_view(node)
 
     async def deregister_node(self, node_id: str, incarnation: str) -> node_pb2.Node:
@@ -289,7 +305,6 @@ class Registry:
             node.state = DRAINING
             self._runtime.setdefault(node_id, _NodeRuntime(node.spec)).state = DRAINING
             await self.store.put_node(node)
-            await self._update_node_gauge()
             log.info("node_draining", node=node_id)
             return self.node_view(node)
 
@@ -309,7 +324,6 @@ class Registry:
         self._deadlines.cancel((NODE_SESSION, node.spec.node_id))
         await self._withdraw_leases(node, f"{REASON_NODE_LOST}: {why}")
         await self.store.put_node(node)
-        await self._update_node_gauge()
         log.warning("node_down", node=node.spec.node_id, why=why)
 
     async def _withdraw_leases(self, node: node_pb2.Node, reason: str) -> None:
@@ -317,34 +331,11 @@ class Registry:
         for lease in await self.store.live_leases_of_node(node.spec.node_id):
             await self._end_lease(lease, REVOKED, reason, command_ttl=None)
 
-    async def _recount_node(self, node: node_pb2.Node) -> None:
-        live = await self.store.live_leases_of_node(node.spec.node_id)
-        node.live_leases = len(live)
-        node.retained_blocks = sum(block_count(lease.handle) for lease in live)
-        self.metrics.retained_blocks.labels(node.spec.node_id).set(node.retained_blocks)
-        self.metrics.retained_bytes.labels(node.spec.node_id).set(
-            node.retained_blocks * node.spec.bytes_per_block
-        )
-
-    async def _account(self, lease: lease_pb2.Lease, sign: int) -> None:
-        node = await self.store.get_node(lease.node_id)
-        if node is None:
-            return
-        node.live_leases += sign
-        node.retained_blocks += sign * block_count(lease.handle)
-        await self.store.put_node(node)
-        self.metrics.retained_blocks.labels(node.spec.node_id).set(node.retained_blocks)
-        self.metrics.retained_bytes.labels(node.spec.node_id).set(
-            node.retained_blocks * node.spec.bytes_per_block
-        )
-        self.metrics.live_leases.inc(sign)
-
-    async def _update_node_gauge(self) -> None:
-        counts: dict[int, int] = dict.fromkeys((READY, NOT_READY, DRAINING, DOWN), 0)
-        for runtime in self._runtime.values():
-            counts[runtime.state] = counts.get(runtime.state, 0) + 1
-        for state, count in counts.items():
-            self.metrics.nodes.labels(node_state_name(state)).set(count)
+    def _account(self, lease: lease_pb2.Lease, sign: int) -> None:
+        runtime = self._runtime.get(lease.node_id)
+        if runtime is not None:
+            runtime.live_leases += sign
+            runtime.retained_blocks += sign * block_count(lease.handle)
 
     # ----------------------------------------------------------------- leases
 
@@ -427,7 +418,7 @@ class Registry:
         )
         await self._supersede(conversation, lease)
         await self.store.put_lease(lease)
-        await self._account(lease, +1)
+        self._account(lease, +1)
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
         self.metrics.lease_events.labels("grant").inc()
         log.debug(
@@ -584,7 +575,7 @@ class Registry:
             (FORGET_LEASE, lease.lease_id), now + self.config.ended_lease_retention_s
         )
         if was_live:
-            await self._account(lease, -1)
+            self._account(lease, -1)
         conversation = await self.store.get_conversation(lease.conversation_id)
         if conversation is not None and conversation.lease_id == lease.lease_id:
             self._deadlines.schedule(
@@ -635,7 +626,9 @@ class Registry:
                     self._require_holder_role(node)
                     lease = await self._apply_retained(node, event.retained, replay=stale)
                     snapshot_ids.add(lease.lease_id)
-                    granted.append(self.lease_view(lease))
+                    view = self.lease_view(lease)
+                    view.ClearField("block_hashes")  # the reporter has them; keep replies small
+                    granted.append(view)
                 elif not stale:
                     await self._apply_released(node, event.released)
                 runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
@@ -726,12 +719,12 @@ class Registry:
         self._deadlines.cancel((FORGET_LEASE, lease.lease_id))
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
         await self.store.put_lease(lease)
-        await self._account(lease, +1)
+        self._account(lease, +1)
         if conversation is None:
             conversation = lease_pb2.Conversation(conversation_id=retained.conversation_id)
         await self._supersede(conversation, lease)
         self.metrics.lease_events.labels("restore").inc()
-        log.info("lease_restored", lease=lease.lease_id, node=node.spec.node_id, epoch=lease.epoch)
+        log.debug("lease_restored", lease=lease.lease_id, node=node.spec.node_id, epoch=lease.epoch)
         return lease
 
     async def _apply_released(

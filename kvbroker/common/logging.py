@@ -29,5 +29,5 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto") -> None:
             logging.getLevelNamesMapping()[level.upper()]
         ),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,
     )
