@@ -27,7 +27,7 @@ from controlplane.errors import (
 )
 from controlplane.metrics import NodeFigures, RegistryMetrics
 from controlplane.store import LIVE_STATES, Store
-from kvbroker.common.clock import from_duration, to_duration, to_timestamp
+from kvbroker.common.clock import MonotonicClock, from_duration, to_duration, to_timestamp
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
@@ -115,8 +115,6 @@ class Registry:
         metrics: RegistryMetrics | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        from kvbroker.common.clock import MonotonicClock
-
         self.store = store
         self.config = config or RegistryConfig()
         self.metrics = metrics or RegistryMetrics()

@@ -6,7 +6,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,9 +63,6 @@ class CliResult:
 
     def json(self) -> Any:
         return json.loads(self.stdout)
-
-
-CliRunner = Callable[..., "asyncio.Future[CliResult]"]
 
 
 async def run_cli(*args: str, env: dict[str, str] | None = None) -> CliResult:
