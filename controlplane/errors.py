@@ -31,3 +31,8 @@ class PermissionDenied(RegistryError):
 
 class Unavailable(RegistryError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class StoreUnavailable(Unavailable):
+    """The durable store refused or could not take a write: this replica's view is now ahead of
+    it, so the replica stops serving until it has reloaded."""

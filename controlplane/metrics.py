@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -25,11 +25,12 @@ class NodeFigures:
 class _NodeGauges(Collector):
     """Per-node gauges read at scrape time, so lease transitions pay nothing for them."""
 
-    def __init__(self, snapshot: Callable[[], Iterable[NodeFigures]]) -> None:
-        self._snapshot = snapshot
+    def __init__(self) -> None:
+        # Replaced by each registry that leads in this process (one per term over etcd).
+        self.snapshot: Callable[[], Iterable[NodeFigures]] = tuple
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        figures = list(self._snapshot())
+        figures = list(self.snapshot())
         leases = GaugeMetricFamily("kvbroker_live_leases", "Leases ACTIVE or CLAIMED.")
         leases.add_metric([], sum(f.live_leases for f in figures))
         blocks = GaugeMetricFamily(
@@ -78,5 +79,30 @@ class RegistryMetrics:
             registry=self.registry,
         )
 
+        self.leader = Gauge(
+            "kvbroker_registry_leader",
+            "1 while this replica leads (always 1 with the memory store).",
+            registry=self.registry,
+        )
+        self.takeovers = Counter(
+            "kvbroker_registry_takeovers",
+            "Times this replica became the leader.",
+            registry=self.registry,
+        )
+        self.takeover_seconds = Histogram(
+            "kvbroker_registry_takeover_seconds",
+            "From winning the election to serving: reloading the store and rebuilding deadlines.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.forwarded = Counter(
+            "kvbroker_registry_forwarded",
+            "Calls a follower replica passed to the leader, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._node_gauges = _NodeGauges()
+        self.registry.register(self._node_gauges)
+
     def watch_nodes(self, snapshot: Callable[[], Iterable[NodeFigures]]) -> None:
-        self.registry.register(_NodeGauges(snapshot))
+        self._node_gauges.snapshot = snapshot

@@ -1,17 +1,23 @@
 """The registry's state machine: node sessions, leases with epochs and claims, routing hints.
 
-Every mutation runs under one asyncio lock so a store with real awaits (etcd) sees the same
-ordering as the memory store. Time comes from the registry's own clock; deadlines live in one
-heap (``DeadlineQueue``) and are also checked on read, so an expired lease is never offered
-even if the expiry task is momentarily behind.
+Every mutation runs under one asyncio lock and ends with the store's commit, so a store with
+real awaits (etcd) sees the same ordering as the memory store and each transition is durable as
+one unit; lease commands go to holders only after their transition is committed. Time comes from
+the registry's own clock; deadlines live in one heap (``DeadlineQueue``) and are also checked on
+read, so an expired lease is never offered even if the expiry task is momentarily behind.
+
+A registry over etcd can take over from another replica: ``restore()`` rebuilds deadlines and
+the routing view from the store, and until a holder has replayed to it (its sidecar reconnects
+with a full snapshot) hints do not offer that holder's leases and say DEGRADED.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -23,11 +29,18 @@ from controlplane.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    StoreUnavailable,
     Unavailable,
 )
 from controlplane.metrics import NodeFigures, RegistryMetrics
 from controlplane.store import LIVE_STATES, Store
-from kvbroker.common.clock import MonotonicClock, from_duration, to_duration, to_timestamp
+from kvbroker.common.clock import (
+    MonotonicClock,
+    from_duration,
+    from_timestamp,
+    to_duration,
+    to_timestamp,
+)
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
@@ -99,6 +112,9 @@ class _NodeRuntime:
     # Derived from the node's live leases, kept by every transition.
     live_leases: int = 0
     retained_blocks: int = 0
+    # False for a node known only from the store (after a takeover) until its sidecar replays:
+    # its engine may hold deadlines this registry never sent, so its leases are not offered.
+    synced: bool = True
 
     def __post_init__(self) -> None:
         self.node_id = self.spec.node_id
@@ -114,6 +130,7 @@ class Registry:
         config: RegistryConfig | None = None,
         metrics: RegistryMetrics | None = None,
         clock: Callable[[], float] | None = None,
+        on_store_failure: Callable[[StoreUnavailable], None] | None = None,
     ) -> None:
         self.store = store
         self.config = config or RegistryConfig()
@@ -125,6 +142,12 @@ class Registry:
         self._runtime: dict[str, _NodeRuntime] = {}
         self._round_robin = itertools.count()
         self._expiry_task: asyncio.Task[None] | None = None
+        # Commands of the mutation in progress, sent once it is committed.
+        self._unsent: list[tuple[_CommandQueue, registry_pb2.LeaseCommand]] = []
+        self._on_store_failure = on_store_failure
+        # Until then, early ends give the holder a full claim's grace: claims made by a
+        # previous leader were not written down (they are soft state) and may still be reading.
+        self._inherited_claims_until = 0.0
         self.metrics.watch_nodes(self._node_figures)
 
     # ----------------------------------------------------------------- lifecycle
@@ -139,6 +162,74 @@ class Registry:
         if self._expiry_task is not None:
             self._expiry_task.cancel()
             await asyncio.gather(self._expiry_task, return_exceptions=True)
+        # End every command stream: their sidecars reconnect to whichever replica leads next.
+        queues, self._commands = list(self._commands.values()), {}
+        for queue in queues:
+            queue.pending.put_nowait(registry_pb2.LeaseCommand())
+
+    @contextlib.asynccontextmanager
+    async def _mutation(self) -> AsyncIterator[None]:
+        """The lock, then the store's commit, then the commands the change implies. A change
+        that failed half-way is committed as far as it got, like the memory store keeps it."""
+        async with self._lock:
+            try:
+                yield
+            finally:
+                unsent, self._unsent = self._unsent, []
+                try:
+                    await self.store.commit()
+                except StoreUnavailable as error:
+                    log.error("store_commit_failed", error=error.message)
+                    if self._on_store_failure is not None:
+                        self._on_store_failure(error)
+                    raise
+                for queue, command in unsent:
+                    self._enqueue(queue, command)
+
+    async def restore(self) -> None:
+        """Rebuilds deadlines and the routing view from the store (a takeover)."""
+        now = self.now()
+        config = self.config
+        self._inherited_claims_until = now + config.claim_timeout_s
+        for node in await self.store.list_nodes():
+            runtime = _NodeRuntime(node.spec, state=node.state, synced=False)
+            runtime.queued = node.load.running_requests + node.load.waiting_requests
+            runtime.kv_usage = node.load.kv_cache_usage
+            self._runtime[node.spec.node_id] = runtime
+            self._commands[node.spec.node_id] = _CommandQueue(node.spec.incarnation)
+            if node.state != DOWN:
+                # Sessions restart: heartbeats could not reach a leader during the election.
+                self._deadlines.schedule(
+                    (NODE_SESSION, node.spec.node_id), now + config.session_ttl_s
+                )
+        live_conversations: set[str] = set()
+        for lease in await self.store.list_leases():
+            if lease.state in LIVE_STATES:
+                self._deadlines.schedule(
+                    (LEASE_EXPIRY, lease.lease_id), from_timestamp(lease.expire_time)
+                )
+                if lease.state == CLAIMED:
+                    self._deadlines.schedule(
+                        (CLAIM_END, lease.lease_id), from_timestamp(lease.claim_expire_time)
+                    )
+                self._account(lease, +1)
+                live_conversations.add(lease.conversation_id)
+            else:
+                self._deadlines.schedule(
+                    (FORGET_LEASE, lease.lease_id),
+                    from_timestamp(lease.end_time) + config.ended_lease_retention_s,
+                )
+        for conversation in await self.store.list_conversations():
+            if conversation.conversation_id not in live_conversations:
+                self._deadlines.schedule(
+                    (FORGET_CONVERSATION, conversation.conversation_id),
+                    from_timestamp(conversation.last_active_time) + config.conversation_retention_s,
+                )
+        log.info(
+            "registry_restored",
+            nodes=len(self._runtime),
+            live_leases=sum(r.live_leases for r in self._runtime.values()),
+        )
 
     # ----------------------------------------------------------------- validation
 
@@ -239,7 +330,7 @@ class Registry:
             raise InvalidArgument("spec.model is required")
         if spec.block_size == 0:
             raise InvalidArgument("spec.block_size must be positive")
-        async with self._lock:
+        async with self._mutation():
             now = self.now()
             old = await self.store.get_node(spec.node_id)
             if old is not None and old.spec.incarnation != spec.incarnation:
@@ -270,17 +361,20 @@ class Registry:
     async def heartbeat(
         self, node_id: str, incarnation: str, engine_ready: bool, load: node_pb2.NodeLoad
     ) -> node_pb2.Node:
-        async with self._lock:
+        async with self._mutation():
             node = await self._session(node_id, incarnation)
             now = self.now()
             node.last_heartbeat_time.CopyFrom(to_timestamp(now))
             node.load.CopyFrom(load)
+            changed = False
             if node.state != DRAINING:
                 new_state = READY if engine_ready else NOT_READY
                 if new_state != node.state:
                     log.info("node_readiness", node=node_id, state=node_state_name(new_state))
+                    changed = True
                 node.state = new_state
-            await self.store.put_node(node)
+            # Load and heartbeat times are soft state; only a change of readiness is written.
+            await self.store.put_node(node, durable=changed)
             runtime = self._runtime.setdefault(node_id, _NodeRuntime(node.spec))
             runtime.state = node.state
             runtime.queued = load.running_requests + load.waiting_requests
@@ -290,13 +384,13 @@ class Registry:
             return self.node_view(node)
 
     async def deregister_node(self, node_id: str, incarnation: str) -> node_pb2.Node:
-        async with self._lock:
+        async with self._mutation():
             node = await self._session(node_id, incarnation)
             await self._mark_down(node, "deregistered")
             return self.node_view(node)
 
     async def drain_node(self, node_id: str) -> node_pb2.Node:
-        async with self._lock:
+        async with self._mutation():
             node = await self._node(node_id)
             if node.state == DOWN:
                 raise FailedPrecondition(f"node {node_id!r} is down; there is nothing to drain")
@@ -375,7 +469,7 @@ class Registry:
         self._require_id(conversation_id, "conversation_id")
         self._validate_retention(handle, block_hashes, token_count)
         lease_ttl = self._ttl(ttl)
-        async with self._lock:
+        async with self._mutation():
             node = await self._session(node_id, incarnation)
             self._require_holder_role(node)
             return self.lease_view(
@@ -451,7 +545,7 @@ class Registry:
 
     def _grace_for(self, lease: lease_pb2.Lease) -> float:
         """How long the holder must keep blocks after an early end: covers in-flight reads."""
-        grace = self.config.revoke_grace_s
+        grace = max(self.config.revoke_grace_s, self._inherited_claims_until - self.now())
         if lease.state == CLAIMED:
             claim_end = self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0.0
             grace = max(grace, claim_end - self.now())
@@ -461,7 +555,7 @@ class Registry:
         self, lease_id: str = "", conversation_id: str = "", ttl: float | None = None
     ) -> lease_pb2.Lease:
         lease_ttl = self._ttl(ttl)
-        async with self._lock:
+        async with self._mutation():
             if conversation_id:
                 lease = await self._current_live_lease(conversation_id)
             else:
@@ -487,7 +581,7 @@ class Registry:
     async def release_lease(
         self, lease_id: str, node_id: str, incarnation: str, reason: str
     ) -> lease_pb2.Lease:
-        async with self._lock:
+        async with self._mutation():
             lease = await self._lease(lease_id)
             self._require_id(node_id, "node_id")
             if lease.node_id != node_id or lease.node_incarnation != incarnation:
@@ -502,7 +596,7 @@ class Registry:
     async def revoke_lease(
         self, lease_id: str = "", conversation_id: str = "", reason: str = ""
     ) -> lease_pb2.Lease:
-        async with self._lock:
+        async with self._mutation():
             if conversation_id:
                 lease = await self._current_live_lease(conversation_id)
             else:
@@ -515,7 +609,7 @@ class Registry:
 
     async def get_lease(self, lease_id: str) -> lease_pb2.Lease:
         lease = await self._lease(lease_id)
-        async with self._lock:
+        async with self._mutation():
             await self._expire_if_due(lease)
         return self.lease_view(lease)
 
@@ -613,7 +707,7 @@ class Registry:
                 self._require_id(event.released.remote_request_id, "released.remote_request_id")
             else:
                 raise InvalidArgument(f"event {event.sequence} is neither retained nor released")
-        async with self._lock:
+        async with self._mutation():
             node = await self._session(node_id, incarnation)
             runtime = self._runtime.setdefault(node_id, _NodeRuntime(node.spec))
             granted: list[lease_pb2.Lease] = []
@@ -631,6 +725,7 @@ class Registry:
                     await self._apply_released(node, event.released)
                 runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
             if full_snapshot:
+                runtime.synced = True
                 for lease in await self.store.live_leases_of_node(node_id):
                     if lease.lease_id not in snapshot_ids:
                         await self._end_lease(
@@ -735,43 +830,45 @@ class Registry:
     # ----------------------------------------------------------------- commands
 
     def _send_command(self, lease: lease_pb2.Lease, ttl: float, reason: str) -> None:
+        """Queues a command for the holder, sent once the current mutation is committed."""
         queue = self._commands.get(lease.node_id)
         if queue is None or queue.incarnation != lease.node_incarnation:
             return
+        self._unsent.append(
+            (
+                queue,
+                registry_pb2.LeaseCommand(
+                    lease_id=lease.lease_id,
+                    remote_request_id=lease.handle.remote_request_id,
+                    epoch=lease.epoch,
+                    time_to_live=to_duration(ttl),
+                    state=lease.state,
+                    reason=reason,
+                ),
+            )
+        )
+
+    def _enqueue(self, queue: _CommandQueue, command: registry_pb2.LeaseCommand) -> None:
         if queue.pending.qsize() >= self.config.max_pending_commands:
             queue.pending.get_nowait()
             self.metrics.commands_dropped.inc()
-        queue.pending.put_nowait(
-            registry_pb2.LeaseCommand(
-                lease_id=lease.lease_id,
-                remote_request_id=lease.handle.remote_request_id,
-                epoch=lease.epoch,
-                time_to_live=to_duration(ttl),
-                state=lease.state,
-                reason=reason,
-            )
-        )
+        queue.pending.put_nowait(command)
 
     async def watch_commands(
         self, node_id: str, incarnation: str
     ) -> AsyncIterator[registry_pb2.LeaseCommand]:
         await self._session(node_id, incarnation)
         queue = self._commands.setdefault(node_id, _CommandQueue(incarnation))
-        while queue is self._commands.get(node_id):
-            yield await queue.pending.get()
+        while True:
+            command = await queue.pending.get()
+            if queue is not self._commands.get(node_id):
+                return  # a new incarnation took over, or this registry stopped leading
+            yield command
 
     # ----------------------------------------------------------------- hints
 
-    def _pick(self, nodes: Sequence[_NodeRuntime], prefer: str = "") -> _NodeRuntime | None:
-        """The preferred node if eligible, else the least loaded (ties rotate)."""
-        for node in nodes:
-            if node.node_id == prefer:
-                return node
-        if not nodes:
-            return None
-        turn = next(self._round_robin) % len(nodes)
-        ordered = [*nodes[turn:], *nodes[:turn]]
-        return min(ordered, key=lambda n: (n.queued + n.assigned_since_heartbeat, n.kv_usage))
+    def _pick(self, nodes: Sequence[_NodeRuntime], prefer: str = "") -> _NodeRuntime:
+        return pick(nodes, next(self._round_robin), prefer)
 
     async def routing_hint(
         self, conversation_id: str, model: str, dry_run: bool = False
@@ -779,34 +876,29 @@ class Registry:
         started = self.now()
         if conversation_id:
             self._require_id(conversation_id, "conversation_id")
-        async with self._lock:
-            nodes = [
-                n
-                for n in self._runtime.values()
-                if n.state == READY and (not model or n.model == model)
-            ]
-            prefills = [n for n in nodes if n.prefills]
-            decodes = [n for n in nodes if n.decodes]
-            served = f"model {model!r}" if model else "any model"
-            if not prefills:
-                raise Unavailable(f"no ready prefill node serves {served}")
-            if not decodes:
-                raise Unavailable(f"no ready decode node serves {served}")
-            decision, reason, lease = await self._reuse_decision(conversation_id, claim=not dry_run)
+        async with self._mutation():
+            prefills, decodes = candidates(self._runtime.values(), model)
+            decision, reason, lease, exact = await self._reuse_decision(
+                conversation_id, claim=not dry_run
+            )
             holder = lease.node_id if lease is not None else ""
             if not holder and conversation_id:
                 conversation = await self.store.get_conversation(conversation_id)
                 holder = conversation.decode_node_id if conversation else ""
             prefill = self._pick(prefills)
             decode = self._pick(decodes, prefer=holder)
-            assert prefill is not None and decode is not None
             if not dry_run:
                 prefill.assigned_since_heartbeat += 1
                 decode.assigned_since_heartbeat += 1
+            consistency = (
+                registry_pb2.HINT_CONSISTENCY_EXACT
+                if exact
+                else registry_pb2.HINT_CONSISTENCY_DEGRADED
+            )
             hint = registry_pb2.RoutingHint(
                 decision=decision,
                 reason=reason,
-                consistency=registry_pb2.HINT_CONSISTENCY_EXACT,
+                consistency=consistency,
                 prefill=prefill.spec,
                 decode=decode.spec,
             )
@@ -814,34 +906,42 @@ class Registry:
                 hint.lease.CopyFrom(self.lease_view(lease))
         self.metrics.hints.labels(
             registry_pb2.HintDecision.Name(decision).removeprefix("HINT_DECISION_"),
-            "EXACT",
+            "EXACT" if exact else "DEGRADED",
         ).inc()
         self.metrics.hint_latency.observe(self.now() - started)
         return hint
 
     async def _reuse_decision(
         self, conversation_id: str, claim: bool
-    ) -> tuple[registry_pb2.HintDecision, str, lease_pb2.Lease | None]:
-        """Decides reuse and, on REUSE, claims the lease if asked (call under the lock)."""
+    ) -> tuple[registry_pb2.HintDecision, str, lease_pb2.Lease | None, bool]:
+        """Decides reuse and, on REUSE, claims the lease if asked (call under the lock).
+        The last item is False when the answer rests on state this registry cannot vouch for."""
         if not conversation_id:
-            return registry_pb2.HINT_DECISION_MISS, "no conversation id: plain P/D", None
+            return registry_pb2.HINT_DECISION_MISS, "no conversation id: plain P/D", None, True
         conversation = await self.store.get_conversation(conversation_id)
         if conversation is None:
-            return registry_pb2.HINT_DECISION_MISS, "first turn of this conversation", None
+            return registry_pb2.HINT_DECISION_MISS, "first turn of this conversation", None, True
         lease = await self.store.get_lease(conversation.lease_id) if conversation.lease_id else None
         if lease is None:
-            return registry_pb2.HINT_DECISION_MISS, "nothing retained for this conversation", None
+            return (
+                registry_pb2.HINT_DECISION_MISS,
+                "nothing retained for this conversation",
+                None,
+                True,
+            )
         if await self._expire_if_due(lease):
             return (
                 registry_pb2.HINT_DECISION_MISS,
                 f"lease {lease.lease_id} is {state_name(lease.state)} ({lease.end_reason})",
                 None,
+                True,
             )
         if lease.state == CLAIMED:
             return (
                 registry_pb2.HINT_DECISION_RECOMPUTE,
                 f"lease {lease.lease_id} is claimed by a read in flight",
                 None,
+                True,
             )
         holder = await self.store.get_node(lease.node_id)
         if holder is None or holder.state not in (READY, DRAINING):
@@ -850,6 +950,16 @@ class Registry:
                 registry_pb2.HINT_DECISION_RECOMPUTE,
                 f"holder node {lease.node_id!r} is {state}",
                 None,
+                True,
+            )
+        runtime = self._runtime.get(lease.node_id)
+        if runtime is None or not runtime.synced:
+            return (
+                registry_pb2.HINT_DECISION_RECOMPUTE,
+                f"holder node {lease.node_id!r} has not replayed its retained blocks to this "
+                "registry since it took over",
+                None,
+                False,
             )
         if claim:
             await self._claim(lease)
@@ -858,6 +968,7 @@ class Registry:
             f"lease {lease.lease_id} (epoch {lease.epoch}) on {lease.node_id} holds "
             f"{lease.token_count} tokens",
             lease,
+            True,
         )
 
     async def _claim(self, lease: lease_pb2.Lease) -> None:
@@ -866,19 +977,26 @@ class Registry:
         lease.state = CLAIMED
         lease.claim_expire_time.CopyFrom(to_timestamp(claim_end))
         expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id)) or now
-        if expires < claim_end:
+        extends = expires < claim_end
+        if extends:
             lease.expire_time.CopyFrom(to_timestamp(claim_end))
             self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), claim_end)
             # The holder must keep the blocks for the whole claim.
             self._send_command(lease, claim_end - now, "claimed by a read")
         self._deadlines.schedule((CLAIM_END, lease.lease_id), claim_end)
-        await self.store.put_lease(lease)
+        # A claim is soft state (a successor grants inherited claims a grace instead), unless
+        # it moved the expiry: the holder was told the later time, so the store must know it.
+        await self.store.put_lease(lease, durable=extends)
         self.metrics.lease_events.labels("claim").inc()
 
     # ----------------------------------------------------------------- deadlines
 
     async def _on_deadlines(self, keys: list[DeadlineKey]) -> None:
-        async with self._lock:
+        with contextlib.suppress(StoreUnavailable):  # the replica steps down and reloads
+            await self._apply_deadlines(keys)
+
+    async def _apply_deadlines(self, keys: list[DeadlineKey]) -> None:
+        async with self._mutation():
             for kind, key in keys:
                 if kind == LEASE_EXPIRY:
                     lease = await self.store.get_lease(key)
@@ -889,7 +1007,7 @@ class Registry:
                     if lease is not None and lease.state == CLAIMED:
                         lease.state = ACTIVE
                         lease.ClearField("claim_expire_time")
-                        await self.store.put_lease(lease)
+                        await self.store.put_lease(lease, durable=False)
                 elif kind == NODE_SESSION:
                     node = await self.store.get_node(key)
                     if node is not None and node.state != DOWN:
@@ -906,3 +1024,56 @@ class Registry:
         lease = await self.store.get_lease(conversation.lease_id) if conversation.lease_id else None
         if lease is None or lease.state not in LIVE_STATES:
             await self.store.delete_conversation(conversation_id)
+
+
+# ----------------------------------------------------------------- routing, shared with followers
+
+
+def candidates(
+    nodes: Iterable[_NodeRuntime], model: str
+) -> tuple[list[_NodeRuntime], list[_NodeRuntime]]:
+    """Ready prefill and decode nodes for ``model``; Unavailable when either side is empty."""
+    ready = [n for n in nodes if n.state == READY and (not model or n.model == model)]
+    prefills = [n for n in ready if n.prefills]
+    decodes = [n for n in ready if n.decodes]
+    served = f"model {model!r}" if model else "any model"
+    if not prefills:
+        raise Unavailable(f"no ready prefill node serves {served}")
+    if not decodes:
+        raise Unavailable(f"no ready decode node serves {served}")
+    return prefills, decodes
+
+
+def pick(nodes: Sequence[_NodeRuntime], turn: int, prefer: str = "") -> _NodeRuntime:
+    """The preferred node if eligible, else the least loaded (ties rotate with ``turn``)."""
+    for node in nodes:
+        if node.node_id == prefer:
+            return node
+    turn %= len(nodes)
+    ordered = [*nodes[turn:], *nodes[:turn]]
+    return min(ordered, key=lambda n: (n.queued + n.assigned_since_heartbeat, n.kv_usage))
+
+
+async def cached_hint(
+    store: Store, conversation_id: str, model: str, why: str, turn: int
+) -> registry_pb2.RoutingHint:
+    """A follower's answer while no leader can be reached: nodes from its watch-fed cache, no
+    reuse (only a leader can claim a lease), the conversation's last decode node kept."""
+    runtimes = []
+    for node in await store.list_nodes():
+        runtime = _NodeRuntime(node.spec, state=node.state)
+        runtime.queued = node.load.running_requests + node.load.waiting_requests
+        runtime.kv_usage = node.load.kv_cache_usage
+        runtimes.append(runtime)
+    prefills, decodes = candidates(runtimes, model)
+    conversation = await store.get_conversation(conversation_id) if conversation_id else None
+    holder = conversation.decode_node_id if conversation is not None else ""
+    return registry_pb2.RoutingHint(
+        decision=registry_pb2.HINT_DECISION_RECOMPUTE
+        if conversation is not None
+        else registry_pb2.HINT_DECISION_MISS,
+        reason=f"no registry leader reachable ({why}): recompute, from a replica's cache",
+        consistency=registry_pb2.HINT_CONSISTENCY_DEGRADED,
+        prefill=pick(prefills, turn).spec,
+        decode=pick(decodes, turn, prefer=holder).spec,
+    )

@@ -1,5 +1,5 @@
 """Starting and stopping a registry server: gRPC (with health, reflection, auth, TLS) plus a
-Prometheus endpoint."""
+Prometheus endpoint; standalone on the memory store, or one replica of several over etcd."""
 
 from __future__ import annotations
 
@@ -20,8 +20,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from controlplane.config import RegistryConfig
+from controlplane.etcd_store import EtcdEndpoints, EtcdStore
+from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
-from controlplane.service import RegistryServicer
+from controlplane.replica import Replica, ReplicaOptions
+from controlplane.service import Leadership, RegistryServicer, Standalone
 from controlplane.store import MemoryStore
 from kvbroker.common.grpc_client import AUTH_METADATA_KEY
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
@@ -48,6 +51,12 @@ class ServerOptions:
     token: str | None = None
     tls: TlsFiles | None = None
     config: RegistryConfig = field(default_factory=RegistryConfig)
+    # "memory", or etcd://HOST:PORT[,HOST:PORT...] for replicas that share state.
+    store: str = "memory"
+    # Where the other replicas reach this one; default: the address it listens on.
+    advertise: str | None = None
+    election_ttl_s: int = 2
+    etcd_prefix: str = "/kvbroker"
 
 
 class _BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -82,15 +91,26 @@ def _deny(method: str) -> grpc.RpcMethodHandler:
 @dataclass
 class RunningRegistry:
     server: grpc.aio.Server
-    registry: Registry
+    leadership: Leadership
     address: str
     metrics_address: str | None
     health: health.aio.HealthServicer
+    # The election loop of a replica over etcd.
+    replica_task: asyncio.Task[None] | None = None
+
+    @property
+    def registry(self) -> Registry | None:
+        """The serving registry: always with the memory store, while leading over etcd."""
+        return self.leadership.registry
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        await self.registry.stop()
+        if self.replica_task is not None:
+            self.replica_task.cancel()
+            await asyncio.gather(self.replica_task, return_exceptions=True)
+        if isinstance(self.leadership, Standalone):
+            await self.leadership.registry.stop()
 
 
 def _bind(server: grpc.aio.Server, listen: str, tls: TlsFiles | None) -> int:
@@ -105,10 +125,13 @@ def _bind(server: grpc.aio.Server, listen: str, tls: TlsFiles | None) -> int:
 
 
 async def start_registry(options: ServerOptions) -> RunningRegistry:
-    registry = Registry(MemoryStore(), options.config)
+    metrics = RegistryMetrics()
+    etcd = EtcdEndpoints.parse(options.store) if options.store != "memory" else None
+    if etcd is not None and options.tls is not None:
+        # Followers forward to the leader over plaintext gRPC; no peer TLS yet.
+        raise ValueError("TLS is not supported together with etcd replicas yet")
     interceptors = [_BearerTokenAuth(options.token)] if options.token else []
     server = grpc.aio.server(interceptors=interceptors)
-    registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(registry), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -122,21 +145,45 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
     port = _bind(server, options.listen, options.tls)
     if port == 0:
         raise OSError(f"cannot listen on {options.listen}")
+    host = options.listen.rpartition(":")[0]
+    address = f"{host}:{port}"
+    leadership: Leadership
+    replica_task = None
+    if etcd is None:
+        registry = Registry(MemoryStore(), options.config, metrics)
+        registry.start()
+        metrics.leader.set(1)
+        leadership = Standalone(registry)
+    else:
+        replica = Replica(
+            EtcdStore(etcd, options.etcd_prefix),
+            ReplicaOptions(options.advertise or address, options.election_ttl_s, options.token),
+            options.config,
+            metrics,
+        )
+        replica_task = asyncio.create_task(replica.run(), name="kvbroker-replica")
+        leadership = replica
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(leadership), server)
     metrics_address = None
     if options.metrics_listen is not None:
-        host, _, metrics_port = options.metrics_listen.rpartition(":")
+        metrics_host, _, metrics_port = options.metrics_listen.rpartition(":")
         http_server, _thread = start_http_server(
-            int(metrics_port), addr=host, registry=registry.metrics.registry
+            int(metrics_port), addr=metrics_host, registry=metrics.registry
         )
-        metrics_address = f"{host}:{http_server.server_port}"
-    registry.start()
+        metrics_address = f"{metrics_host}:{http_server.server_port}"
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    host = options.listen.rpartition(":")[0]
-    address = f"{host}:{port}"
-    log.info("registry_serving", address=address, metrics=metrics_address, tls=bool(options.tls))
-    return RunningRegistry(server, registry, address, metrics_address, health_servicer)
+    log.info(
+        "registry_serving",
+        address=address,
+        metrics=metrics_address,
+        tls=bool(options.tls),
+        store=options.store,
+    )
+    return RunningRegistry(
+        server, leadership, address, metrics_address, health_servicer, replica_task
+    )
 
 
 async def serve_forever(options: ServerOptions) -> None:

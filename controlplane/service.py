@@ -1,36 +1,94 @@
-"""The gRPC face of the registry: decode requests, call the Registry, map errors to statuses."""
+"""The gRPC face of the registry: decode requests, call the Registry, map errors to statuses.
+
+With replicas, a call reaches whichever replica the client's channel picked: the leader serves
+it, a follower forwards it to the leader and relays the answer. While no leader can be reached
+a follower answers hints from its cache (DEGRADED) and everything else with UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
 
-from controlplane.errors import RegistryError
+from controlplane.errors import RegistryError, Unavailable
+from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
 from kvbroker.common.clock import from_duration, to_duration
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 
 log = structlog.get_logger("kvbroker.registry")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+Handler = Callable[[Any, Registry, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+Served = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+# A forwarded call waits at most this long for the leader (less if the caller's deadline is).
+FORWARD_TIMEOUT_S = 5.0
+_LEADER_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def _status_errors(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
-    """Turns a RegistryError into its status code and sentence; everything else is INTERNAL."""
+class Leadership(Protocol):
+    """Who serves: this process's registry while it leads, else the leader to forward to."""
+
+    @property
+    def registry(self) -> Registry | None: ...
+
+    @property
+    def metrics(self) -> RegistryMetrics: ...
+
+    def leader_stub(self) -> RegistryServiceStub | None: ...
+
+    async def cached_hint(
+        self, conversation_id: str, model: str, why: str
+    ) -> registry_pb2.RoutingHint: ...
+
+
+@dataclass
+class Standalone:
+    """One registry with the memory store: it always leads."""
+
+    registry: Registry
+
+    @property
+    def metrics(self) -> RegistryMetrics:
+        return self.registry.metrics
+
+    def leader_stub(self) -> RegistryServiceStub | None:
+        return None
+
+    async def cached_hint(
+        self, conversation_id: str, model: str, why: str
+    ) -> registry_pb2.RoutingHint:
+        raise Unavailable(why)  # unreachable: a standalone registry always leads
+
+
+def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
+    """Serves on the leader or forwards to it; a RegistryError becomes its status and
+    sentence, a leader's error is relayed as it came."""
+    method = handler.__name__
 
     @wraps(handler)
-    async def wrapped(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+    async def wrapped(
+        self: RegistryServicer, request: Req, context: grpc.aio.ServicerContext
+    ) -> Resp:
         try:
-            return await handler(self, request, context)
+            registry = self.leadership.registry
+            if registry is not None:
+                return await handler(self, registry, request, context)
+            return await self._forward(method, request, context)  # type: ignore[no-any-return]
         except RegistryError as error:
             await context.abort(error.code, error.message)
             raise  # unreachable: abort raises
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+            raise
 
     return wrapped
 
@@ -40,61 +98,107 @@ def _ttl(message: Any) -> float | None:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
+    def __init__(self, leadership: Leadership) -> None:
+        self.leadership = leadership
 
-    @_status_errors
+    async def _forward(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        stub = self.leadership.leader_stub()
+        outcomes = self.leadership.metrics.forwarded
+        if stub is None:
+            outcomes.labels("no_leader").inc()
+            return await self._leaderless(method, request, "no replica leads (election pending)")
+        remaining = context.time_remaining()
+        timeout = min(remaining, FORWARD_TIMEOUT_S) if remaining else FORWARD_TIMEOUT_S
+        try:
+            response = await getattr(stub, method)(request, timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in _LEADER_UNREACHABLE or method != "GetRoutingHint":
+                outcomes.labels("relayed_error").inc()
+                raise
+            outcomes.labels("leader_unreachable").inc()
+            return await self._leaderless(method, request, f"leader: {error.details()}")
+        outcomes.labels("ok").inc()
+        return response
+
+    async def _leaderless(self, method: str, request: Any, why: str) -> Any:
+        if method == "GetRoutingHint":
+            hint = await self.leadership.cached_hint(request.conversation_id, request.model, why)
+            return registry_pb2.GetRoutingHintResponse(hint=hint)
+        raise Unavailable(f"{why}; retry shortly")
+
+    @_served
     async def RegisterNode(
-        self, request: registry_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.RegisterNodeRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.RegisterNodeResponse:
-        node = await self.registry.register_node(request.spec)
-        config = self.registry.config
+        node = await registry.register_node(request.spec)
+        config = registry.config
         return registry_pb2.RegisterNodeResponse(
             node=node,
             heartbeat_interval=to_duration(config.heartbeat_interval_s),
             session_ttl=to_duration(config.session_ttl_s),
         )
 
-    @_status_errors
+    @_served
     async def Heartbeat(
-        self, request: registry_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.HeartbeatRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.HeartbeatResponse:
-        node = await self.registry.heartbeat(
+        node = await registry.heartbeat(
             request.node_id, request.incarnation, request.engine_ready, request.load
         )
         return registry_pb2.HeartbeatResponse(node=node)
 
-    @_status_errors
+    @_served
     async def DeregisterNode(
-        self, request: registry_pb2.DeregisterNodeRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.DeregisterNodeRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.DeregisterNodeResponse:
-        node = await self.registry.deregister_node(request.node_id, request.incarnation)
+        node = await registry.deregister_node(request.node_id, request.incarnation)
         return registry_pb2.DeregisterNodeResponse(node=node)
 
-    @_status_errors
+    @_served
     async def GetNode(
-        self, request: registry_pb2.GetNodeRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.GetNodeRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetNodeResponse:
-        return registry_pb2.GetNodeResponse(node=await self.registry.get_node(request.node_id))
+        return registry_pb2.GetNodeResponse(node=await registry.get_node(request.node_id))
 
-    @_status_errors
+    @_served
     async def ListNodes(
-        self, request: registry_pb2.ListNodesRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.ListNodesRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ListNodesResponse:
-        nodes = await self.registry.list_nodes(request.role, request.model)
+        nodes = await registry.list_nodes(request.role, request.model)
         return registry_pb2.ListNodesResponse(nodes=nodes)
 
-    @_status_errors
+    @_served
     async def DrainNode(
-        self, request: registry_pb2.DrainNodeRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.DrainNodeRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.DrainNodeResponse:
-        return registry_pb2.DrainNodeResponse(node=await self.registry.drain_node(request.node_id))
+        return registry_pb2.DrainNodeResponse(node=await registry.drain_node(request.node_id))
 
-    @_status_errors
+    @_served
     async def GrantLease(
-        self, request: registry_pb2.GrantLeaseRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.GrantLeaseRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GrantLeaseResponse:
-        lease = await self.registry.grant_lease(
+        lease = await registry.grant_lease(
             request.conversation_id,
             request.node_id,
             request.node_incarnation,
@@ -105,44 +209,57 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         )
         return registry_pb2.GrantLeaseResponse(lease=lease)
 
-    @_status_errors
+    @_served
     async def RenewLease(
-        self, request: registry_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.RenewLeaseRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.RenewLeaseResponse:
-        lease = await self.registry.renew_lease(
-            request.lease_id, request.conversation_id, _ttl(request)
-        )
+        lease = await registry.renew_lease(request.lease_id, request.conversation_id, _ttl(request))
         return registry_pb2.RenewLeaseResponse(lease=lease)
 
-    @_status_errors
+    @_served
     async def ReleaseLease(
-        self, request: registry_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.ReleaseLeaseRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ReleaseLeaseResponse:
-        lease = await self.registry.release_lease(
+        lease = await registry.release_lease(
             request.lease_id, request.node_id, request.node_incarnation, request.reason
         )
         return registry_pb2.ReleaseLeaseResponse(lease=lease)
 
-    @_status_errors
+    @_served
     async def RevokeLease(
-        self, request: registry_pb2.RevokeLeaseRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.RevokeLeaseRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.RevokeLeaseResponse:
-        lease = await self.registry.revoke_lease(
+        lease = await registry.revoke_lease(
             request.lease_id, request.conversation_id, request.reason
         )
         return registry_pb2.RevokeLeaseResponse(lease=lease)
 
-    @_status_errors
+    @_served
     async def GetLease(
-        self, request: registry_pb2.GetLeaseRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.GetLeaseRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetLeaseResponse:
-        return registry_pb2.GetLeaseResponse(lease=await self.registry.get_lease(request.lease_id))
+        return registry_pb2.GetLeaseResponse(lease=await registry.get_lease(request.lease_id))
 
-    @_status_errors
+    @_served
     async def ListLeases(
-        self, request: registry_pb2.ListLeasesRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.ListLeasesRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ListLeasesResponse:
-        leases, next_token = await self.registry.list_leases(
+        leases, next_token = await registry.list_leases(
             request.node_id,
             request.conversation_id,
             list(request.states),
@@ -151,11 +268,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         )
         return registry_pb2.ListLeasesResponse(leases=leases, next_page_token=next_token)
 
-    @_status_errors
+    @_served
     async def ReportRetention(
-        self, request: registry_pb2.ReportRetentionRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.ReportRetentionRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ReportRetentionResponse:
-        applied, leases = await self.registry.report_retention(
+        applied, leases = await registry.report_retention(
             request.node_id, request.incarnation, request.events, request.full_snapshot
         )
         return registry_pb2.ReportRetentionResponse(applied_sequence=applied, leases=leases)
@@ -164,23 +284,37 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self, request: registry_pb2.WatchLeaseCommandsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[registry_pb2.WatchLeaseCommandsResponse]:
         try:
-            async for command in self.registry.watch_commands(request.node_id, request.incarnation):
-                yield registry_pb2.WatchLeaseCommandsResponse(command=command)
+            registry = self.leadership.registry
+            if registry is not None:
+                async for command in registry.watch_commands(request.node_id, request.incarnation):
+                    yield registry_pb2.WatchLeaseCommandsResponse(command=command)
+                return
+            stub = self.leadership.leader_stub()
+            if stub is None:
+                raise Unavailable("no replica leads (election pending); retry shortly")
+            async for response in stub.WatchLeaseCommands(request):
+                yield response
         except RegistryError as error:
             await context.abort(error.code, error.message)
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
 
-    @_status_errors
+    @_served
     async def GetConversation(
-        self, request: registry_pb2.GetConversationRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.GetConversationRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetConversationResponse:
-        conversation = await self.registry.get_conversation(request.conversation_id)
+        conversation = await registry.get_conversation(request.conversation_id)
         return registry_pb2.GetConversationResponse(conversation=conversation)
 
-    @_status_errors
+    @_served
     async def GetRoutingHint(
-        self, request: registry_pb2.GetRoutingHintRequest, context: grpc.aio.ServicerContext
+        self,
+        registry: Registry,
+        request: registry_pb2.GetRoutingHintRequest,
+        context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetRoutingHintResponse:
-        hint = await self.registry.routing_hint(
-            request.conversation_id, request.model, request.dry_run
-        )
+        hint = await registry.routing_hint(request.conversation_id, request.model, request.dry_run)
         return registry_pb2.GetRoutingHintResponse(hint=hint)

@@ -1,8 +1,10 @@
 """Where the registry keeps nodes, conversations and leases.
 
-One interface; the in-memory store is the default (nothing else to start). Records are the
-proto messages, so any store can serialise them as they are. Every store hands out copies:
-callers put a record back after changing it (the registry serialises its mutations).
+One interface; the in-memory store is the default (nothing else to start), the etcd store
+(``controlplane.etcd_store``) spans machines. Records are the proto messages, so any store can
+serialise them as they are. Every store hands out copies: callers put a record back after
+changing it. The registry serialises its mutations and ends each with ``commit()``, which makes
+the puts since the last commit durable as one unit (a no-op in memory).
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ LIVE_STATES = frozenset({lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLA
 
 class Store(Protocol):
     async def get_node(self, node_id: str) -> node_pb2.Node | None: ...
-    async def put_node(self, node: node_pb2.Node) -> None: ...
+    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None: ...
     async def list_nodes(self) -> list[node_pb2.Node]: ...
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation | None: ...
     async def put_conversation(self, conversation: lease_pb2.Conversation) -> None: ...
     async def delete_conversation(self, conversation_id: str) -> None: ...
+    async def list_conversations(self) -> Iterable[lease_pb2.Conversation]: ...
 
     async def get_lease(self, lease_id: str) -> lease_pb2.Lease | None: ...
-    async def put_lease(self, lease: lease_pb2.Lease) -> None: ...
+    async def put_lease(self, lease: lease_pb2.Lease, durable: bool = True) -> None:
+        """``durable=False``: soft state (a claim) that a successor may lose; not written out."""
+        ...
+
     async def delete_lease(self, lease_id: str) -> None: ...
     async def find_lease(self, node_id: str, remote_request_id: str) -> lease_pb2.Lease | None:
         """The lease a node holds for one of its engine's requests, if any."""
@@ -37,6 +43,11 @@ class Store(Protocol):
         self, node_id: str = "", conversation_id: str = ""
     ) -> Iterable[lease_pb2.Lease]:
         """Leases in lease id order, optionally of one node or one conversation."""
+        ...
+
+    async def commit(self) -> None:
+        """Makes the changes since the last commit durable, all or none; raises
+        ``StoreUnavailable`` when it cannot (the caller's view is then ahead of the store)."""
         ...
 
 
@@ -60,7 +71,7 @@ class MemoryStore:
     async def get_node(self, node_id: str) -> node_pb2.Node | None:
         return self._nodes.get(node_id)
 
-    async def put_node(self, node: node_pb2.Node) -> None:
+    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
         self._nodes[node.spec.node_id] = node
 
     async def list_nodes(self) -> list[node_pb2.Node]:
@@ -76,13 +87,19 @@ class MemoryStore:
     async def delete_conversation(self, conversation_id: str) -> None:
         self._conversations.pop(conversation_id, None)
 
+    async def list_conversations(self) -> Iterable[lease_pb2.Conversation]:
+        return (lease_pb2.Conversation.FromString(raw) for raw in self._conversations.values())
+
     async def get_lease(self, lease_id: str) -> lease_pb2.Lease | None:
         raw = self._leases.get(lease_id)
         return lease_pb2.Lease.FromString(raw) if raw is not None else None
 
-    async def put_lease(self, lease: lease_pb2.Lease) -> None:
+    async def put_lease(self, lease: lease_pb2.Lease, durable: bool = True) -> None:
+        self._keep_lease(lease, lease.SerializeToString())
+
+    def _keep_lease(self, lease: lease_pb2.Lease, raw: bytes) -> None:
         lease_id = lease.lease_id
-        self._leases[lease_id] = lease.SerializeToString()
+        self._leases[lease_id] = raw
         node_id, request_id = lease.node_id, lease.handle.remote_request_id
         self._lease_keys[lease_id] = (node_id, request_id, lease.conversation_id)
         self._by_request[(node_id, request_id)] = lease_id
@@ -93,6 +110,9 @@ class MemoryStore:
             live.discard(lease_id)
 
     async def delete_lease(self, lease_id: str) -> None:
+        self._forget_lease(lease_id)
+
+    def _forget_lease(self, lease_id: str) -> None:
         if self._leases.pop(lease_id, None) is None:
             return
         node_id, request_id, _ = self._lease_keys.pop(lease_id)
@@ -119,3 +139,6 @@ class MemoryStore:
             if (not node_id or node == node_id)
             and (not conversation_id or conversation == conversation_id)
         )
+
+    async def commit(self) -> None:
+        return None  # every change is already all there is

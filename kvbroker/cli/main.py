@@ -165,10 +165,35 @@ def registry_serve(
         float,
         typer.Option(envvar="KVBROKER_SESSION_TTL", help="Silence before a node is DOWN."),
     ] = RegistryConfig.session_ttl_s,
+    store: Annotated[
+        str,
+        typer.Option(
+            envvar="KVBROKER_STORE",
+            help="'memory', or etcd://HOST:PORT[,HOST:PORT] to run as one of several replicas.",
+        ),
+    ] = "memory",
+    advertise: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVBROKER_ADVERTISE",
+            help="HOST:PORT other replicas forward to (default: the listen address).",
+        ),
+    ] = None,
+    election_ttl: Annotated[
+        int,
+        typer.Option(
+            envvar="KVBROKER_ELECTION_TTL",
+            help="Seconds before a dead leader is replaced (etcd store).",
+        ),
+    ] = 2,
+    etcd_prefix: Annotated[
+        str, typer.Option(envvar="KVBROKER_ETCD_PREFIX", help="Key prefix in etcd.")
+    ] = "/kvbroker",
     log_level: LogLevelOpt = "info",
     log_format: LogFormatOpt = "auto",
 ) -> None:
-    """Serve the registry (in-memory store). Prints one JSON line with its addresses."""
+    """Serve the registry: standalone in memory, or one replica of several sharing etcd.
+    Prints one JSON line with its addresses."""
     if (tls_cert is None) != (tls_key is None):
         fail("--tls-cert and --tls-key go together", 2)
     try:
@@ -183,15 +208,27 @@ def registry_serve(
     except ValueError as error:
         fail(str(error), 2)
     # Imported here so that the operator commands start fast.
+    from controlplane.etcd_store import EtcdEndpoints
     from controlplane.server import ServerOptions, TlsFiles, serve_forever
 
+    if store != "memory":
+        try:
+            EtcdEndpoints.parse(store)
+        except ValueError as error:
+            fail(str(error), 2)
+    if election_ttl < 1:
+        fail("--election-ttl must be at least 1 second", 2)
     _configure_logging(log_level, log_format)
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
-    options = ServerOptions(listen, metrics_listen, token, tls, config)
+    options = ServerOptions(
+        listen, metrics_listen, token, tls, config, store, advertise, election_ttl, etcd_prefix
+    )
     try:
         asyncio.run(serve_forever(options))
     except OSError as error:
         fail(f"cannot serve on {listen}: {error}")
+    except ValueError as error:
+        fail(str(error), 2)
 
 
 # ---------------------------------------------------------------------- sidecar

@@ -1,0 +1,222 @@
+"""The registry's state in etcd, for registries that span machines (``--store etcd://…``).
+
+Reads come from a local cache (the memory store's dicts and indexes), so a hint never waits on
+etcd. Writes are buffered and ``commit()`` sends them as one transaction guarded by a fence:
+it succeeds only while the leader key still has the create revision this replica won it at,
+so a deposed leader can never overwrite its successor (etcd's election recipe). A follower
+keeps its cache fed by a watch from the revision it loaded at; a new leader reloads at its
+election so its view is complete before it serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aetcd
+import aetcd.exceptions
+import aetcd.rtypes
+import grpc
+import structlog
+from aetcd import rpc
+
+from controlplane.errors import StoreUnavailable
+from controlplane.store import MemoryStore
+from kvbroker.v1 import lease_pb2, node_pb2
+
+log = structlog.get_logger("kvbroker.registry")
+
+# etcd's default --max-txn-ops; larger change sets (a node's mass withdrawal) go in chunks.
+MAX_TXN_OPS = 128
+_NODE, _CONVERSATION, _LEASE = "node", "conversation", "lease"
+ETCD_ERRORS = (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError, TimeoutError)
+
+
+@dataclass(frozen=True)
+class EtcdEndpoints:
+    """``etcd://HOST:PORT[,HOST:PORT...]``: the members to try, in order."""
+
+    members: Sequence[tuple[str, int]]
+
+    @classmethod
+    def parse(cls, url: str) -> EtcdEndpoints:
+        if not url.startswith("etcd://"):
+            raise ValueError(f"store {url!r} is neither 'memory' nor etcd://HOST:PORT[,…]")
+        members = []
+        for member in url.removeprefix("etcd://").rstrip("/").split(","):
+            host, sep, port = member.strip().rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"etcd member {member!r} is not HOST:PORT")
+            members.append((host, int(port)))
+        return cls(members)
+
+
+class EtcdStore(MemoryStore):
+    def __init__(self, endpoints: EtcdEndpoints, prefix: str = "/kvbroker", timeout_s: float = 2.0):
+        super().__init__()
+        self.endpoints = endpoints
+        self.timeout_s = timeout_s
+        self.data_prefix = f"{prefix.rstrip('/')}/v1/".encode()
+        self.leader_key = f"{prefix.rstrip('/')}/leader".encode()
+        # The leader key's create revision this replica won; None while it does not lead.
+        self.fence: int | None = None
+        self.revision = 0
+        self._pending: dict[bytes, bytes | None] = {}
+        self._client: aetcd.Client | None = None
+        self._member = 0
+
+    # ------------------------------------------------------------ connection
+
+    async def client(self) -> aetcd.Client:
+        """A connected client; rotates to the next member after a failure (``reconnect``)."""
+        if self._client is None:
+            host, port = self.endpoints.members[self._member % len(self.endpoints.members)]
+            client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)
+            await client.connect()
+            self._client = client
+        return self._client
+
+    async def reconnect(self) -> None:
+        client, self._client = self._client, None
+        self._member += 1
+        if client is not None:
+            with contextlib.suppress(*ETCD_ERRORS):
+                await client.close()
+
+    async def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(*ETCD_ERRORS):
+                await self._client.close()
+            self._client = None
+
+    # ------------------------------------------------------------ keys
+
+    def _key(self, kind: str, ident: str) -> bytes:
+        return self.data_prefix + f"{kind}/{ident}".encode()
+
+    def _apply(self, key: bytes, value: bytes | None) -> None:
+        """One record from etcd into the cache (load and watch)."""
+        kind, _, ident = key.removeprefix(self.data_prefix).decode().partition("/")
+        if kind == _NODE:
+            if value is None:
+                self._nodes.pop(ident, None)
+            else:
+                node = node_pb2.Node.FromString(value)
+                self._nodes[node.spec.node_id] = node
+        elif kind == _CONVERSATION:
+            if value is None:
+                self._conversations.pop(ident, None)
+            else:
+                self._conversations[ident] = value
+        elif kind == _LEASE:
+            if value is None:
+                self._forget_lease(ident)
+            else:
+                self._keep_lease(lease_pb2.Lease.FromString(value), value)
+
+    # ------------------------------------------------------------ load and follow
+
+    async def load(self) -> int:
+        """Replaces the cache with etcd's contents; returns the revision they are at."""
+        try:
+            client = await self.client()
+            response = await client.get_prefix(self.data_prefix)
+        except ETCD_ERRORS as error:
+            await self.reconnect()
+            raise StoreUnavailable(f"etcd unreachable while loading: {error}") from error
+        MemoryStore.__init__(self)
+        self._pending.clear()
+        for kv in response.kvs:
+            self._apply(kv.key, kv.value)
+        self.revision = response.header.revision
+        log.info(
+            "store_loaded",
+            revision=self.revision,
+            nodes=len(self._nodes),
+            conversations=len(self._conversations),
+            leases=len(self._leases),
+        )
+        return self.revision
+
+    async def follow(self) -> None:
+        """Keeps the cache current from a watch, reloading when the watch breaks; until
+        cancelled (the replica cancels it when it becomes the leader)."""
+        while True:
+            try:
+                await self.load()
+                client = await self.client()
+                watch = await client.watch_prefix(
+                    self.data_prefix, start_revision=self.revision + 1
+                )
+                async for event in watch:
+                    kv = event.kv
+                    self._apply(
+                        kv.key, None if event.kind == aetcd.rtypes.EventKind.DELETE else kv.value
+                    )
+                    self.revision = max(self.revision, kv.mod_revision)
+            except (StoreUnavailable, *ETCD_ERRORS) as error:
+                log.warning("store_watch_broken", error=str(error))
+                await self.reconnect()
+                await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------ writes
+
+    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
+        await super().put_node(node)
+        if durable:
+            self._pending[self._key(_NODE, node.spec.node_id)] = node.SerializeToString()
+
+    async def put_conversation(self, conversation: lease_pb2.Conversation) -> None:
+        raw = conversation.SerializeToString()
+        self._conversations[conversation.conversation_id] = raw
+        self._pending[self._key(_CONVERSATION, conversation.conversation_id)] = raw
+
+    async def delete_conversation(self, conversation_id: str) -> None:
+        await super().delete_conversation(conversation_id)
+        self._pending[self._key(_CONVERSATION, conversation_id)] = None
+
+    async def put_lease(self, lease: lease_pb2.Lease, durable: bool = True) -> None:
+        raw = lease.SerializeToString()
+        self._keep_lease(lease, raw)
+        if durable:
+            self._pending[self._key(_LEASE, lease.lease_id)] = raw
+
+    async def delete_lease(self, lease_id: str) -> None:
+        await super().delete_lease(lease_id)
+        self._pending[self._key(_LEASE, lease_id)] = None
+
+    async def commit(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = list(self._pending.items()), {}
+        if self.fence is None:
+            raise StoreUnavailable("this registry replica does not lead; it cannot write")
+        fence = rpc.Compare(
+            key=self.leader_key,
+            result=rpc.Compare.EQUAL,
+            target=rpc.Compare.CREATE,
+            create_revision=self.fence,
+        )
+        try:
+            client = await self.client()
+            for start in range(0, len(pending), MAX_TXN_OPS):
+                ops = [
+                    rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value))
+                    if value is not None
+                    else rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+                    for key, value in pending[start : start + MAX_TXN_OPS]
+                ]
+                response = await client.kvstub.Txn(
+                    rpc.TxnRequest(compare=[fence], success=ops), timeout=self.timeout_s
+                )
+                if not response.succeeded:
+                    raise StoreUnavailable(
+                        "this registry replica was deposed (the leader key changed); "
+                        "its writes are fenced off"
+                    )
+                self.revision = response.header.revision
+        except ETCD_ERRORS as error:
+            await self.reconnect()
+            raise StoreUnavailable(f"etcd did not take the write: {error}") from error
