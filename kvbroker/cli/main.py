@@ -502,6 +502,50 @@ def bench_registry(
     console.print(f"written: {', '.join(str(p) for p in paths)}")
 
 
+@bench_app.command("failover")
+def bench_failover(
+    output: Annotated[Path, typer.Option(help="Where failover.json goes.")] = Path(
+        "results/failover"
+    ),
+    seconds: Annotated[float, typer.Option(min=10, help="How long the load and kills last.")] = 120,
+    replicas: Annotated[int, typer.Option(min=2, help="Registry replicas.")] = 3,
+    conversations: Annotated[int, typer.Option(min=1, help="Concurrent conversations.")] = 8,
+    kill_every: Annotated[float, typer.Option(min=2, help="Seconds between kills.")] = 8,
+    restart_etcd: Annotated[bool, typer.Option(help="Restart etcd once half-way.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed for think times and victims.")] = 7,
+) -> None:
+    """Soak: replicas on a real etcd killed under a steady load of turns through the router.
+    Exits 1 if any request failed, any lease was lost, or any hint or read was stale."""
+    from kvbroker.bench.failover import SoakConfig, run_soak, summary_rows, write_report
+
+    console = Console()
+    config = SoakConfig(
+        replicas=replicas,
+        conversations=conversations,
+        duration_s=seconds,
+        kill_every_s=kill_every,
+        restart_etcd=restart_etcd,
+        seed=seed,
+    )
+    try:
+        report = asyncio.run(
+            run_soak(config, progress=lambda message: console.print(f"[dim]·[/] {message}"))
+        )
+    except (RuntimeError, TimeoutError) as error:
+        fail(str(error))
+    table = Table(title="registry replicas under kills", title_justify="left")
+    for column, justify in (("figure", "left"), ("value", "right"), ("must be", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for row in summary_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    for failure in report.failures:
+        console.print(f"[red]·[/] {failure}")
+    console.print(f"written: {write_report(report, output)}")
+    bad = report.failed_requests + report.leases_lost + report.stale_hints + report.stale_reads
+    raise typer.Exit(1 if bad else 0)
+
+
 # ---------------------------------------------------------------------- router
 
 

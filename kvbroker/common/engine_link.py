@@ -106,10 +106,9 @@ class EngineLink:
         loop, stub = self._loop, self._stub
         if loop is None or stub is None or not self.attached.is_set():
             return False, "no link to the sidecar"
-        call = stub.CheckLease(
-            sidecar_pb2.CheckLeaseRequest(lease_id=lease_id, epoch=epoch), timeout=timeout_s
-        )
-        future = asyncio.run_coroutine_threadsafe(_await(call), loop)
+        request = sidecar_pb2.CheckLeaseRequest(lease_id=lease_id, epoch=epoch)
+        # The call is made on the link's loop: grpc.aio calls belong to the loop they run on.
+        future = asyncio.run_coroutine_threadsafe(_call(stub.CheckLease, request, timeout_s), loop)
         try:
             response = future.result(timeout_s + 0.05)
         except Exception as error:  # timeout, RPC error, loop gone: all mean "not verified"
@@ -217,5 +216,5 @@ class EngineLink:
             )
 
 
-async def _await(call: Any) -> Any:
-    return await call
+async def _call(method: Any, request: Any, timeout_s: float) -> Any:
+    return await method(request, timeout=timeout_s)

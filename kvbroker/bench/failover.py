@@ -1,0 +1,688 @@
+"""`kvbroker bench failover`: registry replicas on etcd, killed under a steady load of turns.
+
+Everything on the control path is the real thing, each in its own process: an etcd server,
+registry replicas (`kvbroker registry serve --store etcd://…`), one `kvbroker sidecar run` per
+engine and a `kvbroker router run` in front. Only the engines are simulated, in this process:
+each serves the HTTP routes the sidecar and router use and drives its sidecar through the real
+``EngineLink``. A decode engine retains blocks per turn and frees them when the registry's
+deadlines say so; a prefill engine that receives a handle asks its sidecar whether the lease
+may be read, exactly as the vLLM connector does, and then checks the decode engine's ground
+truth, which is what makes the counts below meaningful:
+
+- failed requests: turns the router did not answer with 200;
+- stale hints: handles offered for blocks their decode engine no longer held;
+- stale reads: reads the lease check allowed of blocks no longer held (the worst outcome);
+- lost leases: at the end, conversations whose decode engine still holds their last turn's
+  blocks but whose lease the registry no longer has;
+- recovery: from each leader kill to the first turn after it that reused KV with an EXACT hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aetcd
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from kvbroker.common.clock import to_duration
+from kvbroker.common.engine_link import EngineLink
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.handles import EPOCH_KEY, LEASE_ID_KEY
+from kvbroker.stack import KVBROKER, free_port
+from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
+
+MODEL = "sim-model"
+BLOCK_SIZE = 16
+TOKENS_PER_TURN = 256
+# Like vLLM's decoder_kv_blocks_ttl: the longest a decode engine keeps blocks on its own.
+HARD_CAP_S = 600.0
+LIVE = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
+
+
+# ---------------------------------------------------------------------- processes
+
+
+@dataclass
+class Child:
+    """One child process of the harness, restartable on the same ports."""
+
+    name: str
+    argv: list[str]
+    process: asyncio.subprocess.Process | None = None
+    log: Path | None = None
+
+    async def start(self, ready: Callable[[], Any] | None = None) -> None:
+        assert self.log is not None
+        stream = self.log.open("ab")
+        self.process = await asyncio.create_subprocess_exec(
+            *self.argv, stdout=asyncio.subprocess.PIPE, stderr=stream
+        )
+        stream.close()
+        if ready is None:
+            assert self.process.stdout is not None
+            line = await asyncio.wait_for(self.process.stdout.readline(), 60)
+            if not line:
+                raise RuntimeError(f"{self.name} exited before it was ready (see {self.log})")
+        else:
+            await ready()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(sig)
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+
+async def _until(check: Callable[[], Any], within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if await check():
+                return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{what} not reached within {within_s:.0f} s")
+
+
+class EtcdServer:
+    """A single-member etcd on loopback ports, in its own data directory."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.client_port, self.peer_port = free_port(), free_port()
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://127.0.0.1:{self.client_port}"
+        self.child = Child(
+            "etcd",
+            [
+                shutil.which("etcd") or "etcd",
+                "--name=kvbroker",
+                f"--data-dir={workdir / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=kvbroker={peer}",
+            ],
+            log=workdir / "etcd.log",
+        )
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    async def start(self) -> None:
+        if shutil.which("etcd") is None:
+            raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+        await self.child.start(ready=lambda: _until(self._answers, 30, "etcd serving"))
+
+    async def _answers(self) -> bool:
+        return await self.leader() is not None
+
+    async def leader(self) -> str:
+        """The registry replica that leads now, as etcd says ("" while none does)."""
+        async with aetcd.Client(port=self.client_port, timeout=2) as client:
+            found = await client.get(b"/kvbroker/leader")
+            return found.value.decode() if found is not None else ""
+
+
+def registry_replica(workdir: Path, index: int, store: str, flags: list[str]) -> Child:
+    port = free_port()
+    return Child(
+        f"registry-{index}",
+        [KVBROKER, "registry", "serve", "--listen", f"127.0.0.1:{port}", "--store", store,
+         "--log-format", "json", *flags],
+        log=workdir / f"registry-{index}.log",
+    )  # fmt: skip
+
+
+def replica_address(child: Child) -> str:
+    return child.argv[child.argv.index("--listen") + 1]
+
+
+# ---------------------------------------------------------------------- simulated engines
+
+
+@dataclass
+class Held:
+    """Blocks a simulated decode engine holds for one request (its ground truth)."""
+
+    conversation: str
+    free_at: float
+    lease_id: str = ""
+    epoch: int = 0
+
+
+@dataclass
+class Tally:
+    turns: int = 0
+    failed: list[str] = field(default_factory=list)
+    reuse_exact: int = 0
+    degraded: int = 0
+    reads: int = 0
+    declined: int = 0
+    stale_hints: int = 0
+    stale_reads: int = 0
+    leases: set[str] = field(default_factory=set)
+
+
+class SimEngine:
+    """An engine's HTTP face (health, metrics, models, completions) and its EngineLink."""
+
+    def __init__(self, node_id: str, role: str, socket: Path, fleet: Fleet) -> None:
+        self.node_id, self.role, self.fleet = node_id, role, fleet
+        self.port = free_port()
+        self.engine_id = f"engine-{node_id}"
+        self.held: dict[str, Held] = {}
+        self.link = EngineLink(
+            f"unix:{socket}",
+            sidecar_pb2.EngineInfo(
+                engine_id=self.engine_id,
+                side_channel_host="127.0.0.1",
+                side_channel_port=self.port,
+                block_size=BLOCK_SIZE,
+                capacity_blocks=65_536,
+                bytes_per_block=65_536,
+                model=MODEL,
+            ),
+        )
+        self._server: uvicorn.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = Starlette(
+            routes=[
+                Route("/health", lambda r: JSONResponse({})),
+                Route("/metrics", self._metrics),
+                Route("/v1/models", lambda r: JSONResponse({"data": [{"id": MODEL}]})),
+                Route("/v1/chat/completions", self._completions, methods=["POST"]),
+            ]
+        )
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        self._server = uvicorn.Server(config)
+        self._tasks.append(asyncio.create_task(self._server.serve()))
+        self._tasks.append(asyncio.create_task(self._apply_deadlines()))
+        while not self._server.started:  # noqa: ASYNC110 - uvicorn has no "started" event
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        for task in self._tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.to_thread(self.link.close)
+
+    async def _metrics(self, request: Request) -> Response:
+        return PlainTextResponse(
+            f'vllm:num_requests_running{{model_name="{MODEL}"}} 0\n'
+            f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {len(self.held) / 65536}\n'
+        )
+
+    async def _completions(self, request: Request) -> Response:
+        body = await request.json()
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):
+            return JSONResponse(self._reply(await self._prefill(params)))
+        return JSONResponse(self._reply(self._decode(str(body.get("session_id") or ""))))
+
+    @staticmethod
+    def _reply(params: dict[str, Any]) -> dict[str, Any]:
+        message = {"role": "assistant", "content": "ok"}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex[:8]}",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "kv_transfer_params": params,
+        }
+
+    async def _prefill(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A prefill leg; with a handle, the connector's fence, then the read."""
+        lease_id = params.get(LEASE_ID_KEY)
+        if lease_id:
+            holder = self.fleet.engine(str(params.get("remote_engine_id")))
+            held = holder.held.get(str(params.get("remote_request_id"))) if holder else None
+            if held is None:
+                self.fleet.tally.stale_hints += 1
+            usable, _ = await asyncio.to_thread(
+                self.link.check_lease, str(lease_id), int(params.get(EPOCH_KEY) or 0), 0.25
+            )
+            if usable:
+                self.fleet.tally.reads += 1
+                if holder is None or str(params.get("remote_request_id")) not in holder.held:
+                    self.fleet.tally.stale_reads += 1
+            else:
+                self.fleet.tally.declined += 1
+        return {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": f"p-{uuid.uuid4().hex[:12]}",
+            "remote_block_ids": [[0]],
+            "remote_host": "127.0.0.1",
+            "remote_port": self.port,
+        }
+
+    def _decode(self, conversation: str) -> dict[str, Any]:
+        """A decode leg: the conversation so far stays retained under a lease."""
+        request_id = f"d-{uuid.uuid4().hex[:12]}"
+        if not conversation:
+            return {}
+        tokens = TOKENS_PER_TURN * (
+            1 + sum(h.conversation == conversation for h in self.held.values())
+        )
+        blocks = -(-tokens // BLOCK_SIZE)
+        self.held[request_id] = Held(conversation, time.monotonic() + HARD_CAP_S)
+        self.fleet.latest[conversation] = (self.engine_id, request_id)
+        self.link.retained(
+            registry_pb2.RetainedBlocks(
+                conversation_id=conversation,
+                handle=lease_pb2.KvHandle(
+                    remote_engine_id=self.engine_id,
+                    remote_request_id=request_id,
+                    remote_block_groups=[lease_pb2.BlockIdGroup(block_ids=list(range(blocks)))],
+                    remote_host="127.0.0.1",
+                    remote_port=self.port,
+                    remote_num_tokens=tokens,
+                ),
+                block_hashes=[os.urandom(16) for _ in range(blocks)],
+                token_count=tokens,
+                time_to_live=to_duration(HARD_CAP_S),
+            )
+        )
+        return {"do_remote_decode": False}
+
+    async def _apply_deadlines(self) -> None:
+        """What the connector does each scheduler step: deadlines in, expired blocks out."""
+        while True:
+            now = time.monotonic()
+            for deadline in self.link.poll_deadlines():
+                held = self.held.get(deadline.remote_request_id)
+                if held is None:
+                    continue
+                if deadline.lease_live:
+                    held.lease_id, held.epoch = deadline.lease_id, deadline.epoch
+                    self.fleet.tally.leases.add(deadline.lease_id)
+                    held.free_at = min(deadline.expires_at, now + HARD_CAP_S)
+                else:
+                    held.free_at = min(held.free_at, deadline.expires_at)
+            for request_id in [r for r, h in self.held.items() if h.free_at <= now]:
+                del self.held[request_id]
+                self.link.released(request_id, "freed by the engine (deadline)")
+            await asyncio.sleep(0.02)
+
+
+# ---------------------------------------------------------------------- the fleet
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    replicas: int = 3
+    decode_engines: int = 2
+    prefill_engines: int = 1
+    conversations: int = 8
+    turns_per_conversation: int = 6
+    think_s: tuple[float, float] = (0.05, 0.3)
+    duration_s: float = 60.0
+    kill_every_s: float = 8.0
+    # Kills hit the leader this often, any replica otherwise.
+    leader_kill_share: float = 0.75
+    restart_after_s: float = 2.0
+    restart_etcd: bool = True
+    seed: int = 7
+
+
+@dataclass
+class SoakReport:
+    duration_s: float
+    turns: int
+    failed_requests: int
+    reuse_exact: int
+    degraded_hints: int
+    reads: int
+    declined_reads: int
+    leases_granted: int
+    leases_lost: int
+    stale_hints: int
+    stale_reads: int
+    replica_kills: int
+    leader_kills: int
+    etcd_restarts: int
+    recovery_s: list[float]
+    failures: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Fleet:
+    """etcd, registry replicas, sidecars, simulated engines and a router."""
+
+    def __init__(self, workdir: Path, config: SoakConfig, registry_flags: list[str]) -> None:
+        self.workdir, self.config = workdir, config
+        self.etcd = EtcdServer(workdir)
+        self.replicas = [
+            registry_replica(workdir, i, self.etcd.url, registry_flags)
+            for i in range(config.replicas)
+        ]
+        self.addresses = ",".join(replica_address(r) for r in self.replicas)
+        self.engines: list[SimEngine] = []
+        self.sidecars: list[Child] = []
+        roles = ["decode"] * config.decode_engines + ["prefill"] * config.prefill_engines
+        for i, role in enumerate(roles):
+            node_id = f"{role}-{i}"
+            socket = workdir / f"{node_id}.sock"
+            engine = SimEngine(node_id, role, socket, self)
+            self.engines.append(engine)
+            self.sidecars.append(
+                Child(
+                    f"sidecar-{node_id}",
+                    [
+                        KVBROKER,
+                        "sidecar",
+                        "run",
+                        "--registry",
+                        self.addresses,
+                        "--engine-url",
+                        engine.url,
+                        "--role",
+                        role,
+                        "--node-id",
+                        node_id,
+                        "--listen",
+                        f"unix:{socket}",
+                        "--log-format",
+                        "json",
+                    ],
+                    log=workdir / f"sidecar-{node_id}.log",
+                )
+            )
+        self.router_port = free_port()
+        self.router = Child(
+            "router",
+            [KVBROKER, "router", "run", "--registry", self.addresses, "--listen",
+             f"127.0.0.1:{self.router_port}", "--log-format", "json"],
+            log=workdir / "router.log",
+        )  # fmt: skip
+        self.tally = Tally()
+        # conversation -> (engine id, request id) of its last retention
+        self.latest: dict[str, tuple[str, str]] = {}
+        self.http = httpx.AsyncClient(timeout=10)
+
+    def engine(self, engine_id: str) -> SimEngine | None:
+        return next((e for e in self.engines if e.engine_id == engine_id), None)
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    async def start(self) -> None:
+        await self.etcd.start()
+        for replica in self.replicas:
+            await replica.start()
+        for engine, sidecar in zip(self.engines, self.sidecars, strict=True):
+            await engine.start()
+            await sidecar.start()
+            engine.link.start()
+        await self.router.start(ready=lambda: _until(self._routable, 60, "router routing"))
+
+    async def _routable(self) -> bool:
+        response = await self.http.get(f"{self.router_url}/v1/models")
+        return bool(response.json()["data"])
+
+    async def stop(self) -> None:
+        await self.http.aclose()
+        await self.router.stop()
+        for engine in self.engines:
+            await engine.stop()
+        for child in [*self.sidecars, *self.replicas]:
+            await child.stop()
+        await self.etcd.child.stop()
+
+    # ------------------------------------------------------------ load
+
+    async def turn(self, conversation: str, index: int) -> tuple[str, str]:
+        """One turn through the router; (decision, consistency), or records a failure."""
+        self.tally.turns += 1
+        body = {
+            "model": MODEL,
+            "session_id": conversation,
+            "messages": [{"role": "user", "content": f"turn {index}"}],
+        }
+        try:
+            response = await self.http.post(f"{self.router_url}/v1/chat/completions", json=body)
+        except httpx.HTTPError as error:
+            self.tally.failed.append(f"{conversation} turn {index}: {error!r}")
+            return "", ""
+        if response.status_code != 200:
+            self.tally.failed.append(
+                f"{conversation} turn {index}: {response.status_code} {response.text[:200]}"
+            )
+            return "", ""
+        decision = response.headers.get("x-kvbroker-decision", "")
+        consistency = response.headers.get("x-kvbroker-consistency", "")
+        self.tally.reuse_exact += decision == "REUSE" and consistency == "EXACT"
+        self.tally.degraded += consistency == "DEGRADED"
+        return decision, consistency
+
+    async def close(self, conversation: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self.http.delete(f"{self.router_url}/v1/sessions/{conversation}")
+        self.latest.pop(conversation, None)
+
+    async def converse(self, rng: random.Random, until: float, reuse_seen: list[float]) -> None:
+        """Conversations one after another until ``until``; each ends with a close."""
+        config = self.config
+        while time.monotonic() < until:
+            conversation = f"conv-{uuid.uuid4().hex[:10]}"
+            for index in range(config.turns_per_conversation):
+                started = time.monotonic()
+                decision, consistency = await self.turn(conversation, index)
+                if decision == "REUSE" and consistency == "EXACT":
+                    reuse_seen.append(started)
+                await asyncio.sleep(rng.uniform(*config.think_s))
+                if time.monotonic() >= until:
+                    return  # leave it open: the end check looks for its lease
+            await self.close(conversation)
+
+    # ------------------------------------------------------------ chaos
+
+    async def chaos(self, rng: random.Random, until: float, kills: list[tuple[float, bool]]) -> int:
+        """Kills a replica (mostly the leader) every so often and brings it back; restarts
+        etcd once half-way if asked. Returns the number of etcd restarts."""
+        config = self.config
+        etcd_restarts = 0
+        etcd_due = time.monotonic() + (until - time.monotonic()) / 2 if config.restart_etcd else 0
+        while time.monotonic() + config.kill_every_s < until:
+            await asyncio.sleep(config.kill_every_s)
+            if etcd_due and time.monotonic() >= etcd_due:
+                etcd_due = 0
+                await self.etcd.child.stop()
+                await asyncio.sleep(config.restart_after_s)
+                await self.etcd.start()
+                etcd_restarts += 1
+                continue
+            leader = await self.etcd.leader()
+            leading = [r for r in self.replicas if replica_address(r) == leader]
+            hit_leader = bool(leading) and rng.random() < config.leader_kill_share
+            victim = leading[0] if hit_leader else rng.choice(self.replicas)
+            victim.kill()
+            kills.append((time.monotonic(), victim in leading))
+            await asyncio.sleep(config.restart_after_s)
+            await victim.start()
+        return etcd_restarts
+
+    # ------------------------------------------------------------ the end check
+
+    async def lost_leases(self, within_s: float = 20.0) -> list[str]:
+        """Open conversations whose last retention D still holds but the registry lost."""
+        endpoint = RegistryEndpoint.parse(self.addresses)
+        deadline = time.monotonic() + within_s
+        async with open_channel(endpoint) as channel:
+            stub = registry_stub(channel)
+            while True:
+                lost = []
+                for conversation, (engine_id, request_id) in list(self.latest.items()):
+                    engine = self.engine(engine_id)
+                    if engine is None or request_id not in engine.held:
+                        continue  # D freed it (it may): nothing to lose
+                    try:
+                        found = await stub.ListLeases(
+                            registry_pb2.ListLeasesRequest(conversation_id=conversation),
+                            timeout=2,
+                        )
+                    except Exception as error:
+                        lost.append(f"{conversation}: registry said {error!r}")
+                        continue
+                    live = [
+                        lease
+                        for lease in found.leases
+                        if lease.state in LIVE and lease.handle.remote_request_id == request_id
+                    ]
+                    if not live:
+                        lost.append(f"{conversation}: no live lease for {request_id}")
+                if not lost or time.monotonic() > deadline:
+                    return lost
+                await asyncio.sleep(0.5)
+
+
+async def run_soak(
+    config: SoakConfig,
+    registry_flags: list[str] | None = None,
+    workdir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SoakReport:
+    """Starts the fleet, runs turns under chaos for ``config.duration_s``, checks the end."""
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="kvbroker-soak-") as temporary:
+            return await run_soak(config, registry_flags, Path(temporary), progress)
+    say = progress or (lambda message: None)
+    flags = registry_flags or [
+        "--election-ttl", "2", "--heartbeat-interval", "0.5", "--session-ttl", "4",
+    ]  # fmt: skip
+    fleet = Fleet(workdir, config, flags)
+    say("starting etcd, registry replicas, sidecars, engines and the router")
+    try:
+        await fleet.start()
+        return await _drive(fleet, config, say)
+    finally:
+        await fleet.stop()
+
+
+async def _drive(fleet: Fleet, config: SoakConfig, say: Callable[[str], None]) -> SoakReport:
+    rng = random.Random(config.seed)
+    started = time.monotonic()
+    until = started + config.duration_s
+    kills: list[tuple[float, bool]] = []
+    reuse_seen: list[float] = []
+    say(f"{config.conversations} conversations for {config.duration_s:.0f} s, with kills")
+    workers = [
+        fleet.converse(random.Random(rng.random()), until, reuse_seen)
+        for _ in range(config.conversations)
+    ]
+    chaos = asyncio.create_task(fleet.chaos(rng, until, kills))
+    await asyncio.gather(*workers)
+    etcd_restarts = await chaos
+    say("checking that every open conversation's lease survived")
+    lost = await fleet.lost_leases()
+    recovery = []
+    for killed_at, was_leader in kills:
+        if was_leader:
+            after = [t - killed_at for t in reuse_seen if t > killed_at]
+            if after:
+                recovery.append(round(min(after), 3))
+    tally = fleet.tally
+    return SoakReport(
+        duration_s=round(time.monotonic() - started, 1),
+        turns=tally.turns,
+        failed_requests=len(tally.failed),
+        reuse_exact=tally.reuse_exact,
+        degraded_hints=tally.degraded,
+        reads=tally.reads,
+        declined_reads=tally.declined,
+        leases_granted=len(tally.leases),
+        leases_lost=len(lost),
+        stale_hints=tally.stale_hints,
+        stale_reads=tally.stale_reads,
+        replica_kills=len(kills),
+        leader_kills=sum(1 for _, leader in kills if leader),
+        etcd_restarts=etcd_restarts,
+        recovery_s=recovery,
+        failures=tally.failed[:20] + lost[:20],
+    )
+
+
+def summary_rows(report: SoakReport) -> list[tuple[str, str, str]]:
+    """(figure, value, must be) rows for the table."""
+    recovery = report.recovery_s
+    return [
+        ("turns", str(report.turns), ""),
+        ("failed requests", str(report.failed_requests), "0"),
+        ("reuse (EXACT hints)", str(report.reuse_exact), ""),
+        ("DEGRADED hints", str(report.degraded_hints), ""),
+        ("KV reads allowed / declined", f"{report.reads} / {report.declined_reads}", ""),
+        ("leases granted", str(report.leases_granted), ""),
+        ("leases lost", str(report.leases_lost), "0"),
+        ("stale hints", str(report.stale_hints), "0"),
+        ("stale reads", str(report.stale_reads), "0"),
+        ("replica kills (leader)", f"{report.replica_kills} ({report.leader_kills})", ""),
+        ("etcd restarts", str(report.etcd_restarts), ""),
+        (
+            "recovery after a leader kill, s",
+            f"median {statistics.median(recovery):.2f}, max {max(recovery):.2f}"
+            if recovery
+            else "n/a",
+            "",
+        ),
+    ]
+
+
+def write_report(report: SoakReport, output: Path) -> Path:
+    output.mkdir(parents=True, exist_ok=True)
+    path = output / "failover.json"
+    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return path
+
+
+@contextlib.asynccontextmanager
+async def fleet_for_tests(
+    workdir: Path, config: SoakConfig, registry_flags: list[str]
+) -> AsyncIterator[Fleet]:
+    """The fleet started and stopped around a test that drives it itself."""
+    fleet = Fleet(workdir, config, registry_flags)
+    try:
+        await fleet.start()
+        yield fleet
+    finally:
+        await fleet.stop()
