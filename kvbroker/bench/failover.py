@@ -14,7 +14,8 @@ truth, which is what makes the counts below meaningful:
 - stale reads: reads the lease check allowed of blocks no longer held (the worst outcome);
 - lost leases: at the end, conversations whose decode engine still holds their last turn's
   blocks but whose lease the registry no longer has;
-- recovery: from each leader kill to the first turn after it that reused KV with an EXACT hint.
+- recovery: from each leader kill (and etcd restart) to the first turn that started after it
+  and reused KV on an EXACT hint.
 """
 
 from __future__ import annotations
@@ -304,7 +305,7 @@ class SimEngine:
         )
         blocks = -(-tokens // BLOCK_SIZE)
         self.held[request_id] = Held(conversation, time.monotonic() + HARD_CAP_S)
-        self.fleet.latest[conversation] = (self.engine_id, request_id)
+        self.fleet.retentions.setdefault(conversation, []).append((self.engine_id, request_id))
         self.link.retained(
             registry_pb2.RetainedBlocks(
                 conversation_id=conversation,
@@ -380,6 +381,7 @@ class SoakReport:
     leader_kills: int
     etcd_restarts: int
     recovery_s: list[float]
+    etcd_recovery_s: list[float]
     failures: list[str]
 
     def to_json(self) -> dict[str, Any]:
@@ -436,8 +438,8 @@ class Fleet:
             log=workdir / "router.log",
         )  # fmt: skip
         self.tally = Tally()
-        # conversation -> (engine id, request id) of its last retention
-        self.latest: dict[str, tuple[str, str]] = {}
+        # conversation -> (engine id, request id) of each retention, in the order made
+        self.retentions: dict[str, list[tuple[str, str]]] = {}
         self.http = httpx.AsyncClient(timeout=10)
 
     def engine(self, engine_id: str) -> SimEngine | None:
@@ -499,7 +501,7 @@ class Fleet:
     async def close(self, conversation: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
             await self.http.delete(f"{self.router_url}/v1/sessions/{conversation}")
-        self.latest.pop(conversation, None)
+        self.retentions.pop(conversation, None)
 
     async def converse(self, rng: random.Random, until: float, reuse_seen: list[float]) -> None:
         """Conversations one after another until ``until``; each ends with a close."""
@@ -518,63 +520,75 @@ class Fleet:
 
     # ------------------------------------------------------------ chaos
 
-    async def chaos(self, rng: random.Random, until: float, kills: list[tuple[float, bool]]) -> int:
+    async def chaos(
+        self, rng: random.Random, until: float, events: list[tuple[float, str]]
+    ) -> None:
         """Kills a replica (mostly the leader) every so often and brings it back; restarts
-        etcd once half-way if asked. Returns the number of etcd restarts."""
+        etcd once, a third of the way in, if asked. Each goes into ``events`` with its time."""
         config = self.config
-        etcd_restarts = 0
-        etcd_due = time.monotonic() + (until - time.monotonic()) / 2 if config.restart_etcd else 0
-        while time.monotonic() + config.kill_every_s < until:
+        etcd_due = time.monotonic() + (until - time.monotonic()) / 3 if config.restart_etcd else 0
+        # The last event leaves a quiet tail, so recovery from it is seen before the end.
+        while time.monotonic() + 2 * config.kill_every_s < until:
             await asyncio.sleep(config.kill_every_s)
             if etcd_due and time.monotonic() >= etcd_due:
                 etcd_due = 0
                 await self.etcd.child.stop()
                 await asyncio.sleep(config.restart_after_s)
                 await self.etcd.start()
-                etcd_restarts += 1
+                events.append((time.monotonic(), "etcd"))
                 continue
             leader = await self.etcd.leader()
             leading = [r for r in self.replicas if replica_address(r) == leader]
             hit_leader = bool(leading) and rng.random() < config.leader_kill_share
             victim = leading[0] if hit_leader else rng.choice(self.replicas)
             victim.kill()
-            kills.append((time.monotonic(), victim in leading))
+            events.append((time.monotonic(), "leader" if victim in leading else "follower"))
             await asyncio.sleep(config.restart_after_s)
             await victim.start()
-        return etcd_restarts
 
     # ------------------------------------------------------------ the end check
 
     async def lost_leases(self, within_s: float = 20.0) -> list[str]:
-        """Open conversations whose last retention D still holds but the registry lost."""
+        """Open conversations that lost their KV: a decode engine still holds some of their
+        blocks but the registry has no live lease for them, or the registry's live lease
+        names blocks no engine holds. (The live lease need not be the last turn's: a report
+        delayed by a failover may land after a later turn's and supersede it.)"""
         endpoint = RegistryEndpoint.parse(self.addresses)
         deadline = time.monotonic() + within_s
         async with open_channel(endpoint) as channel:
             stub = registry_stub(channel)
             while True:
-                lost = []
-                for conversation, (engine_id, request_id) in list(self.latest.items()):
-                    engine = self.engine(engine_id)
-                    if engine is None or request_id not in engine.held:
-                        continue  # D freed it (it may): nothing to lose
-                    try:
-                        found = await stub.ListLeases(
-                            registry_pb2.ListLeasesRequest(conversation_id=conversation),
-                            timeout=2,
-                        )
-                    except Exception as error:
-                        lost.append(f"{conversation}: registry said {error!r}")
-                        continue
-                    live = [
-                        lease
-                        for lease in found.leases
-                        if lease.state in LIVE and lease.handle.remote_request_id == request_id
-                    ]
-                    if not live:
-                        lost.append(f"{conversation}: no live lease for {request_id}")
+                lost = [
+                    problem
+                    for conversation, made in list(self.retentions.items())
+                    if (problem := await self._lease_problem(stub, conversation, made))
+                ]
                 if not lost or time.monotonic() > deadline:
                     return lost
                 await asyncio.sleep(0.5)
+
+    async def _lease_problem(
+        self, stub: Any, conversation: str, made: list[tuple[str, str]]
+    ) -> str | None:
+        held = {
+            request_id
+            for engine_id, request_id in made
+            if (engine := self.engine(engine_id)) is not None and request_id in engine.held
+        }
+        if not held:
+            return None  # freed by its engine on a deadline: nothing left to lose
+        try:
+            found = await stub.ListLeases(
+                registry_pb2.ListLeasesRequest(conversation_id=conversation), timeout=2
+            )
+        except Exception as error:
+            return f"{conversation}: registry said {error!r}"
+        live = [lease for lease in found.leases if lease.state in LIVE]
+        if not live:
+            return f"{conversation}: no live lease, engines hold {sorted(held)}"
+        if live[-1].handle.remote_request_id not in held:
+            return f"{conversation}: live lease {live[-1].lease_id} names freed blocks"
+        return None
 
 
 async def run_soak(
@@ -604,24 +618,25 @@ async def _drive(fleet: Fleet, config: SoakConfig, say: Callable[[str], None]) -
     rng = random.Random(config.seed)
     started = time.monotonic()
     until = started + config.duration_s
-    kills: list[tuple[float, bool]] = []
+    events: list[tuple[float, str]] = []
     reuse_seen: list[float] = []
     say(f"{config.conversations} conversations for {config.duration_s:.0f} s, with kills")
     workers = [
         fleet.converse(random.Random(rng.random()), until, reuse_seen)
         for _ in range(config.conversations)
     ]
-    chaos = asyncio.create_task(fleet.chaos(rng, until, kills))
-    await asyncio.gather(*workers)
-    etcd_restarts = await chaos
+    await asyncio.gather(fleet.chaos(rng, until, events), *workers)
     say("checking that every open conversation's lease survived")
     lost = await fleet.lost_leases()
-    recovery = []
-    for killed_at, was_leader in kills:
-        if was_leader:
-            after = [t - killed_at for t in reuse_seen if t > killed_at]
-            if after:
-                recovery.append(round(min(after), 3))
+
+    def recovery(kind: str) -> list[float]:
+        times = []
+        for at, what in events:
+            after = [t - at for t in reuse_seen if t > at]
+            if what == kind and after:
+                times.append(round(min(after), 3))
+        return times
+
     tally = fleet.tally
     return SoakReport(
         duration_s=round(time.monotonic() - started, 1),
@@ -635,17 +650,23 @@ async def _drive(fleet: Fleet, config: SoakConfig, say: Callable[[str], None]) -
         leases_lost=len(lost),
         stale_hints=tally.stale_hints,
         stale_reads=tally.stale_reads,
-        replica_kills=len(kills),
-        leader_kills=sum(1 for _, leader in kills if leader),
-        etcd_restarts=etcd_restarts,
-        recovery_s=recovery,
+        replica_kills=sum(1 for _, what in events if what != "etcd"),
+        leader_kills=sum(1 for _, what in events if what == "leader"),
+        etcd_restarts=sum(1 for _, what in events if what == "etcd"),
+        recovery_s=recovery("leader"),
+        etcd_recovery_s=recovery("etcd"),
         failures=tally.failed[:20] + lost[:20],
     )
 
 
+def _spread(times: list[float]) -> str:
+    if not times:
+        return "n/a"
+    return f"median {statistics.median(times):.2f}, max {max(times):.2f}"
+
+
 def summary_rows(report: SoakReport) -> list[tuple[str, str, str]]:
     """(figure, value, must be) rows for the table."""
-    recovery = report.recovery_s
     return [
         ("turns", str(report.turns), ""),
         ("failed requests", str(report.failed_requests), "0"),
@@ -658,13 +679,8 @@ def summary_rows(report: SoakReport) -> list[tuple[str, str, str]]:
         ("stale reads", str(report.stale_reads), "0"),
         ("replica kills (leader)", f"{report.replica_kills} ({report.leader_kills})", ""),
         ("etcd restarts", str(report.etcd_restarts), ""),
-        (
-            "recovery after a leader kill, s",
-            f"median {statistics.median(recovery):.2f}, max {max(recovery):.2f}"
-            if recovery
-            else "n/a",
-            "",
-        ),
+        ("reuse again after a leader kill, s", _spread(report.recovery_s), ""),
+        ("reuse again after etcd restarted, s", _spread(report.etcd_recovery_s), ""),
     ]
 
 

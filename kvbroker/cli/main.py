@@ -511,7 +511,9 @@ def bench_failover(
     replicas: Annotated[int, typer.Option(min=2, help="Registry replicas.")] = 3,
     conversations: Annotated[int, typer.Option(min=1, help="Concurrent conversations.")] = 8,
     kill_every: Annotated[float, typer.Option(min=2, help="Seconds between kills.")] = 8,
-    restart_etcd: Annotated[bool, typer.Option(help="Restart etcd once half-way.")] = True,
+    restart_etcd: Annotated[
+        bool, typer.Option(help="Restart etcd once, a third of the way in.")
+    ] = True,
     seed: Annotated[int, typer.Option(help="Seed for think times and victims.")] = 7,
 ) -> None:
     """Soak: replicas on a real etcd killed under a steady load of turns through the router.
