@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import aetcd
 import aetcd.exceptions
 import aetcd.rtypes
+import aetcd.utils
 import grpc
 import structlog
 from aetcd import rpc
@@ -30,6 +31,13 @@ log = structlog.get_logger("kvbroker.registry")
 
 # etcd's default --max-txn-ops; larger change sets (a node's mass withdrawal) go in chunks.
 MAX_TXN_OPS = 128
+# etcd refuses requests over 1.5 MiB (--max-request-bytes); transactions stay under this.
+MAX_TXN_BYTES = 1 << 20
+# The registry's cap on block hashes per lease over etcd: a lease stays well under
+# MAX_TXN_BYTES (16,384 hashes of 32 bytes is 512 KiB; 2M tokens at vLLM's CPU block size).
+MAX_BLOCK_HASHES = 16_384
+# Keys per range request when loading (leases are ~1 KB: well under gRPC's 4 MiB limit).
+LOAD_PAGE = 1000
 _NODE, _CONVERSATION, _LEASE = "node", "conversation", "lease"
 ETCD_ERRORS = (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError, TimeoutError)
 
@@ -96,41 +104,53 @@ class EtcdStore(MemoryStore):
     def _key(self, kind: str, ident: str) -> bytes:
         return self.data_prefix + f"{kind}/{ident}".encode()
 
-    def _apply(self, key: bytes, value: bytes | None) -> None:
-        """One record from etcd into the cache (load and watch)."""
+    def _apply(self, key: bytes, value: bytes | None, cache: MemoryStore) -> None:
+        """One record from etcd into a cache (load and watch)."""
         kind, _, ident = key.removeprefix(self.data_prefix).decode().partition("/")
         if kind == _NODE:
             if value is None:
-                self._nodes.pop(ident, None)
+                cache._nodes.pop(ident, None)
             else:
                 node = node_pb2.Node.FromString(value)
-                self._nodes[node.spec.node_id] = node
+                cache._nodes[node.spec.node_id] = node
         elif kind == _CONVERSATION:
             if value is None:
-                self._conversations.pop(ident, None)
+                cache._conversations.pop(ident, None)
             else:
-                self._conversations[ident] = value
+                cache._conversations[ident] = value
         elif kind == _LEASE:
             if value is None:
-                self._forget_lease(ident)
+                cache._forget_lease(ident)
             else:
-                self._keep_lease(lease_pb2.Lease.FromString(value), value)
+                cache._keep_lease(lease_pb2.Lease.FromString(value), value)
 
     # ------------------------------------------------------------ load and follow
 
     async def load(self) -> int:
-        """Replaces the cache with etcd's contents; returns the revision they are at."""
+        """Replaces the cache with etcd's contents, read in pages at one revision (a single
+        range would pass gRPC's message limit beyond a few thousand leases); returns it."""
+        start, end = self.data_prefix, aetcd.utils.prefix_range_end(self.data_prefix)
+        revision = 0
+        fresh = MemoryStore()  # the cache in use stays whole until the load has succeeded
         try:
             client = await self.client()
-            response = await client.get_prefix(self.data_prefix)
+            while True:
+                response = await client.kvstub.Range(
+                    rpc.RangeRequest(key=start, range_end=end, limit=LOAD_PAGE, revision=revision),
+                    timeout=self.timeout_s,
+                )
+                revision = revision or response.header.revision
+                for kv in response.kvs:
+                    self._apply(kv.key, kv.value, fresh)
+                if not response.more:
+                    break
+                start = response.kvs[-1].key + b"\0"
         except ETCD_ERRORS as error:
             await self.reconnect()
             raise StoreUnavailable(f"etcd unreachable while loading: {error}") from error
-        MemoryStore.__init__(self)
+        self.adopt(fresh)
         self._pending.clear()
-        for kv in response.kvs:
-            self._apply(kv.key, kv.value)
-        self.revision = response.header.revision
+        self.revision = revision
         log.info(
             "store_loaded",
             revision=self.revision,
@@ -152,9 +172,8 @@ class EtcdStore(MemoryStore):
                 )
                 async for event in watch:
                     kv = event.kv
-                    self._apply(
-                        kv.key, None if event.kind == aetcd.rtypes.EventKind.DELETE else kv.value
-                    )
+                    deleted = event.kind == aetcd.rtypes.EventKind.DELETE
+                    self._apply(kv.key, None if deleted else kv.value, self)
                     self.revision = max(self.revision, kv.mod_revision)
             except (StoreUnavailable, *ETCD_ERRORS) as error:
                 log.warning("store_watch_broken", error=str(error))
@@ -201,12 +220,12 @@ class EtcdStore(MemoryStore):
         )
         try:
             client = await self.client()
-            for start in range(0, len(pending), MAX_TXN_OPS):
+            for chunk in _chunks(pending):
                 ops = [
                     rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value))
                     if value is not None
                     else rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
-                    for key, value in pending[start : start + MAX_TXN_OPS]
+                    for key, value in chunk
                 ]
                 response = await client.kvstub.Txn(
                     rpc.TxnRequest(compare=[fence], success=ops), timeout=self.timeout_s
@@ -220,3 +239,20 @@ class EtcdStore(MemoryStore):
         except ETCD_ERRORS as error:
             await self.reconnect()
             raise StoreUnavailable(f"etcd did not take the write: {error}") from error
+
+
+def _chunks(
+    pending: list[tuple[bytes, bytes | None]],
+) -> list[list[tuple[bytes, bytes | None]]]:
+    """Writes split into transactions within etcd's limits on operations and bytes. One change
+    set normally fits one transaction; only a mass change (a node's withdrawal) is split."""
+    chunks: list[list[tuple[bytes, bytes | None]]] = [[]]
+    size = 0
+    for key, value in pending:
+        item = len(key) + len(value or b"")
+        if chunks[-1] and (len(chunks[-1]) == MAX_TXN_OPS or size + item > MAX_TXN_BYTES):
+            chunks.append([])
+            size = 0
+        chunks[-1].append((key, value))
+        size += item
+    return chunks

@@ -1065,7 +1065,14 @@ async def cached_hint(
         runtime.queued = node.load.running_requests + node.load.waiting_requests
         runtime.kv_usage = node.load.kv_cache_usage
         runtimes.append(runtime)
-    prefills, decodes = candidates(runtimes, model)
+    try:
+        prefills, decodes = candidates(runtimes, model)
+    except Unavailable as error:
+        # Not the leader's word, so not phrased as one: a router then uses its own node list.
+        raise Unavailable(
+            f"no registry leader reachable ({why}) and this replica's cache cannot route: "
+            + error.message.replace("no ready", "not one ready")
+        ) from error
     conversation = await store.get_conversation(conversation_id) if conversation_id else None
     holder = conversation.decode_node_id if conversation is not None else ""
     return registry_pb2.RoutingHint(

@@ -92,6 +92,11 @@ class Replica:
                     await self.store.reconnect()
                     await asyncio.sleep(poll_s)
                     continue
+                except Exception:  # the election loop must outlive any surprise
+                    log.exception("election_error")
+                    await self.store.reconnect()
+                    await asyncio.sleep(poll_s)
+                    continue
                 if fence is not None and lease_id is not None:
                     if follower is not None:
                         follower.cancel()
@@ -168,7 +173,9 @@ class Replica:
             log.info("registry_leading", fence=fence, takeover_s=round(took, 3))
             await self._keep_alive(lease_id)
         except (StoreUnavailable, *ETCD_ERRORS) as error:
-            log.warning("registry_takeover_failed", error=str(error))
+            log.warning("registry_leadership_failed", error=str(error))
+        except Exception:  # step down and campaign again rather than die leading
+            log.exception("registry_leadership_error")
         finally:
             self.registry = None
             self.store.fence = None

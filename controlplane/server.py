@@ -9,7 +9,7 @@ import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from controlplane.config import RegistryConfig
-from controlplane.etcd_store import EtcdEndpoints, EtcdStore
+from controlplane.etcd_store import MAX_BLOCK_HASHES, EtcdEndpoints, EtcdStore
 from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
 from controlplane.replica import Replica, ReplicaOptions
@@ -155,10 +155,14 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         metrics.leader.set(1)
         leadership = Standalone(registry)
     else:
+        config = replace(
+            options.config,
+            max_block_hashes=min(options.config.max_block_hashes, MAX_BLOCK_HASHES),
+        )
         replica = Replica(
             EtcdStore(etcd, options.etcd_prefix),
             ReplicaOptions(options.advertise or address, options.election_ttl_s, options.token),
-            options.config,
+            config,
             metrics,
         )
         replica_task = asyncio.create_task(replica.run(), name="kvbroker-replica")

@@ -68,6 +68,19 @@ class MemoryStore:
         self._by_request: dict[tuple[str, str], str] = {}
         self._live_by_node: defaultdict[str, set[str]] = defaultdict(set)
 
+    def adopt(self, other: MemoryStore) -> None:
+        """Takes over another memory store's records and indexes (a reload's result)."""
+        self._nodes, self._conversations, self._leases = (
+            other._nodes,
+            other._conversations,
+            other._leases,
+        )
+        self._lease_keys, self._by_request, self._live_by_node = (
+            other._lease_keys,
+            other._by_request,
+            other._live_by_node,
+        )
+
     async def get_node(self, node_id: str) -> node_pb2.Node | None:
         return self._nodes.get(node_id)
 
