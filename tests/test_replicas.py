@@ -151,13 +151,13 @@ async def test_a_partitioned_sidecars_leases_expire_and_are_not_offered(tmp_path
 
             sidecar.kill(signal.SIGSTOP)
             try:
+                node = registry_pb2.GetNodeRequest(node_id=holder.node_id)
                 deadline = asyncio.get_running_loop().time() + 10
-                while True:
-                    hint = (await stub.GetRoutingHint(dry, timeout=5)).hint
-                    if hint.decision != registry_pb2.HINT_DECISION_REUSE:
-                        break
-                    assert asyncio.get_running_loop().time() < deadline
+                while (await stub.GetNode(node, timeout=5)).node.state != node_pb2.NODE_STATE_DOWN:
+                    assert asyncio.get_running_loop().time() < deadline, "session never ended"
                     await asyncio.sleep(0.2)
+                hint = (await stub.GetRoutingHint(dry, timeout=5)).hint
+                assert hint.decision != registry_pb2.HINT_DECISION_REUSE
                 assert hint.decode.node_id != holder.node_id
                 live = await stub.ListLeases(
                     registry_pb2.ListLeasesRequest(conversation_id="conv-p"), timeout=5
