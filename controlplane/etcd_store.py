@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,11 +67,15 @@ class EtcdStore(MemoryStore):
         super().__init__()
         self.endpoints = endpoints
         self.timeout_s = timeout_s
-        self.data_prefix = f"{prefix.rstrip('/')}/v1/".encode()
-        self.leader_key = f"{prefix.rstrip('/')}/leader".encode()
+        self.root_prefix = f"{prefix.rstrip('/')}/".encode()
+        self.data_prefix = self.root_prefix + b"v1/"
+        self.leader_key = self.root_prefix + b"leader"
         # The leader key's create revision this replica won; None while it does not lead.
         self.fence: int | None = None
         self.revision = 0
+        # True while a watch keeps the cache current (``follow``).
+        self.following = False
+        self._advanced = asyncio.Event()
         self._pending: dict[bytes, bytes | None] = {}
         self._client: aetcd.Client | None = None
         self._member = 0
@@ -162,23 +167,43 @@ class EtcdStore(MemoryStore):
 
     async def follow(self) -> None:
         """Keeps the cache current from a watch, reloading when the watch breaks; until
-        cancelled (the replica cancels it when it becomes the leader)."""
-        while True:
+        cancelled (the replica cancels it when it becomes the leader). The watch covers the
+        leader key too, so ``revision`` also advances past elections (see ``catch_up``)."""
+        try:
+            while True:
+                self.following = False
+                try:
+                    await self.load()
+                    client = await self.client()
+                    watch = await client.watch_prefix(
+                        self.root_prefix, start_revision=self.revision + 1
+                    )
+                    self.following = True
+                    async for event in watch:
+                        kv = event.kv
+                        if kv.key.startswith(self.data_prefix):
+                            deleted = event.kind == aetcd.rtypes.EventKind.DELETE
+                            self._apply(kv.key, None if deleted else kv.value, self)
+                        self.revision = max(self.revision, kv.mod_revision)
+                        self._advanced.set()
+                except (StoreUnavailable, *ETCD_ERRORS) as error:
+                    log.warning("store_watch_broken", error=str(error))
+                    await self.reconnect()
+                    await asyncio.sleep(0.5)
+        finally:
+            self.following = False
+
+    async def catch_up(self, revision: int, within_s: float) -> bool:
+        """True once the followed cache has applied every change up to ``revision``; False
+        if the watch is not running or does not get there in time (then: ``load``)."""
+        deadline = time.monotonic() + within_s
+        while self.following and self.revision < revision:
+            self._advanced.clear()
             try:
-                await self.load()
-                client = await self.client()
-                watch = await client.watch_prefix(
-                    self.data_prefix, start_revision=self.revision + 1
-                )
-                async for event in watch:
-                    kv = event.kv
-                    deleted = event.kind == aetcd.rtypes.EventKind.DELETE
-                    self._apply(kv.key, None if deleted else kv.value, self)
-                    self.revision = max(self.revision, kv.mod_revision)
-            except (StoreUnavailable, *ETCD_ERRORS) as error:
-                log.warning("store_watch_broken", error=str(error))
-                await self.reconnect()
-                await asyncio.sleep(0.5)
+                await asyncio.wait_for(self._advanced.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                return False
+        return self.following and self.revision >= revision
 
     # ------------------------------------------------------------ writes
 

@@ -98,11 +98,13 @@ class Replica:
                     await asyncio.sleep(poll_s)
                     continue
                 if fence is not None and lease_id is not None:
+                    # A follower's cache that has seen its own election is complete: no reload.
+                    current = await self.store.catch_up(fence, self.options.election_ttl_s)
                     if follower is not None:
                         follower.cancel()
                         await asyncio.gather(follower, return_exceptions=True)
                         follower = None
-                    await self._lead(fence, lease_id)
+                    await self._lead(fence, lease_id, reload=not current)
                     continue
                 self._follow_leader(leader)
                 if follower is None:
@@ -147,14 +149,15 @@ class Replica:
             return None, None, None
         return self.options.advertise, response.header.revision, lease.id
 
-    async def _lead(self, fence: int, lease_id: int) -> None:
+    async def _lead(self, fence: int, lease_id: int, reload: bool) -> None:
         """Takes over, serves until the leader key's lease cannot be kept, then steps down."""
         started = time.perf_counter()
         self.store.fence = fence
         self._deposed.clear()
         registry: Registry | None = None
         try:
-            await self.store.load()
+            if reload:
+                await self.store.load()
             registry = Registry(
                 self.store,
                 self.config,
@@ -170,7 +173,7 @@ class Replica:
             self.metrics.leader.set(1)
             self.metrics.takeovers.inc()
             self.metrics.takeover_seconds.observe(took)
-            log.info("registry_leading", fence=fence, takeover_s=round(took, 3))
+            log.info("registry_leading", fence=fence, reloaded=reload, takeover_s=round(took, 3))
             await self._keep_alive(lease_id)
         except (StoreUnavailable, *ETCD_ERRORS) as error:
             log.warning("registry_leadership_failed", error=str(error))
