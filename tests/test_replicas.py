@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aetcd
 import grpc
+import httpx
 import pytest
 
 from controlplane.errors import StoreUnavailable
@@ -26,7 +27,9 @@ from kvbroker.bench.failover import (
     replica_address,
     run_soak,
 )
+from kvbroker.common.clock import to_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.stack import free_port
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.factories import Heartbeats, block_hashes, handle, node_spec
 
@@ -131,6 +134,56 @@ async def test_racing_renew_and_revoke_on_two_replicas_agree(
                             assert seen.state == lease_pb2.LEASE_STATE_REVOKED
                             assert seen.epoch == lease.epoch
                             assert seen.end_reason == "closed"
+    finally:
+        for replica in replicas:
+            await replica.stop()
+
+
+async def test_expiry_happens_once_across_replicas(etcd: EtcdServer, tmp_path: Path) -> None:
+    """Short leases granted through one replica expire exactly once in all: only the leader
+    expires, and its successor would find them already EXPIRED in etcd."""
+    metrics = [free_port() for _ in range(2)]
+    replicas = [
+        registry_replica(tmp_path, i, etcd.url, [*FLAGS, "--metrics-listen", f"127.0.0.1:{port}"])
+        for i, port in enumerate(metrics)
+    ]
+    for replica in replicas:
+        await replica.start()
+    try:
+        endpoint = RegistryEndpoint.parse(",".join(replica_address(r) for r in replicas))
+        async with open_channel(endpoint) as channel, httpx.AsyncClient() as http:
+            stub = registry_stub(channel)
+            spec = node_spec("decode-0")
+            async with Heartbeats(stub, spec):
+                granted = [
+                    (
+                        await stub.GrantLease(
+                            registry_pb2.GrantLeaseRequest(
+                                conversation_id=f"conv-{i}",
+                                node_id=spec.node_id,
+                                node_incarnation=spec.incarnation,
+                                handle=handle(f"req-{i}", 160, spec),
+                                block_hashes=block_hashes(160),
+                                token_count=160,
+                                time_to_live=to_duration(0.5),
+                            ),
+                            timeout=5,
+                        )
+                    ).lease
+                    for i in range(10)
+                ]
+                await asyncio.sleep(1.5)
+                for lease in granted:
+                    request = registry_pb2.GetLeaseRequest(lease_id=lease.lease_id)
+                    seen = (await stub.GetLease(request, timeout=5)).lease
+                    assert seen.state == lease_pb2.LEASE_STATE_EXPIRED
+                expired = 0.0
+                for port in metrics:
+                    text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+                    for line in text.splitlines():
+                        if line.startswith('kvbroker_lease_events_total{event="expired"}'):
+                            expired += float(line.split()[-1])
+                assert expired == len(granted)
     finally:
         for replica in replicas:
             await replica.stop()
