@@ -101,8 +101,25 @@ class RegistryMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self._hint_children: dict[tuple[str, str], Counter] = {}
+        self._event_children: dict[str, Counter] = {}
         self._node_gauges = _NodeGauges()
         self.registry.register(self._node_gauges)
+
+    # Label children are cached: prometheus_client's labels() costs a few microseconds a call,
+    # which a hint cannot spare.
+    def hint(self, decision: str, consistency: str) -> Counter:
+        key = (decision, consistency)
+        child = self._hint_children.get(key)
+        if child is None:
+            child = self._hint_children[key] = self.hints.labels(decision, consistency)
+        return child
+
+    def lease_event(self, event: str) -> Counter:
+        child = self._event_children.get(event)
+        if child is None:
+            child = self._event_children[event] = self.lease_events.labels(event)
+        return child
 
     def watch_nodes(self, snapshot: Callable[[], Iterable[NodeFigures]]) -> None:
         self._node_gauges.snapshot = snapshot

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,25 @@ class _NodeRuntime:
         self.decodes = self.spec.role in DECODE_ROLES
 
 
+class _Mutation:
+    """``async with registry._mutation():`` — a class rather than a generator-based context
+    manager, which costs several microseconds more on every hint."""
+
+    __slots__ = ("_registry",)
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    async def __aenter__(self) -> None:
+        await self._registry._lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self._registry._end_mutation()
+        finally:
+            self._registry._lock.release()
+
+
 class Registry:
     def __init__(
         self,
@@ -140,6 +160,8 @@ class Registry:
         self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(self.now)
         self._commands: dict[str, _CommandQueue] = {}
         self._runtime: dict[str, _NodeRuntime] = {}
+        # model -> (ready prefill nodes, ready decode nodes), until a node's state changes
+        self._routes: dict[str, tuple[list[_NodeRuntime], list[_NodeRuntime]]] = {}
         self._round_robin = itertools.count()
         self._expiry_task: asyncio.Task[None] | None = None
         # Commands of the mutation in progress, sent once it is committed.
@@ -167,24 +189,23 @@ class Registry:
         for queue in queues:
             queue.pending.put_nowait(registry_pb2.LeaseCommand())
 
-    @contextlib.asynccontextmanager
-    async def _mutation(self) -> AsyncIterator[None]:
-        """The lock, then the store's commit, then the commands the change implies. A change
-        that failed half-way is committed as far as it got, like the memory store keeps it."""
-        async with self._lock:
-            try:
-                yield
-            finally:
-                unsent, self._unsent = self._unsent, []
-                try:
-                    await self.store.commit()
-                except StoreUnavailable as error:
-                    log.error("store_commit_failed", error=error.message)
-                    if self._on_store_failure is not None:
-                        self._on_store_failure(error)
-                    raise
-                for queue, command in unsent:
-                    self._enqueue(queue, command)
+    def _mutation(self) -> _Mutation:
+        """The lock, then the store's commit, then the commands the change implies."""
+        return _Mutation(self)
+
+    async def _end_mutation(self) -> None:
+        """A change that failed half-way is committed as far as it got, as the memory store
+        keeps it; commands go out only once their change is durable."""
+        unsent, self._unsent = self._unsent, []
+        try:
+            await self.store.commit()
+        except StoreUnavailable as error:
+            log.error("store_commit_failed", error=error.message)
+            if self._on_store_failure is not None:
+                self._on_store_failure(error)
+            raise
+        for queue, command in unsent:
+            self._enqueue(queue, command)
 
     async def restore(self) -> None:
         """Rebuilds deadlines and the routing view from the store (a takeover)."""
@@ -344,10 +365,10 @@ class Registry:
             if old is not None and old.spec.incarnation == spec.incarnation:
                 node.registered_time.CopyFrom(old.registered_time)
                 node.state = DRAINING if old.state == DRAINING else READY
-            if old is None or old.spec.incarnation != spec.incarnation:
-                self._runtime[spec.node_id] = _NodeRuntime(spec)
+            new_incarnation = old is None or old.spec.incarnation != spec.incarnation
+            if new_incarnation:
                 self._commands[spec.node_id] = _CommandQueue(spec.incarnation)
-            self._runtime[spec.node_id].state = node.state
+            self._node_runtime(spec, node.state, fresh=new_incarnation)
             await self.store.put_node(node)
             self._deadlines.schedule((NODE_SESSION, spec.node_id), now + self.config.session_ttl_s)
             log.info(
@@ -375,8 +396,7 @@ class Registry:
                 node.state = new_state
             # Load and heartbeat times are soft state; only a change of readiness is written.
             await self.store.put_node(node, durable=changed)
-            runtime = self._runtime.setdefault(node_id, _NodeRuntime(node.spec))
-            runtime.state = node.state
+            runtime = self._node_runtime(node.spec, node.state)
             runtime.queued = load.running_requests + load.waiting_requests
             runtime.kv_usage = load.kv_cache_usage
             runtime.assigned_since_heartbeat = 0
@@ -395,7 +415,7 @@ class Registry:
             if node.state == DOWN:
                 raise FailedPrecondition(f"node {node_id!r} is down; there is nothing to drain")
             node.state = DRAINING
-            self._runtime.setdefault(node_id, _NodeRuntime(node.spec)).state = DRAINING
+            self._node_runtime(node.spec, DRAINING)
             await self.store.put_node(node)
             log.info("node_draining", node=node_id)
             return self.node_view(node)
@@ -412,7 +432,7 @@ class Registry:
 
     async def _mark_down(self, node: node_pb2.Node, why: str) -> None:
         node.state = DOWN
-        self._runtime.setdefault(node.spec.node_id, _NodeRuntime(node.spec)).state = DOWN
+        self._node_runtime(node.spec, DOWN)
         self._deadlines.cancel((NODE_SESSION, node.spec.node_id))
         await self._withdraw_leases(node, f"{REASON_NODE_LOST}: {why}")
         await self.store.put_node(node)
@@ -422,6 +442,20 @@ class Registry:
         """Ends a node's live leases without commands: the node is not there to receive them."""
         for lease in await self.store.live_leases_of_node(node.spec.node_id):
             await self._end_lease(lease, REVOKED, reason, command_ttl=None)
+
+    def _node_runtime(
+        self, spec: node_pb2.NodeSpec, state: int, fresh: bool = False
+    ) -> _NodeRuntime:
+        """The node's routing view, now in ``state``; a new one for a new incarnation. Any
+        change of who can be routed to drops the cached candidate lists."""
+        runtime = None if fresh else self._runtime.get(spec.node_id)
+        if runtime is None:
+            runtime = self._runtime[spec.node_id] = _NodeRuntime(spec, state=state)
+            self._routes.clear()
+        elif runtime.state != state:
+            runtime.state = state
+            self._routes.clear()
+        return runtime
 
     def _account(self, lease: lease_pb2.Lease, sign: int) -> None:
         runtime = self._runtime.get(lease.node_id)
@@ -512,7 +546,7 @@ class Registry:
         await self.store.put_lease(lease)
         self._account(lease, +1)
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
-        self.metrics.lease_events.labels("grant").inc()
+        self.metrics.lease_event("grant").inc()
         log.debug(
             "lease_granted",
             lease=lease.lease_id,
@@ -574,7 +608,7 @@ class Registry:
             await self.store.put_lease(lease)
             self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), expires)
             await self._touch_conversation(lease.conversation_id)
-            self.metrics.lease_events.labels("renew").inc()
+            self.metrics.lease_event("renew").inc()
             self._send_command(lease, expires - now, "renewed")
             return self.lease_view(lease)
 
@@ -674,7 +708,7 @@ class Registry:
                 (FORGET_CONVERSATION, lease.conversation_id),
                 now + self.config.conversation_retention_s,
             )
-        self.metrics.lease_events.labels(state_name(state).lower()).inc()
+        self.metrics.lease_event(state_name(state).lower()).inc()
         if command_ttl is not None:
             self._send_command(lease, command_ttl, reason)
         log.debug("lease_ended", lease=lease.lease_id, state=state_name(state), reason=reason)
@@ -709,7 +743,7 @@ class Registry:
                 raise InvalidArgument(f"event {event.sequence} is neither retained nor released")
         async with self._mutation():
             node = await self._session(node_id, incarnation)
-            runtime = self._runtime.setdefault(node_id, _NodeRuntime(node.spec))
+            runtime = self._node_runtime(node.spec, node.state)
             granted: list[lease_pb2.Lease] = []
             snapshot_ids: set[str] = set()
             for event in sorted(events, key=lambda e: e.sequence):
@@ -816,7 +850,7 @@ class Registry:
         if conversation is None:
             conversation = lease_pb2.Conversation(conversation_id=retained.conversation_id)
         await self._supersede(conversation, lease)
-        self.metrics.lease_events.labels("restore").inc()
+        self.metrics.lease_event("restore").inc()
         log.debug("lease_restored", lease=lease.lease_id, node=node.spec.node_id, epoch=lease.epoch)
         return lease
 
@@ -867,8 +901,8 @@ class Registry:
 
     # ----------------------------------------------------------------- hints
 
-    def _pick(self, nodes: Sequence[_NodeRuntime], prefer: str = "") -> _NodeRuntime:
-        return pick(nodes, next(self._round_robin), prefer)
+    def _pick(self, nodes: Sequence[_NodeRuntime]) -> _NodeRuntime:
+        return pick(nodes, next(self._round_robin))
 
     async def routing_hint(
         self, conversation_id: str, model: str, dry_run: bool = False
@@ -877,7 +911,10 @@ class Registry:
         if conversation_id:
             self._require_id(conversation_id, "conversation_id")
         async with self._mutation():
-            prefills, decodes = candidates(self._runtime.values(), model)
+            routes = self._routes.get(model)
+            if routes is None:
+                routes = self._routes[model] = candidates(self._runtime.values(), model)
+            prefills, decodes = routes
             decision, reason, lease, exact = await self._reuse_decision(
                 conversation_id, claim=not dry_run
             )
@@ -886,7 +923,11 @@ class Registry:
                 conversation = await self.store.get_conversation(conversation_id)
                 holder = conversation.decode_node_id if conversation else ""
             prefill = self._pick(prefills)
-            decode = self._pick(decodes, prefer=holder)
+            preferred = self._runtime.get(holder) if holder else None
+            if preferred is not None and routable(preferred, model) and preferred.decodes:
+                decode = preferred
+            else:
+                decode = self._pick(decodes)
             if not dry_run:
                 prefill.assigned_since_heartbeat += 1
                 decode.assigned_since_heartbeat += 1
@@ -904,7 +945,7 @@ class Registry:
             )
             if lease is not None:
                 hint.lease.CopyFrom(self.lease_view(lease))
-        self.metrics.hints.labels(
+        self.metrics.hint(
             registry_pb2.HintDecision.Name(decision).removeprefix("HINT_DECISION_"),
             "EXACT" if exact else "DEGRADED",
         ).inc()
@@ -987,7 +1028,7 @@ class Registry:
         # A claim is soft state (a successor grants inherited claims a grace instead), unless
         # it moved the expiry: the holder was told the later time, so the store must know it.
         await self.store.put_lease(lease, durable=extends)
-        self.metrics.lease_events.labels("claim").inc()
+        self.metrics.lease_event("claim").inc()
 
     # ----------------------------------------------------------------- deadlines
 
@@ -1033,7 +1074,7 @@ def candidates(
     nodes: Iterable[_NodeRuntime], model: str
 ) -> tuple[list[_NodeRuntime], list[_NodeRuntime]]:
     """Ready prefill and decode nodes for ``model``; Unavailable when either side is empty."""
-    ready = [n for n in nodes if n.state == READY and (not model or n.model == model)]
+    ready = [n for n in nodes if routable(n, model)]
     prefills = [n for n in ready if n.prefills]
     decodes = [n for n in ready if n.decodes]
     served = f"model {model!r}" if model else "any model"
@@ -1044,14 +1085,32 @@ def candidates(
     return prefills, decodes
 
 
+def routable(node: _NodeRuntime, model: str) -> bool:
+    return node.state == READY and (not model or node.model == model)
+
+
+def _load(node: _NodeRuntime) -> tuple[int, float]:
+    return node.queued + node.assigned_since_heartbeat, node.kv_usage
+
+
+# Up to this many candidates the least loaded is found exactly; beyond, two random candidates
+# are compared (power of two choices, as Envoy's least-request balancer does): O(1) per hint
+# and within a small factor of the exact choice's balance.
+EXACT_PICK_LIMIT = 8
+
+
 def pick(nodes: Sequence[_NodeRuntime], turn: int, prefer: str = "") -> _NodeRuntime:
     """The preferred node if eligible, else the least loaded (ties rotate with ``turn``)."""
     for node in nodes:
         if node.node_id == prefer:
             return node
-    turn %= len(nodes)
-    ordered = [*nodes[turn:], *nodes[:turn]]
-    return min(ordered, key=lambda n: (n.queued + n.assigned_since_heartbeat, n.kv_usage))
+    count = len(nodes)
+    if count > EXACT_PICK_LIMIT:
+        first = random.randrange(count)
+        second = (first + 1 + random.randrange(count - 1)) % count
+        return min(nodes[first], nodes[second], key=_load)
+    turn %= count
+    return min([*nodes[turn:], *nodes[:turn]], key=_load)
 
 
 async def cached_hint(
