@@ -30,6 +30,7 @@ from controlplane.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    RegistryError,
     StoreUnavailable,
     Unavailable,
 )
@@ -70,6 +71,7 @@ NODE_SESSION = "node"
 FORGET_LEASE = "forget-lease"
 FORGET_CONVERSATION = "forget-conversation"
 DeadlineKey = tuple[str, str]
+MAX_HINT_BATCH = 1000
 
 
 def state_name(state: int) -> str:
@@ -907,44 +909,70 @@ class Registry:
     async def routing_hint(
         self, conversation_id: str, model: str, dry_run: bool = False
     ) -> registry_pb2.RoutingHint:
-        started = self.now()
         if conversation_id:
             self._require_id(conversation_id, "conversation_id")
         async with self._mutation():
-            routes = self._routes.get(model)
-            if routes is None:
-                routes = self._routes[model] = candidates(self._runtime.values(), model)
-            prefills, decodes = routes
-            decision, reason, lease, exact = await self._reuse_decision(
-                conversation_id, claim=not dry_run
+            return await self._hint(conversation_id, model, dry_run)
+
+    async def routing_hints(
+        self, requests: Sequence[registry_pb2.GetRoutingHintRequest]
+    ) -> list[registry_pb2.RoutingHint | RegistryError]:
+        """Each request's hint, or the error it alone would have failed with, under one lock
+        and one commit."""
+        if len(requests) > MAX_HINT_BATCH:
+            raise InvalidArgument(
+                f"{len(requests)} hint requests exceed the batch limit of {MAX_HINT_BATCH}"
             )
-            holder = lease.node_id if lease is not None else ""
-            if not holder and conversation_id:
-                conversation = await self.store.get_conversation(conversation_id)
-                holder = conversation.decode_node_id if conversation else ""
-            prefill = self._pick(prefills)
-            preferred = self._runtime.get(holder) if holder else None
-            if preferred is not None and routable(preferred, model) and preferred.decodes:
-                decode = preferred
-            else:
-                decode = self._pick(decodes)
-            if not dry_run:
-                prefill.assigned_since_heartbeat += 1
-                decode.assigned_since_heartbeat += 1
-            consistency = (
-                registry_pb2.HINT_CONSISTENCY_EXACT
-                if exact
-                else registry_pb2.HINT_CONSISTENCY_DEGRADED
-            )
-            hint = registry_pb2.RoutingHint(
-                decision=decision,
-                reason=reason,
-                consistency=consistency,
-                prefill=prefill.spec,
-                decode=decode.spec,
-            )
-            if lease is not None:
-                hint.lease.CopyFrom(self.lease_view(lease))
+        results: list[registry_pb2.RoutingHint | RegistryError] = []
+        async with self._mutation():
+            for request in requests:
+                try:
+                    if request.conversation_id:
+                        self._require_id(request.conversation_id, "conversation_id")
+                    results.append(
+                        await self._hint(request.conversation_id, request.model, request.dry_run)
+                    )
+                except RegistryError as error:
+                    results.append(error)
+        return results
+
+    async def _hint(
+        self, conversation_id: str, model: str, dry_run: bool
+    ) -> registry_pb2.RoutingHint:
+        """One hint (call under the lock)."""
+        started = self.now()
+        routes = self._routes.get(model)
+        if routes is None:
+            routes = self._routes[model] = candidates(self._runtime.values(), model)
+        prefills, decodes = routes
+        decision, reason, lease, exact = await self._reuse_decision(
+            conversation_id, claim=not dry_run
+        )
+        holder = lease.node_id if lease is not None else ""
+        if not holder and conversation_id:
+            conversation = await self.store.get_conversation(conversation_id)
+            holder = conversation.decode_node_id if conversation else ""
+        prefill = self._pick(prefills)
+        preferred = self._runtime.get(holder) if holder else None
+        if preferred is not None and routable(preferred, model) and preferred.decodes:
+            decode = preferred
+        else:
+            decode = self._pick(decodes)
+        if not dry_run:
+            prefill.assigned_since_heartbeat += 1
+            decode.assigned_since_heartbeat += 1
+        consistency = (
+            registry_pb2.HINT_CONSISTENCY_EXACT if exact else registry_pb2.HINT_CONSISTENCY_DEGRADED
+        )
+        hint = registry_pb2.RoutingHint(
+            decision=decision,
+            reason=reason,
+            consistency=consistency,
+            prefill=prefill.spec,
+            decode=decode.spec,
+        )
+        if lease is not None:
+            hint.lease.CopyFrom(self.lease_view(lease))
         self.metrics.hint(
             registry_pb2.HintDecision.Name(decision).removeprefix("HINT_DECISION_"),
             "EXACT" if exact else "DEGRADED",

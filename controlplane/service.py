@@ -32,6 +32,8 @@ Served = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 # A forwarded call waits at most this long for the leader (less if the caller's deadline is).
 FORWARD_TIMEOUT_S = 5.0
 _LEADER_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Answered from a follower's cache (DEGRADED) while no leader can be reached.
+_HINT_METHODS = frozenset({"GetRoutingHint", "BatchGetRoutingHints"})
 
 
 class Leadership(Protocol):
@@ -93,6 +95,10 @@ def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
     return wrapped
 
 
+def _hint_error(error: RegistryError) -> registry_pb2.HintError:
+    return registry_pb2.HintError(code=error.code.value[0], message=error.message)
+
+
 def _ttl(message: Any) -> float | None:
     return from_duration(message.time_to_live) if message.HasField("time_to_live") else None
 
@@ -112,7 +118,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         try:
             response = await getattr(stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as error:
-            if error.code() not in _LEADER_UNREACHABLE or method != "GetRoutingHint":
+            if error.code() not in _LEADER_UNREACHABLE or method not in _HINT_METHODS:
                 outcomes.labels("relayed_error").inc()
                 raise
             outcomes.labels("leader_unreachable").inc()
@@ -124,6 +130,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if method == "GetRoutingHint":
             hint = await self.leadership.cached_hint(request.conversation_id, request.model, why)
             return registry_pb2.GetRoutingHintResponse(hint=hint)
+        if method == "BatchGetRoutingHints":
+            response = registry_pb2.BatchGetRoutingHintsResponse()
+            for item in request.requests:
+                try:
+                    hint = await self.leadership.cached_hint(item.conversation_id, item.model, why)
+                    response.results.add().hint.CopyFrom(hint)
+                except RegistryError as error:
+                    response.results.add().error.CopyFrom(_hint_error(error))
+            return response
         raise Unavailable(f"{why}; retry shortly")
 
     @_served
@@ -308,6 +323,21 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     ) -> registry_pb2.GetConversationResponse:
         conversation = await registry.get_conversation(request.conversation_id)
         return registry_pb2.GetConversationResponse(conversation=conversation)
+
+    @_served
+    async def BatchGetRoutingHints(
+        self,
+        registry: Registry,
+        request: registry_pb2.BatchGetRoutingHintsRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> registry_pb2.BatchGetRoutingHintsResponse:
+        response = registry_pb2.BatchGetRoutingHintsResponse()
+        for result in await registry.routing_hints(request.requests):
+            if isinstance(result, RegistryError):
+                response.results.add().error.CopyFrom(_hint_error(result))
+            else:
+                response.results.add().hint.CopyFrom(result)
+        return response
 
     @_served
     async def GetRoutingHint(

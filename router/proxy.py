@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import prefill_params
+from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from router.metrics import RouterMetrics
 
@@ -83,6 +84,8 @@ class Router:
         """Opens the clients on the serving event loop (grpc.aio binds to the loop)."""
         self._channel = open_channel(self.registry)
         self.stub = registry_stub(self._channel)
+        # Concurrent turns share BatchGetRoutingHints calls; an idle router sends each alone.
+        self.hints = HintBatcher(self.stub, self.config.hint_timeout_s)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.upstream_timeout_s))
         self._refresher = asyncio.create_task(self._refresh_nodes())
 
@@ -106,9 +109,10 @@ class Router:
     async def plan(self, conversation: str, model: str) -> Plan:
         request = registry_pb2.GetRoutingHintRequest(conversation_id=conversation, model=model)
         try:
-            hint = (
-                await self.stub.GetRoutingHint(request, timeout=self.config.hint_timeout_s)
-            ).hint
+            # Queued behind a batch in flight, a hint may wait up to one more call.
+            hint = await asyncio.wait_for(self.hints.hint(request), 2 * self.config.hint_timeout_s)
+        except TimeoutError:
+            return self._degraded_plan(model, "the registry did not answer in time")
         except grpc.aio.AioRpcError as error:
             if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise

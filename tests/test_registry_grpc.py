@@ -10,6 +10,7 @@ import pytest
 
 from controlplane.server import RunningRegistry
 from kvbroker.common.clock import from_duration, from_timestamp
+from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from tests.factories import Heartbeats, block_hashes, grant, handle, hint, node_spec, register
@@ -157,6 +158,65 @@ async def test_hint_without_conversation_and_for_unknown_one(stub: RegistryServi
         unknown = await hint(stub, "never-seen")
         assert unknown.decision == registry_pb2.HINT_DECISION_MISS
         assert "first turn" in unknown.reason
+
+
+async def test_batched_hints_answer_each_request_in_order(stub: RegistryServiceStub) -> None:
+    decode = node_spec("decode-0")
+    async with Heartbeats(stub, decode, node_spec("prefill-0", PREFILL, port=5700)):
+        lease = await grant(stub, decode, "conv-b", "req-1")
+        requests = [
+            registry_pb2.GetRoutingHintRequest(conversation_id="conv-b"),
+            registry_pb2.GetRoutingHintRequest(conversation_id="x" * 300),
+            registry_pb2.GetRoutingHintRequest(conversation_id="never-seen"),
+            registry_pb2.GetRoutingHintRequest(conversation_id="conv-b"),
+            registry_pb2.GetRoutingHintRequest(conversation_id="conv-b", model="other-model"),
+        ]
+        response = await stub.BatchGetRoutingHints(
+            registry_pb2.BatchGetRoutingHintsRequest(requests=requests), timeout=5
+        )
+        reuse, too_long, unknown, claimed, no_model = response.results
+        assert reuse.hint.decision == registry_pb2.HINT_DECISION_REUSE
+        assert reuse.hint.lease.lease_id == lease.lease_id
+        assert too_long.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "300 characters" in too_long.error.message
+        assert unknown.hint.decision == registry_pb2.HINT_DECISION_MISS
+        # The first request's claim holds for the later one in the same batch.
+        assert claimed.hint.decision == registry_pb2.HINT_DECISION_RECOMPUTE
+        assert no_model.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+
+        too_many = registry_pb2.BatchGetRoutingHintsRequest(requests=requests * 201)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.BatchGetRoutingHints(too_many, timeout=5)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_hint_batcher_shares_calls_between_concurrent_hints(
+    stub: RegistryServiceStub,
+) -> None:
+    calls = []
+
+    class CountingStub:
+        async def BatchGetRoutingHints(self, request, **options):
+            calls.append(len(request.requests))
+            return await stub.BatchGetRoutingHints(request, **options)
+
+    batcher = HintBatcher(CountingStub(), timeout_s=5)  # type: ignore[arg-type]
+    async with Heartbeats(stub, node_spec("decode-0"), node_spec("prefill-0", PREFILL, port=5700)):
+        alone = await batcher.hint(registry_pb2.GetRoutingHintRequest(conversation_id="c-1"))
+        assert alone.decision == registry_pb2.HINT_DECISION_MISS and calls == [1]
+        hints = await asyncio.gather(
+            *(
+                batcher.hint(registry_pb2.GetRoutingHintRequest(conversation_id=f"c{i}"))
+                for i in range(50)
+            ),
+            batcher.hint(registry_pb2.GetRoutingHintRequest(conversation_id="y" * 300)),
+            return_exceptions=True,
+        )
+    assert sum(calls) == 52 and len(calls) < 10
+    assert all(isinstance(h, registry_pb2.RoutingHint) for h in hints[:50])
+    refused = hints[50]
+    assert isinstance(refused, grpc.aio.AioRpcError)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_hint_without_ready_nodes_is_unavailable(stub: RegistryServiceStub) -> None:

@@ -4,10 +4,12 @@ Simulated sidecars (many nodes) and routers drive a registry served by `kvbroker
 serve` in its own process:
 
 1. populate: nodes register, then report retained blocks until the live-lease target;
-2. fixed rates: turns at given rates, each a routing hint (claim) plus the decode node's
+2. fixed rates: turns at given rates, each a routing hint (claim; concurrent turns' hints share
+   BatchGetRoutingHints calls, as the router sends them) plus the decode node's
    retention report (a grant that supersedes the previous lease), and a renewal every fourth
    turn; open loop, so a slow registry cannot slow the load down;
-3. saturation: hints from many concurrent callers as fast as they are answered;
+3. saturation: hints from many concurrent callers as fast as they are answered, one
+   GetRoutingHint call each and then batched;
 4. memory: the registry's RSS as live leases grow;
 5. restart: the registry is killed and started again, every node re-registers and replays
    its leases; the time until all are back.
@@ -29,10 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.stack import KVBROKER, free_port
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 BLOCK_SIZE = 128  # vLLM's CPU default; a 4k-token conversation has 32 blocks
+# Hints as routers send them: concurrent turns share BatchGetRoutingHints calls.
+HINT_RPC = "BatchGetRoutingHints"
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,7 @@ async def _fixed_rate(
     address: str, decodes: list[bytes], conversations: int, rate: float, seconds: float, seed: int
 ) -> dict[str, Any]:
     nodes = [node_pb2.NodeSpec.FromString(raw) for raw in decodes]
-    latencies: dict[str, list[float]] = {"GetRoutingHint": [], "ReportRetention": [],
-                                         "RenewLease": []}  # fmt: skip
+    latencies: dict[str, list[float]] = {HINT_RPC: [], "ReportRetention": [], "RenewLease": []}
     errors = 0
     sequence = [int(time.time() * 1e6) + seed * 10**12]
 
@@ -128,12 +132,10 @@ async def _fixed_rate(
         conversation = f"conv-{(index * 7919 + seed) % conversations}"
         try:
             started = time.perf_counter()
-            hint = (
-                await stub.GetRoutingHint(
-                    registry_pb2.GetRoutingHintRequest(conversation_id=conversation), timeout=5
-                )
-            ).hint
-            latencies["GetRoutingHint"].append(time.perf_counter() - started)
+            hint = await hints.hint(
+                registry_pb2.GetRoutingHintRequest(conversation_id=conversation)
+            )
+            latencies[HINT_RPC].append(time.perf_counter() - started)
             node = next((n for n in nodes if n.node_id == hint.decode.node_id), nodes[0])
             sequence[0] += 1
             event = registry_pb2.RetentionEvent(
@@ -159,6 +161,7 @@ async def _fixed_rate(
 
     async with open_channel(RegistryEndpoint.parse(address)) as channel:
         stub = registry_stub(channel)
+        hints = HintBatcher(stub, timeout_s=5)  # as the router sends them
         tasks = []
         start = time.perf_counter()
         total = int(rate * seconds)
@@ -172,11 +175,15 @@ async def _fixed_rate(
     return {"latencies": latencies, "errors": errors, "seconds": elapsed}
 
 
-def _saturation_worker(address: str, conversations: int, seconds: float, out: Any) -> None:
-    out.put(asyncio.run(_saturation(address, conversations, seconds)))
+def _saturation_worker(
+    address: str, conversations: int, seconds: float, batched: bool, out: Any
+) -> None:
+    out.put(asyncio.run(_saturation(address, conversations, seconds, batched)))
 
 
-async def _saturation(address: str, conversations: int, seconds: float) -> dict[str, Any]:
+async def _saturation(
+    address: str, conversations: int, seconds: float, batched: bool
+) -> dict[str, Any]:
     latencies: list[float] = []
     errors = 0
     stop_at = time.perf_counter() + seconds
@@ -190,7 +197,10 @@ async def _saturation(address: str, conversations: int, seconds: float) -> dict[
             )
             started = time.perf_counter()
             try:
-                await stub.GetRoutingHint(request, timeout=5)
+                if batched:
+                    await hints.hint(request)
+                else:
+                    await stub.GetRoutingHint(request, timeout=5)
                 latencies.append(time.perf_counter() - started)
             except Exception:
                 errors += 1
@@ -198,6 +208,7 @@ async def _saturation(address: str, conversations: int, seconds: float) -> dict[
 
     async with open_channel(RegistryEndpoint.parse(address)) as channel:
         stub = registry_stub(channel)
+        hints = HintBatcher(stub, timeout_s=5)
         start = time.perf_counter()
         await asyncio.gather(*(caller(stub, i) for i in range(64)))
         elapsed = time.perf_counter() - start
@@ -352,20 +363,22 @@ async def run_registry_bench(
                     [(registry.address, decodes[seed::2], live_leases, rate / 2, seconds, seed)
                      for seed in (0, 1)],
                 )  # fmt: skip
-                for rpc in ("GetRoutingHint", "ReportRetention", "RenewLease"):
+                for rpc in (HINT_RPC, "ReportRetention", "RenewLease"):
                     merged = [x for o in outputs for x in o["latencies"][rpc]]
                     errors = sum(o["errors"] for o in outputs)
                     elapsed = max(o["seconds"] for o in outputs)
                     results.append(_summarise(rpc, rate, merged, elapsed, errors))
-            progress(f"saturation: hints from 2 processes x 64 callers for {seconds:.0f} s")
-            outputs = await asyncio.to_thread(
-                _run_workers, _saturation_worker, [(registry.address, live_leases, seconds)] * 2
-            )
-            merged = [x for o in outputs for x in o["latencies"]]
-            elapsed = max(o["seconds"] for o in outputs)
-            results.append(
-                _summarise("GetRoutingHint", 0, merged, elapsed, sum(o["errors"] for o in outputs))
-            )
+            for batched, rpc in ((False, "GetRoutingHint"), (True, HINT_RPC)):
+                progress(f"saturation: {rpc} from 2 processes x 64 callers for {seconds:.0f} s")
+                outputs = await asyncio.to_thread(
+                    _run_workers,
+                    _saturation_worker,
+                    [(registry.address, live_leases, seconds, batched)] * 2,
+                )
+                merged = [x for o in outputs for x in o["latencies"]]
+                elapsed = max(o["seconds"] for o in outputs)
+                errors = sum(o["errors"] for o in outputs)
+                results.append(_summarise(rpc, 0, merged, elapsed, errors))
             base = registry.rss_mib()
             populated = await _live_leases(stub)
             memory.append({"live_leases": populated, "rss_mib": base})
@@ -415,7 +428,7 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for rpc in ("GetRoutingHint", "ReportRetention", "RenewLease"):
+    for rpc in (HINT_RPC, "ReportRetention", "RenewLease"):
         rows = [r for r in report["load"] if r["rpc"] == rpc and r["rate"] > 0]
         ax.plot([r["rate"] for r in rows], [r["p99_ms"] for r in rows], "o-", label=f"{rpc} p99")
         ax.plot([r["rate"] for r in rows], [r["p50_ms"] for r in rows], "o--", alpha=0.6,

@@ -355,3 +355,31 @@ class GetRoutingHintResponse(_message.Message):
     HINT_FIELD_NUMBER: _ClassVar[int]
     hint: RoutingHint
     def __init__(self, hint: _Optional[_Union[RoutingHint, _Mapping]] = ...) -> None: ...
+
+class BatchGetRoutingHintsRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GetRoutingHintRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GetRoutingHintRequest, _Mapping]]] = ...) -> None: ...
+
+class BatchGetRoutingHintsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RoutingHintResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[RoutingHintResult, _Mapping]]] = ...) -> None: ...
+
+class RoutingHintResult(_message.Message):
+    __slots__ = ("hint", "error")
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    hint: RoutingHint
+    error: HintError
+    def __init__(self, hint: _Optional[_Union[RoutingHint, _Mapping]] = ..., error: _Optional[_Union[HintError, _Mapping]] = ...) -> None: ...
+
+class HintError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

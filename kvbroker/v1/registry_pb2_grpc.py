@@ -115,6 +115,11 @@ class RegistryServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_registry__pb2.GetRoutingHintRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_registry__pb2.GetRoutingHintResponse.FromString,
                 _registered_method=True)
+        self.BatchGetRoutingHints = channel.unary_unary(
+                '/kvbroker.v1.RegistryService/BatchGetRoutingHints',
+                request_serializer=kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -232,6 +237,14 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchGetRoutingHints(self, request, context):
+        """Several hints in one call, answered in order, each on its own: a busy router batches its
+        concurrent turns so the per-call cost is paid once per batch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -314,6 +327,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.GetRoutingHint,
                     request_deserializer=kvbroker_dot_v1_dot_registry__pb2.GetRoutingHintRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_registry__pb2.GetRoutingHintResponse.SerializeToString,
+            ),
+            'BatchGetRoutingHints': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchGetRoutingHints,
+                    request_deserializer=kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -749,6 +767,33 @@ class RegistryService:
             '/kvbroker.v1.RegistryService/GetRoutingHint',
             kvbroker_dot_v1_dot_registry__pb2.GetRoutingHintRequest.SerializeToString,
             kvbroker_dot_v1_dot_registry__pb2.GetRoutingHintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchGetRoutingHints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.RegistryService/BatchGetRoutingHints',
+            kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsRequest.SerializeToString,
+            kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsResponse.FromString,
             options,
             channel_credentials,
             insecure,
