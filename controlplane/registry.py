@@ -321,6 +321,23 @@ class Registry:
             view.time_to_live.CopyFrom(to_duration((expires or 0.0) - self.now()))
         return view
 
+    def _lease_ack(self, lease: lease_pb2.Lease) -> lease_pb2.Lease:
+        """A retention report's answer for one lease: what the reporter lacks, no more (it has
+        the handle and hashes; a replay of 100k leases would otherwise echo them all back)."""
+        ack = lease_pb2.Lease(
+            lease_id=lease.lease_id,
+            conversation_id=lease.conversation_id,
+            node_id=lease.node_id,
+            epoch=lease.epoch,
+            state=lease.state,
+            end_reason=lease.end_reason,
+        )
+        ack.handle.remote_request_id = lease.handle.remote_request_id
+        if lease.state in LIVE_STATES:
+            expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
+            ack.time_to_live.CopyFrom(to_duration((expires or 0.0) - self.now()))
+        return ack
+
     def node_view(self, node: node_pb2.Node) -> node_pb2.Node:
         view = node_pb2.Node()
         view.CopyFrom(node)
@@ -754,9 +771,7 @@ class Registry:
                     self._require_holder_role(node)
                     lease = await self._apply_retained(node, event.retained, replay=stale)
                     snapshot_ids.add(lease.lease_id)
-                    view = self.lease_view(lease)
-                    view.ClearField("block_hashes")  # the reporter has them; keep replies small
-                    granted.append(view)
+                    granted.append(self._lease_ack(lease))
                 elif not stale:
                     await self._apply_released(node, event.released)
                 runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)

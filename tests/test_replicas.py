@@ -27,11 +27,10 @@ from kvbroker.bench.failover import (
     replica_address,
     run_soak,
 )
-from kvbroker.common.clock import to_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.stack import free_port
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-from tests.factories import Heartbeats, block_hashes, handle, node_spec
+from tests.factories import Heartbeats, grant, node_spec
 
 pytestmark = pytest.mark.etcd
 
@@ -82,20 +81,7 @@ async def test_racing_renew_and_revoke_on_two_replicas_agree(
             stub_a, stub_b = registry_stub(a), registry_stub(b)
             spec = node_spec("decode-0")
             async with Heartbeats(stub_a, spec):
-                leases = []
-                for i in range(20):
-                    granted = await stub_a.GrantLease(
-                        registry_pb2.GrantLeaseRequest(
-                            conversation_id=f"conv-{i}",
-                            node_id=spec.node_id,
-                            node_incarnation=spec.incarnation,
-                            handle=handle(f"req-{i}", 160, spec),
-                            block_hashes=block_hashes(160),
-                            token_count=160,
-                        ),
-                        timeout=5,
-                    )
-                    leases.append(granted.lease)
+                leases = [await grant(stub_a, spec, f"conv-{i}", f"req-{i}") for i in range(20)]
 
                 async def renew(lease_id: str) -> str:
                     try:
@@ -156,21 +142,7 @@ async def test_expiry_happens_once_across_replicas(etcd: EtcdServer, tmp_path: P
             spec = node_spec("decode-0")
             async with Heartbeats(stub, spec):
                 granted = [
-                    (
-                        await stub.GrantLease(
-                            registry_pb2.GrantLeaseRequest(
-                                conversation_id=f"conv-{i}",
-                                node_id=spec.node_id,
-                                node_incarnation=spec.incarnation,
-                                handle=handle(f"req-{i}", 160, spec),
-                                block_hashes=block_hashes(160),
-                                token_count=160,
-                                time_to_live=to_duration(0.5),
-                            ),
-                            timeout=5,
-                        )
-                    ).lease
-                    for i in range(10)
+                    await grant(stub, spec, f"conv-{i}", f"req-{i}", ttl_s=0.5) for i in range(10)
                 ]
                 await asyncio.sleep(1.5)
                 for lease in granted:
