@@ -434,7 +434,8 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
         ax.plot([r["rate"] for r in rows], [r["p50_ms"] for r in rows], "o--", alpha=0.6,
                 label=f"{rpc} p50")  # fmt: skip
     ax.set_xlabel("offered load (turns/s)")
-    ax.set_ylabel("latency (ms)")
+    ax.set_ylabel("latency (ms, log scale)")
+    ax.set_yscale("log")  # a saturated level is 100x the others
     ax.set_title("Registry latency vs load (10k live leases, gRPC on loopback)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
