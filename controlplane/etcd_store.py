@@ -77,6 +77,8 @@ class EtcdStore(MemoryStore):
         self.following = False
         self._advanced = asyncio.Event()
         self._pending: dict[bytes, bytes | None] = {}
+        self._flushing: asyncio.Task[None] | None = None
+        self._broken: StoreUnavailable | None = None
         self._client: aetcd.Client | None = None
         self._member = 0
 
@@ -155,6 +157,7 @@ class EtcdStore(MemoryStore):
             raise StoreUnavailable(f"etcd unreachable while loading: {error}") from error
         self.adopt(fresh)
         self._pending.clear()
+        self._broken = None
         self.revision = revision
         log.info(
             "store_loaded",
@@ -232,9 +235,32 @@ class EtcdStore(MemoryStore):
         self._pending[self._key(_LEASE, lease_id)] = None
 
     async def commit(self) -> None:
-        if not self._pending:
+        """Group commit: returns once everything written so far is in etcd. While one flush is
+        in flight, the writes of later mutations gather for the next, so concurrent mutations
+        share transactions instead of queueing one etcd round trip each."""
+        while True:
+            if self._broken is not None:
+                raise self._broken
+            flushing = self._flushing
+            if flushing is not None and not flushing.done():
+                await asyncio.shield(flushing)
+                continue
+            if not self._pending:
+                return
+            batch, self._pending = list(self._pending.items()), {}
+            self._flushing = asyncio.create_task(self._flush(batch), name="kvbroker-etcd-flush")
+            await asyncio.shield(self._flushing)
             return
-        pending, self._pending = list(self._pending.items()), {}
+
+    async def _flush(self, pending: list[tuple[bytes, bytes | None]]) -> None:
+        try:
+            await self._write(pending)
+        except StoreUnavailable as error:
+            # The cache is now ahead of etcd: no write may follow until a reload.
+            self._broken = error
+            raise
+
+    async def _write(self, pending: list[tuple[bytes, bytes | None]]) -> None:
         if self.fence is None:
             raise StoreUnavailable("this registry replica does not lead; it cannot write")
         fence = rpc.Compare(

@@ -1,8 +1,9 @@
 """The registry's state machine: node sessions, leases with epochs and claims, routing hints.
 
-Every mutation runs under one asyncio lock and ends with the store's commit, so a store with
-real awaits (etcd) sees the same ordering as the memory store and each transition is durable as
-one unit; lease commands go to holders only after their transition is committed. Time comes from
+Every mutation runs under one asyncio lock, so a store with real awaits (etcd) sees the same
+ordering as the memory store; its writes are then committed (group commit: the next mutation
+may already run while they are in flight), and only after that does it answer or send its lease
+commands to holders. Time comes from
 the registry's own clock; deadlines live in one heap (``DeadlineQueue``) and are also checked on
 read, so an expired lease is never offered even if the expiry task is momentarily behind.
 
@@ -139,10 +140,12 @@ class _Mutation:
         await self._registry._lock.acquire()
 
     async def __aexit__(self, *exc: object) -> None:
-        try:
-            await self._registry._end_mutation()
-        finally:
-            self._registry._lock.release()
+        registry = self._registry
+        unsent, registry._unsent = registry._unsent, []
+        # The next mutation may start on the changed view while this one's writes are being
+        # committed (group commit); this one answers, and its commands go out, only after.
+        registry._lock.release()
+        await registry._commit(unsent)
 
 
 class Registry:
@@ -195,10 +198,9 @@ class Registry:
         """The lock, then the store's commit, then the commands the change implies."""
         return _Mutation(self)
 
-    async def _end_mutation(self) -> None:
+    async def _commit(self, unsent: list[tuple[_CommandQueue, registry_pb2.LeaseCommand]]) -> None:
         """A change that failed half-way is committed as far as it got, as the memory store
         keeps it; commands go out only once their change is durable."""
-        unsent, self._unsent = self._unsent, []
         try:
             await self.store.commit()
         except StoreUnavailable as error:

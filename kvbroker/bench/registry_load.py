@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.stack import KVBROKER, free_port
@@ -231,8 +233,9 @@ def _run_workers(target: Any, args_per_worker: list[tuple[Any, ...]]) -> list[di
 
 
 class RegistryProcess:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, store: str = "memory") -> None:
         self.address = f"127.0.0.1:{port}"
+        self.store = store
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> float:
@@ -241,12 +244,28 @@ class RegistryProcess:
         self.process = await asyncio.create_subprocess_exec(
             KVBROKER, "registry", "serve", "--listen", self.address, "--log-level", "warning",
             "--session-ttl", "3600", "--heartbeat-interval", "60",
-            "--lease-ttl", "3600",
+            "--lease-ttl", "3600", "--store", self.store,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         assert self.process.stdout is not None
         await self.process.stdout.readline()
+        if self.store != "memory":
+            await self._until_leading()
         return time.perf_counter() - started
+
+    async def _until_leading(self, within_s: float = 30) -> None:
+        """A replica on etcd serves once it has won the election."""
+        deadline = time.monotonic() + within_s
+        async with open_channel(RegistryEndpoint.parse(self.address)) as channel:
+            stub = registry_stub(channel)
+            while True:
+                try:
+                    await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=2)
+                    return
+                except grpc.aio.AioRpcError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
 
     def rss_mib(self) -> float:
         assert self.process is not None
@@ -336,8 +355,11 @@ async def run_registry_bench(
     seconds: float = 10.0,
     nodes: int = 50,
     progress: Any = print,
+    store: str = "memory",
 ) -> dict[str, Any]:
-    registry = RegistryProcess(free_port())
+    """With ``store`` an etcd URL the registry runs as a (lone) replica on it; leave out
+    ``memory_points`` and set ``restart_leases`` to 0 there (every lease is an etcd write)."""
+    registry = RegistryProcess(free_port(), store)
     await registry.start()
     fleet = Fleet(
         decodes=[_spec(i, node_pb2.NODE_ROLE_DECODE) for i in range(nodes)],
@@ -387,8 +409,10 @@ async def run_registry_bench(
                 await _populate(stub, fleet, point, populated)
                 populated = point
                 memory.append({"live_leases": point, "rss_mib": registry.rss_mib()})
-        progress(f"restart: kill the registry, replay {restart_leases:,} leases")
-        restart = await _restart(registry, fleet, restart_leases)
+        restart: dict[str, float] = {}
+        if restart_leases:
+            progress(f"restart: kill the registry, replay {restart_leases:,} leases")
+            restart = await _restart(registry, fleet, restart_leases)
     finally:
         if registry.process is not None and registry.process.returncode is None:
             await registry.kill()
@@ -398,6 +422,7 @@ async def run_registry_bench(
         "restart": restart,
         "nodes": nodes,
         "hashes_per_lease": 32,
+        "store": "etcd" if store != "memory" else "memory",
     }
 
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import signal
 import socket
+import tempfile
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
@@ -465,22 +466,40 @@ def bench_registry(
     ] = "100000,250000,500000,1000000",
     restart_leases: Annotated[int, typer.Option(help="Leases replayed after restart.")] = 100_000,
     seconds: Annotated[float, typer.Option(help="Seconds per load level.")] = 10.0,
+    etcd: Annotated[
+        bool,
+        typer.Option(help="Run the registry as a replica on its own etcd (load levels only)."),
+    ] = False,
 ) -> None:
     """Registry latency and throughput over gRPC, RSS per lease, and restart recovery."""
     try:
         rate_list = [float(r) for r in rates.split(",")]
-        points = [int(p) for p in memory_points.split(",")]
+        points = [int(p) for p in memory_points.split(",") if p]
     except ValueError:
         fail("--rates and --memory-points are comma-separated numbers", 2)
     from kvbroker.bench.registry_load import run_registry_bench, write
 
     console = Console()
-    result = asyncio.run(
-        run_registry_bench(
-            rate_list, live_leases, points, restart_leases, seconds,
-            progress=lambda message: console.print(f"[dim]·[/] {message}"),
-        )
-    )  # fmt: skip
+
+    async def bench() -> dict[str, Any]:
+        say = lambda message: console.print(f"[dim]·[/] {message}")  # noqa: E731
+        if not etcd:
+            return await run_registry_bench(
+                rate_list, live_leases, points, restart_leases, seconds, progress=say
+            )
+        from kvbroker.bench.failover import EtcdServer
+
+        with tempfile.TemporaryDirectory(prefix="kvbroker-bench-etcd-") as workdir:
+            server = EtcdServer(Path(workdir))
+            await server.start()
+            try:
+                return await run_registry_bench(
+                    rate_list, live_leases, [], 0, seconds, progress=say, store=server.url
+                )
+            finally:
+                await server.child.stop()
+
+    result = asyncio.run(bench())
     table = Table(title="registry under load", title_justify="left")
     for column in ("rpc", "offered", "p50", "p99", "p999", "answered/s", "errors"):
         table.add_column(column, justify="right")
@@ -494,10 +513,11 @@ def bench_registry(
     for point in result["memory"]:
         console.print(f"RSS {point['rss_mib']:,.0f} MiB with {point['live_leases']:,} live leases")
     restart = result["restart"]
-    console.print(
-        f"restart: {restart['recovered']:,} of {restart['leases']:,} leases back in "
-        f"{restart['recovery_s']:.2f} s (process start {restart['startup_s']:.2f} s)"
-    )
+    if restart:
+        console.print(
+            f"restart: {restart['recovered']:,} of {restart['leases']:,} leases back in "
+            f"{restart['recovery_s']:.2f} s (process start {restart['startup_s']:.2f} s)"
+        )
     paths = write(result, output)
     console.print(f"written: {', '.join(str(p) for p in paths)}")
 
