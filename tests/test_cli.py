@@ -93,6 +93,19 @@ async def test_clear_errors_and_exit_codes(registry_process: RegistryProcess) ->
     assert f"cannot reach the registry at {address}" in down.stderr
 
 
+async def test_registry_serve_refuses_bad_store_settings(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bogus = await run_cli("registry", "serve", "--listen", "127.0.0.1:0", "--store", "redis://x")
+    assert bogus.code == 2 and "neither 'memory' nor etcd://HOST:PORT" in bogus.stderr
+    no_port = await run_cli("registry", "serve", "--store", "etcd://localhost")
+    assert no_port.code == 2 and "etcd member 'localhost' is not HOST:PORT" in no_port.stderr
+    (tmp_path / "c.pem").write_text("x")
+    tls = await run_cli(
+        "registry", "serve", "--listen", "127.0.0.1:0", "--store", "etcd://127.0.0.1:1",
+        "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "c.pem"),
+    )  # fmt: skip
+    assert tls.code == 2 and "TLS is not supported together with etcd replicas" in tls.stderr
+
+
 async def test_environment_configures_the_cli(registry_process: RegistryProcess) -> None:
     result = await run_cli(
         "node", "ls", env={"KVBROKER_REGISTRY": registry_process.address, "KVBROKER_OUTPUT": "json"}
