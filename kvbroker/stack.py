@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,18 +21,14 @@ import grpc
 import httpx
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.common.ports import free_port
 from kvbroker.v1.node_pb2 import NODE_STATE_READY
 from kvbroker.v1.registry_pb2 import ListNodesRequest
 
 PYTHON = sys.executable
 KVBROKER = str(Path(sys.executable).with_name("kvbroker"))
 SERVED_MODEL = "kvbroker-tiny-qwen3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_test_model() -> Path:
@@ -65,6 +60,8 @@ class StackConfig:
     recompute_threshold: int = 64
     hard_cap_s: int = 480
     registry_flags: tuple[str, ...] = ()
+    # More than one: that many registry replicas on an etcd the stack starts too.
+    registry_replicas: int = 1
     engine_args: tuple[str, ...] = ()
     # CPU binding of the two engines; on a 2-core host one core each.
     prefill_cpus: str = "0"
@@ -83,7 +80,11 @@ class Stack:
         self.config = config
         self.progress = progress or (lambda message: None)
         self.processes: list[Process] = []
-        self.registry_address = f"127.0.0.1:{free_port()}"
+        replicas = max(config.registry_replicas, 1)
+        self.registry_addresses = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
+        self.registry_address = ",".join(self.registry_addresses)
+        self.etcd = LocalEtcd(config.workdir / "etcd") if replicas > 1 else None
+        self._registries: dict[str, Process] = {}
         self.router_url = f"http://127.0.0.1:{free_port()}"
         self.prefill = EngineSpec("prefill", config.prefill_cpus)
         self.decode = EngineSpec("decode", config.decode_cpus)
@@ -174,12 +175,20 @@ class Stack:
         if self.model_dir is None:
             self.progress("making the test model (cached after the first run)")
             self.model_dir = await asyncio.to_thread(make_test_model)
+        store: list[str] = []
+        if self.etcd is not None:
+            self.progress(f"starting etcd on {self.etcd.url}")
+            await self._spawn("etcd", self.etcd.argv())
+            await self.etcd.wait_ready()
+            store = ["--store", self.etcd.url, "--election-ttl", "2"]
         self.progress(f"starting the registry on {self.registry_address}")
-        await self._spawn(
-            "registry",
-            [KVBROKER, "registry", "serve", "--listen", self.registry_address,
-             "--log-format", "json", *self.config.registry_flags],
-        )  # fmt: skip
+        for index, address in enumerate(self.registry_addresses):
+            name = "registry" if len(self.registry_addresses) == 1 else f"registry-{index}"
+            self._registries[address] = await self._spawn(
+                name,
+                [KVBROKER, "registry", "serve", "--listen", address, "--log-format", "json",
+                 *store, *self.config.registry_flags],
+            )  # fmt: skip
         for engine in (self.prefill, self.decode):
             await self._spawn(
                 f"sidecar-{engine.role}",
@@ -236,6 +245,17 @@ class Stack:
                     raise TimeoutError("the engines' sidecars did not register in time")
                 await asyncio.sleep(0.25)
 
+    async def kill_registry_leader(self) -> str:
+        """SIGKILLs the registry replica that leads now (failure tests); returns its address."""
+        if self.etcd is None:
+            raise RuntimeError("this stack runs one registry; there is no leader to kill")
+        leader = await self.etcd.leader()
+        process = self._registries[leader].process
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        return leader
+
     async def stop(self) -> None:
         for entry in reversed(self.processes):
             if entry.process.returncode is None:
@@ -255,6 +275,7 @@ class Stack:
         return {
             "router": self.router_url,
             "registry": self.registry_address,
+            "etcd": self.etcd.url if self.etcd is not None else None,
             "prefill": self.url(self.prefill),
             "decode": self.url(self.decode),
             "model": self.config.served_model,

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controlplane.server import ServerOptions, start_registry
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.stack import free_port
+from kvbroker.common.ports import free_port
 from kvbroker.v1 import node_pb2
 from router.proxy import Router, RouterConfig, build_app
 from tests.factories import Heartbeats, node_spec

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbroker.stack import free_port
+from kvbroker.common.ports import free_port
 
 
 @dataclass

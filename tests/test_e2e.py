@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_ext.testmodel import corpus
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import prefill_params
-from kvbroker.stack import KVBROKER, Stack, StackConfig, free_port
+from kvbroker.common.ports import free_port
+from kvbroker.stack import KVBROKER, Stack, StackConfig
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 pytestmark = [

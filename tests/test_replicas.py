@@ -28,7 +28,7 @@ from kvbroker.bench.failover import (
     run_soak,
 )
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.stack import free_port
+from kvbroker.common.ports import free_port
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.factories import Heartbeats, grant, node_spec
 

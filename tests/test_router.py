@@ -12,7 +12,7 @@ import pytest
 
 from controlplane.server import RunningRegistry
 from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.stack import free_port
+from kvbroker.common.ports import free_port
 from kvbroker.v1 import node_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from router.proxy import Router, RouterConfig, build_app

@@ -14,7 +14,7 @@ import pytest
 
 from kvbroker.common.engine_link import Deadline, EngineLink
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.stack import free_port
+from kvbroker.common.ports import free_port
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from tests.conftest import KVBROKER, RegistryProcess, run_cli, spawn_registry

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import statistics
 import tempfile
@@ -36,7 +35,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aetcd
 import httpx
 import uvicorn
 from starlette.applications import Starlette
@@ -48,7 +46,9 @@ from kvbroker.common.clock import to_duration
 from kvbroker.common.engine_link import EngineLink
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import EPOCH_KEY, LEASE_ID_KEY
-from kvbroker.stack import KVBROKER, free_port
+from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.common.ports import free_port
+from kvbroker.stack import KVBROKER
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
 MODEL = "sim-model"
@@ -115,44 +115,19 @@ async def _until(check: Callable[[], Any], within_s: float, what: str) -> None:
 
 
 class EtcdServer:
-    """A single-member etcd on loopback ports, in its own data directory."""
+    """A local etcd run as a restartable child of the harness."""
 
     def __init__(self, workdir: Path) -> None:
-        self.client_port, self.peer_port = free_port(), free_port()
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        client = f"http://127.0.0.1:{self.client_port}"
-        self.child = Child(
-            "etcd",
-            [
-                shutil.which("etcd") or "etcd",
-                "--name=kvbroker",
-                f"--data-dir={workdir / 'etcd'}",
-                f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=kvbroker={peer}",
-            ],
-            log=workdir / "etcd.log",
-        )
-
-    @property
-    def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
+        self.local = LocalEtcd(workdir / "etcd")
+        self.client_port = self.local.client_port
+        self.url = self.local.url
+        self.child = Child("etcd", self.local.argv(), log=workdir / "etcd.log")
 
     async def start(self) -> None:
-        if shutil.which("etcd") is None:
-            raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
-        await self.child.start(ready=lambda: _until(self._answers, 30, "etcd serving"))
-
-    async def _answers(self) -> bool:
-        return await self.leader() is not None
+        await self.child.start(ready=self.local.wait_ready)
 
     async def leader(self) -> str:
-        """The registry replica that leads now, as etcd says ("" while none does)."""
-        async with aetcd.Client(port=self.client_port, timeout=2) as client:
-            found = await client.get(b"/kvbroker/leader")
-            return found.value.decode() if found is not None else ""
+        return await self.local.leader()
 
 
 def registry_replica(workdir: Path, index: int, store: str, flags: list[str]) -> Child:

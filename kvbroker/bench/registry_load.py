@@ -34,7 +34,8 @@ import grpc
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.hint_batcher import HintBatcher
-from kvbroker.stack import KVBROKER, free_port
+from kvbroker.common.ports import free_port
+from kvbroker.stack import KVBROKER
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 BLOCK_SIZE = 128  # vLLM's CPU default; a 4k-token conversation has 32 blocks

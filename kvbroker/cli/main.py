@@ -327,6 +327,10 @@ def up(
     workdir: Annotated[Path, typer.Option(help="Sockets and logs of every process.")] = Path(
         "/tmp/kvbroker-up"
     ),
+    replicas: Annotated[
+        int,
+        typer.Option(min=1, help="Registry replicas; more than one also starts an etcd."),
+    ] = 1,
 ) -> None:
     """Start registry, prefill and decode vLLM servers with sidecars, and the router, on this
     machine; print one JSON line when ready; stop everything on Ctrl-C or SIGTERM."""
@@ -335,7 +339,7 @@ def up(
         print(json.dumps(stack.describe()), flush=True)
         await asyncio.Event().wait()  # until a signal
 
-    _run_with_stack(reuse is Switch.on, model, workdir, serve, Console(stderr=True))
+    _run_with_stack(reuse is Switch.on, model, workdir, serve, Console(stderr=True), replicas)
 
 
 def _run_with_stack(
@@ -344,6 +348,7 @@ def _run_with_stack(
     workdir: Path,
     body: Callable[[Any, Console], Awaitable[None]],
     console: Console | None = None,
+    replicas: int = 1,
 ) -> None:
     """Starts the stack, runs ``body(stack, console)``, and always stops the stack: when the
     body ends, fails, or Ctrl-C / SIGTERM arrives (also while the engines are starting)."""
@@ -364,7 +369,7 @@ def _run_with_stack(
 
     async def run() -> None:
         stack = Stack(
-            StackConfig(workdir=workdir, model_dir=model, reuse=reuse),
+            StackConfig(workdir=workdir, model_dir=model, reuse=reuse, registry_replicas=replicas),
             progress=lambda message: console.print(f"[dim]·[/] {message}"),
         )
         stop = asyncio.Event()
