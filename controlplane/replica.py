@@ -87,13 +87,11 @@ class Replica:
             while True:
                 try:
                     leader, fence, lease_id = await self._campaign()
-                except (StoreUnavailable, *ETCD_ERRORS) as error:
-                    log.warning("election_failed", error=str(error))
-                    await self.store.reconnect()
-                    await asyncio.sleep(poll_s)
-                    continue
-                except Exception:  # the election loop must outlive any surprise
-                    log.exception("election_error")
+                except Exception as error:  # the election loop must outlive anything
+                    if isinstance(error, (StoreUnavailable, *ETCD_ERRORS)):
+                        log.warning("election_failed", error=str(error))
+                    else:
+                        log.exception("election_error")
                     await self.store.reconnect()
                     await asyncio.sleep(poll_s)
                     continue
@@ -107,7 +105,7 @@ class Replica:
                     await self._lead(fence, lease_id, reload=not current)
                     continue
                 self._follow_leader(leader)
-                if follower is None:
+                if follower is None or follower.done():
                     follower = asyncio.create_task(self.store.follow(), name="kvbroker-follow")
                 await asyncio.sleep(poll_s)
         finally:
