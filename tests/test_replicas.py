@@ -213,7 +213,9 @@ async def test_a_partitioned_sidecars_leases_expire_and_are_not_offered(tmp_path
 async def test_kills_under_load_lose_nothing(tmp_path: Path) -> None:
     """The soak, bounded: replicas killed (mostly the leader) and etcd restarted under a
     steady load of turns through the router."""
-    config = SoakConfig(duration_s=36, kill_every_s=6, conversations=6, restart_etcd=True)
+    config = SoakConfig(
+        duration_s=36, kill_every_s=6, conversations=6, restart_etcd=True, leader_kill_share=1.0
+    )
     report = await run_soak(config, FLAGS, tmp_path)
     print(report)
     assert report.failures == []
