@@ -4,8 +4,8 @@ Reads come from a local cache (the memory store's dicts and indexes), so a hint 
 etcd. Writes are buffered and ``commit()`` sends them as one transaction guarded by a fence:
 it succeeds only while the leader key still has the create revision this replica won it at,
 so a deposed leader can never overwrite its successor (etcd's election recipe). A follower
-keeps its cache fed by a watch from the revision it loaded at; a new leader reloads at its
-election so its view is complete before it serves.
+keeps its cache fed by a watch from the revision it loaded at; a new leader serves from that
+cache once it has seen its own election (``catch_up``), and reloads otherwise.
 """
 
 from __future__ import annotations
@@ -107,6 +107,16 @@ class EtcdStore(MemoryStore):
             self._client = None
 
     # ------------------------------------------------------------ keys
+
+    def leader_key_created_at(self, revision: int) -> rpc.Compare:
+        """The election's compare: the leader key was created at ``revision`` (0: it does not
+        exist). Campaigns use it with 0; every write of a leader with its fence."""
+        return rpc.Compare(
+            key=self.leader_key,
+            result=rpc.Compare.EQUAL,
+            target=rpc.Compare.CREATE,
+            create_revision=revision,
+        )
 
     def _key(self, kind: str, ident: str) -> bytes:
         return self.data_prefix + f"{kind}/{ident}".encode()
@@ -263,12 +273,7 @@ class EtcdStore(MemoryStore):
     async def _write(self, pending: list[tuple[bytes, bytes | None]]) -> None:
         if self.fence is None:
             raise StoreUnavailable("this registry replica does not lead; it cannot write")
-        fence = rpc.Compare(
-            key=self.leader_key,
-            result=rpc.Compare.EQUAL,
-            target=rpc.Compare.CREATE,
-            create_revision=self.fence,
-        )
+        fence = self.leader_key_created_at(self.fence)
         try:
             client = await self.client()
             for chunk in _chunks(pending):

@@ -126,6 +126,17 @@ class _NodeRuntime:
         self.prefills = self.spec.role in PREFILL_ROLES
         self.decodes = self.spec.role in DECODE_ROLES
 
+    @classmethod
+    def of_stored(cls, node: node_pb2.Node, synced: bool = True) -> _NodeRuntime:
+        """The view of a node known from the store (a takeover, a follower's cache)."""
+        runtime = cls(node.spec, state=node.state, synced=synced)
+        runtime.note_load(node.load)
+        return runtime
+
+    def note_load(self, load: node_pb2.NodeLoad) -> None:
+        self.queued = load.running_requests + load.waiting_requests
+        self.kv_usage = load.kv_cache_usage
+
 
 class _Mutation:
     """``async with registry._mutation():`` — a class rather than a generator-based context
@@ -217,10 +228,7 @@ class Registry:
         config = self.config
         self._inherited_claims_until = now + config.claim_timeout_s
         for node in await self.store.list_nodes():
-            runtime = _NodeRuntime(node.spec, state=node.state, synced=False)
-            runtime.queued = node.load.running_requests + node.load.waiting_requests
-            runtime.kv_usage = node.load.kv_cache_usage
-            self._runtime[node.spec.node_id] = runtime
+            self._runtime[node.spec.node_id] = _NodeRuntime.of_stored(node, synced=False)
             self._commands[node.spec.node_id] = _CommandQueue(node.spec.incarnation)
             if node.state != DOWN:
                 # Sessions restart: heartbeats could not reach a leader during the election.
@@ -418,8 +426,7 @@ class Registry:
             # Load and heartbeat times are soft state; only a change of readiness is written.
             await self.store.put_node(node, durable=changed)
             runtime = self._node_runtime(node.spec, node.state)
-            runtime.queued = load.running_requests + load.waiting_requests
-            runtime.kv_usage = load.kv_cache_usage
+            runtime.note_load(load)
             runtime.assigned_since_heartbeat = 0
             self._deadlines.schedule((NODE_SESSION, node_id), now + self.config.session_ttl_s)
             return self.node_view(node)
@@ -1163,12 +1170,7 @@ async def cached_hint(
 ) -> registry_pb2.RoutingHint:
     """A follower's answer while no leader can be reached: nodes from its watch-fed cache, no
     reuse (only a leader can claim a lease), the conversation's last decode node kept."""
-    runtimes = []
-    for node in await store.list_nodes():
-        runtime = _NodeRuntime(node.spec, state=node.state)
-        runtime.queued = node.load.running_requests + node.load.waiting_requests
-        runtime.kv_usage = node.load.kv_cache_usage
-        runtimes.append(runtime)
+    runtimes = [_NodeRuntime.of_stored(node) for node in await store.list_nodes()]
     try:
         prefills, decodes = candidates(runtimes, model)
     except Unavailable as error:

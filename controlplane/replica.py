@@ -122,14 +122,7 @@ class Replica:
         lease = await client.lease(self.options.election_ttl_s)
         response = await client.kvstub.Txn(
             rpc.TxnRequest(
-                compare=[
-                    rpc.Compare(
-                        key=self.store.leader_key,
-                        result=rpc.Compare.EQUAL,
-                        target=rpc.Compare.CREATE,
-                        create_revision=0,
-                    )
-                ],
+                compare=[self.store.leader_key_created_at(0)],
                 success=[
                     rpc.RequestOp(
                         request_put=rpc.PutRequest(

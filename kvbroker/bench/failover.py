@@ -48,6 +48,7 @@ from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry
 from kvbroker.common.handles import EPOCH_KEY, LEASE_ID_KEY
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
+from kvbroker.common.tasks import poll_until
 from kvbroker.stack import KVBROKER
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
@@ -102,16 +103,6 @@ class Child:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.returncode is None
-
-
-async def _until(check: Callable[[], Any], within_s: float, what: str) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if await check():
-                return
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"{what} not reached within {within_s:.0f} s")
 
 
 class EtcdServer:
@@ -432,7 +423,7 @@ class Fleet:
             await engine.start()
             await sidecar.start()
             engine.link.start()
-        await self.router.start(ready=lambda: _until(self._routable, 60, "router routing"))
+        await self.router.start(ready=lambda: poll_until(self._routable, 60, "router routing"))
 
     async def _routable(self) -> bool:
         response = await self.http.get(f"{self.router_url}/v1/models")

@@ -30,11 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.ports import free_port
+from kvbroker.common.tasks import poll_until
 from kvbroker.stack import KVBROKER
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
@@ -256,17 +255,14 @@ class RegistryProcess:
 
     async def _until_leading(self, within_s: float = 30) -> None:
         """A replica on etcd serves once it has won the election."""
-        deadline = time.monotonic() + within_s
         async with open_channel(RegistryEndpoint.parse(self.address)) as channel:
             stub = registry_stub(channel)
-            while True:
-                try:
-                    await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=2)
-                    return
-                except grpc.aio.AioRpcError:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.2)
+
+            async def answers() -> bool:
+                await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=2)
+                return True
+
+            await poll_until(answers, within_s, "the registry replica leading", every_s=0.2)
 
     def rss_mib(self) -> float:
         assert self.process is not None

@@ -4,15 +4,14 @@ line, when it answers, and which registry replica leads on it."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aetcd
 
 from kvbroker.common.ports import free_port
+from kvbroker.common.tasks import poll_until
 
 LEADER_KEY = b"/kvbroker/leader"
 
@@ -46,15 +45,11 @@ class LocalEtcd:
         ]
 
     async def wait_ready(self, within_s: float = 30.0) -> None:
-        deadline = time.monotonic() + within_s
-        while True:
-            try:
-                await self.leader()
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
+        await poll_until(self._answers, within_s, f"etcd serving on {self.url}")
+
+    async def _answers(self) -> bool:
+        await self.leader()
+        return True
 
     async def leader(self) -> str:
         """The registry replica that leads now, as etcd says ("" while none does)."""

@@ -1,9 +1,11 @@
-"""Running a session's loops together."""
+"""Running a session's loops together, and waiting for something to come up."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 
@@ -19,3 +21,17 @@ async def until_first_exits(*loops: Coroutine[Any, Any, None]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def poll_until(
+    check: Callable[[], Awaitable[Any]], within_s: float, what: str, every_s: float = 0.1
+) -> None:
+    """Calls ``check`` until it returns something truthy; its errors count as "not yet".
+    Raises TimeoutError naming ``what`` when ``within_s`` has passed."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if await check():
+                return
+        await asyncio.sleep(every_s)
+    raise TimeoutError(f"{what} not reached within {within_s:.0f} s")
