@@ -1,7 +1,10 @@
 """A deadline notifier built on a heap, after etcd's lessor: no scan of all records per tick.
 
 Each key has at most one current deadline; rescheduling leaves the old heap entry behind and
-it is skipped when popped (lazy deletion), so schedule and cancel are O(log n) and O(1).
+it is skipped when popped (lazy deletion), so schedule and cancel are O(log n) and O(1). Left
+alone, the entries left behind would pile up for as long as their times lie ahead (every turn
+cancels its previous lease's expiry, hours away), so once they outnumber the live ones the heap
+is rebuilt from the live deadlines: O(n) once per n cancellations.
 """
 
 from __future__ import annotations
@@ -9,19 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
-import itertools
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
+# Rebuilding a small heap would cost more than the entries left behind.
+_MIN_REBUILD = 1024
+
 
 class DeadlineQueue(Generic[K]):
+    """Keys must be orderable: equal deadlines fall back to comparing keys (a tie-break
+    counter would cost ~40 bytes an entry, and a registry holds millions)."""
+
     def __init__(self, now: Callable[[], float]) -> None:
         self._now = now
-        self._heap: list[tuple[float, int, K]] = []
+        self._heap: list[tuple[float, K]] = []
         self._current: dict[K, float] = {}
-        self._tiebreak = itertools.count()
         self._changed = asyncio.Event()
 
     def __len__(self) -> int:
@@ -30,12 +37,19 @@ class DeadlineQueue(Generic[K]):
     def schedule(self, key: K, when: float) -> None:
         earliest = self._heap[0][0] if self._heap else None
         self._current[key] = when
-        heapq.heappush(self._heap, (when, next(self._tiebreak), key))
+        heapq.heappush(self._heap, (when, key))
         if earliest is None or when < earliest:
             self._changed.set()
+        self._compact()
 
     def cancel(self, key: K) -> None:
-        self._current.pop(key, None)
+        if self._current.pop(key, None) is not None:
+            self._compact()
+
+    def _compact(self) -> None:
+        if len(self._heap) > max(2 * len(self._current), _MIN_REBUILD):
+            self._heap = [(when, key) for key, when in self._current.items()]
+            heapq.heapify(self._heap)
 
     def deadline(self, key: K) -> float | None:
         return self._current.get(key)
@@ -45,7 +59,7 @@ class DeadlineQueue(Generic[K]):
         now = self._now()
         due: list[K] = []
         while self._heap and len(due) < limit:
-            when, _, key = self._heap[0]
+            when, key = self._heap[0]
             if self._current.get(key) != when:
                 heapq.heappop(self._heap)  # superseded or cancelled
                 continue

@@ -589,19 +589,21 @@ class Registry:
         self, conversation: lease_pb2.Conversation, lease: lease_pb2.Lease
     ) -> None:
         """Makes ``lease`` the conversation's current one; ends the previous live lease."""
-        if conversation.lease_id and conversation.lease_id != lease.lease_id:
-            previous = await self.store.get_lease(conversation.lease_id)
+        previous_id = conversation.lease_id
+        conversation.epoch = max(conversation.epoch, lease.epoch)
+        conversation.lease_id = lease.lease_id
+        conversation.decode_node_id = lease.node_id
+        conversation.last_active_time.CopyFrom(to_timestamp(self.now()))
+        if previous_id and previous_id != lease.lease_id:
+            previous = await self.store.get_lease(previous_id)
             if previous is not None and previous.state in LIVE_STATES:
                 await self._end_lease(
                     previous,
                     REVOKED,
                     f"superseded by lease {lease.lease_id} (epoch {lease.epoch})",
                     command_ttl=self._grace_for(previous),
+                    conversation=conversation,
                 )
-        conversation.epoch = max(conversation.epoch, lease.epoch)
-        conversation.lease_id = lease.lease_id
-        conversation.decode_node_id = lease.node_id
-        conversation.last_active_time.CopyFrom(to_timestamp(self.now()))
         await self.store.put_conversation(conversation)
         self._deadlines.cancel((FORGET_CONVERSATION, conversation.conversation_id))
 
@@ -713,9 +715,15 @@ class Registry:
             await self.store.put_conversation(conversation)
 
     async def _end_lease(
-        self, lease: lease_pb2.Lease, state: int, reason: str, command_ttl: float | None
+        self,
+        lease: lease_pb2.Lease,
+        state: int,
+        reason: str,
+        command_ttl: float | None,
+        conversation: lease_pb2.Conversation | None = None,
     ) -> None:
-        """Moves a live lease to an end state; ``command_ttl`` tells the holder when to free."""
+        """Moves a live lease to an end state; ``command_ttl`` tells the holder when to free.
+        ``conversation``: the lease's, when the caller holds it already (saves a read)."""
         now = self.now()
         was_live = lease.state in LIVE_STATES
         lease.state = state  # type: ignore[assignment]
@@ -730,7 +738,8 @@ class Registry:
         )
         if was_live:
             self._account(lease, -1)
-        conversation = await self.store.get_conversation(lease.conversation_id)
+        if conversation is None:
+            conversation = await self.store.get_conversation(lease.conversation_id)
         if conversation is not None and conversation.lease_id == lease.lease_id:
             self._deadlines.schedule(
                 (FORGET_CONVERSATION, lease.conversation_id),
@@ -786,11 +795,11 @@ class Registry:
                 runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
             if full_snapshot:
                 runtime.synced = True
-                for lease in await self.store.live_leases_of_node(node_id):
-                    if lease.lease_id not in snapshot_ids:
-                        await self._end_lease(
-                            lease, REVOKED, "not retained by the engine after reconnect", None
-                        )
+                for lease_id in self.store.live_lease_ids(node_id) - snapshot_ids:
+                    lease = await self._lease(lease_id)
+                    await self._end_lease(
+                        lease, REVOKED, "not retained by the engine after reconnect", None
+                    )
             return runtime.applied_sequence, granted
 
     async def _apply_retained(

@@ -57,3 +57,20 @@ async def test_run_wakes_for_an_earlier_deadline() -> None:
     task.cancel()
     assert [k for k, _ in fired] == ["soon"]
     assert fired[0][1] - start < 0.25
+
+
+def test_entries_left_behind_do_not_pile_up() -> None:
+    """Renewals and cancellations far ahead of their deadlines (a turn supersedes a lease
+    hours before it would expire) must not grow the heap without bound."""
+    clock = FakeClock()
+    queue: DeadlineQueue[int] = DeadlineQueue(clock)
+    for renewal in range(20):
+        for key in range(5_000):
+            queue.schedule(key, 10_000 + renewal + key / 10_000)
+    for key in range(0, 5_000, 2):
+        queue.cancel(key)
+    assert len(queue) == 2_500
+    assert len(queue._heap) <= 2 * 5_000  # 100,000 entries were pushed
+    clock.t = 20_000
+    due = queue.pop_due(10_000)
+    assert due == list(range(1, 5_000, 2))  # each live key once, at its last deadline

@@ -6,8 +6,9 @@ serve` in its own process:
 1. populate: nodes register, then report retained blocks until the live-lease target;
 2. fixed rates: turns at given rates, each a routing hint (claim; concurrent turns' hints share
    BatchGetRoutingHints calls, as the router sends them) plus the decode node's
-   retention report (a grant that supersedes the previous lease), and a renewal every fourth
-   turn; open loop, so a slow registry cannot slow the load down;
+   retention report (a grant that supersedes the previous lease; one ReportRetention call in
+   flight per node, the rest in the next, as its sidecar sends them), and a renewal every
+   fourth turn; open loop, so a slow registry cannot slow the load down;
 3. saturation: hints from many concurrent callers as fast as they are answered, one
    GetRoutingHint call each and then batched;
 4. memory: the registry's RSS as live leases grow;
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbroker.common.batcher import Batcher
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.ports import free_port
@@ -82,9 +84,14 @@ def _retained(conversation: str, request_id: str, node: node_pb2.NodeSpec, block
             remote_num_tokens=blocks * BLOCK_SIZE,
             tp_size=1,
         ),
-        block_hashes=[os.urandom(16) for _ in range(blocks)],
+        block_hashes=_random_hashes(blocks),
         token_count=blocks * BLOCK_SIZE,
     )
+
+
+def _random_hashes(blocks: int, size: int = 16) -> list[bytes]:
+    blob = os.urandom(blocks * size)  # one call: the load generator must stay cheap
+    return [blob[i : i + size] for i in range(0, len(blob), size)]
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -127,7 +134,24 @@ async def _fixed_rate(
     nodes = [node_pb2.NodeSpec.FromString(raw) for raw in decodes]
     latencies: dict[str, list[float]] = {HINT_RPC: [], "ReportRetention": [], "RenewLease": []}
     errors = 0
+    # Above anything a node has applied: populating numbered its events from 1.
     sequence = [int(time.time() * 1e6) + seed * 10**12]
+
+    def reports_of(stub: Any, node: node_pb2.NodeSpec) -> Batcher[Any, lease_pb2.Lease]:
+        async def send(retained: list[Any]) -> list[lease_pb2.Lease]:
+            events = []
+            for blocks in retained:
+                sequence[0] += 1
+                events.append(registry_pb2.RetentionEvent(sequence=sequence[0], retained=blocks))
+            response = await stub.ReportRetention(
+                registry_pb2.ReportRetentionRequest(
+                    node_id=node.node_id, incarnation=node.incarnation, events=events
+                ),
+                timeout=5,
+            )
+            return list(response.leases)
+
+        return Batcher(send, max_batch=512, name=f"reports-{node.node_id}")
 
     async def turn(stub: Any, index: int) -> None:
         nonlocal errors
@@ -138,19 +162,10 @@ async def _fixed_rate(
                 registry_pb2.GetRoutingHintRequest(conversation_id=conversation)
             )
             latencies[HINT_RPC].append(time.perf_counter() - started)
-            node = next((n for n in nodes if n.node_id == hint.decode.node_id), nodes[0])
-            sequence[0] += 1
-            event = registry_pb2.RetentionEvent(
-                sequence=sequence[0],
-                retained=_retained(conversation, uuid.uuid4().hex, node, 32),
-            )
+            node = by_id.get(hint.decode.node_id, nodes[0])
+            retained = _retained(conversation, uuid.uuid4().hex, node, 32)
             started = time.perf_counter()
-            await stub.ReportRetention(
-                registry_pb2.ReportRetentionRequest(
-                    node_id=node.node_id, incarnation=node.incarnation, events=[event]
-                ),
-                timeout=5,
-            )
+            await reports[node.node_id].submit(retained)
             latencies["ReportRetention"].append(time.perf_counter() - started)
             if index % 4 == 0:
                 started = time.perf_counter()
@@ -164,6 +179,8 @@ async def _fixed_rate(
     async with open_channel(RegistryEndpoint.parse(address)) as channel:
         stub = registry_stub(channel)
         hints = HintBatcher(stub, timeout_s=5)  # as the router sends them
+        by_id = {node.node_id: node for node in nodes}
+        reports = {node.node_id: reports_of(stub, node) for node in nodes}
         tasks = []
         start = time.perf_counter()
         total = int(rate * seconds)
