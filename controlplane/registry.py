@@ -245,7 +245,7 @@ class Registry:
                     self._deadlines.schedule(
                         (CLAIM_END, lease.lease_id), from_timestamp(lease.claim_expire_time)
                     )
-                self._account(lease, +1)
+                self._account(lease.node_id, block_count(lease.handle), +1)
                 live_conversations.add(lease.conversation_id)
             else:
                 self._deadlines.schedule(
@@ -331,22 +331,20 @@ class Registry:
             view.time_to_live.CopyFrom(to_duration((expires or 0.0) - self.now()))
         return view
 
-    def _lease_ack(self, lease: lease_pb2.Lease) -> lease_pb2.Lease:
-        """A retention report's answer for one lease: what the reporter lacks, no more (it has
-        the handle and hashes; a replay of 100k leases would otherwise echo them all back)."""
-        ack = lease_pb2.Lease(
-            lease_id=lease.lease_id,
-            conversation_id=lease.conversation_id,
-            node_id=lease.node_id,
-            epoch=lease.epoch,
-            state=lease.state,
-            end_reason=lease.end_reason,
-        )
+    def _lease_ack(self, lease: lease_pb2.Lease, ack: lease_pb2.Lease) -> None:
+        """Fills ``ack``, a retention report's answer for one lease, with what the reporter
+        lacks, no more (it has the handle and hashes; a replay of 100k leases would otherwise
+        echo them all back)."""
+        ack.lease_id = lease.lease_id
+        ack.conversation_id = lease.conversation_id
+        ack.node_id = lease.node_id
+        ack.epoch = lease.epoch
+        ack.state = lease.state
+        ack.end_reason = lease.end_reason
         ack.handle.remote_request_id = lease.handle.remote_request_id
         if lease.state in LIVE_STATES:
             expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
             ack.time_to_live.CopyFrom(to_duration((expires or 0.0) - self.now()))
-        return ack
 
     def node_view(self, node: node_pb2.Node) -> node_pb2.Node:
         view = node_pb2.Node()
@@ -485,17 +483,20 @@ class Registry:
             self._routes.clear()
         return runtime
 
-    def _account(self, lease: lease_pb2.Lease, sign: int) -> None:
-        runtime = self._runtime.get(lease.node_id)
+    def _account(self, node_id: str, blocks: int, sign: int) -> None:
+        """Counts a lease of ``blocks`` in (+1) or out (-1) of its holder's figures."""
+        runtime = self._runtime.get(node_id)
         if runtime is not None:
             runtime.live_leases += sign
-            runtime.retained_blocks += sign * block_count(lease.handle)
+            runtime.retained_blocks += sign * blocks
 
     # ----------------------------------------------------------------- leases
 
     def _validate_retention(
         self, handle: lease_pb2.KvHandle, block_hashes: Sequence[bytes], token_count: int
-    ) -> None:
+    ) -> int:
+        """Refuses what no engine could have retained; returns the number of blocks (counted
+        once: walking a handle's groups costs microseconds, and a replay has 100k)."""
         self._require_id(handle.remote_request_id, "handle.remote_request_id")
         if len(block_hashes) > self.config.max_block_hashes:
             raise InvalidArgument(
@@ -509,6 +510,7 @@ class Registry:
             )
         if token_count == 0:
             raise InvalidArgument("token_count must be positive")
+        return blocks
 
     @staticmethod
     def _require_holder_role(node: node_pb2.Node) -> None:
@@ -529,14 +531,14 @@ class Registry:
         ttl: float | None = None,
     ) -> lease_pb2.Lease:
         self._require_id(conversation_id, "conversation_id")
-        self._validate_retention(handle, block_hashes, token_count)
+        blocks = self._validate_retention(handle, block_hashes, token_count)
         lease_ttl = self._ttl(ttl)
         async with self._mutation():
             node = await self._session(node_id, incarnation)
             self._require_holder_role(node)
             return self.lease_view(
                 await self._grant(
-                    node, conversation_id, handle, block_hashes, token_count, lease_ttl
+                    node, conversation_id, handle, block_hashes, token_count, lease_ttl, blocks
                 )
             )
 
@@ -548,6 +550,7 @@ class Registry:
         block_hashes: Sequence[bytes],
         token_count: int,
         ttl: float,
+        blocks: int,
     ) -> lease_pb2.Lease:
         existing = await self.store.find_lease(node.spec.node_id, handle.remote_request_id)
         if existing is not None and existing.conversation_id == conversation_id:
@@ -572,7 +575,7 @@ class Registry:
         )
         await self._supersede(conversation, lease)
         await self.store.put_lease(lease)
-        self._account(lease, +1)
+        self._account(lease.node_id, blocks, +1)
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
         self.metrics.lease_event("grant").inc()
         log.debug(
@@ -690,13 +693,28 @@ class Registry:
         wanted = set(states) or LIVE_STATES
         limit = page_size or 100
         page: list[lease_pb2.Lease] = []
-        for lease in await self.store.list_leases(node_id, conversation_id):
-            if lease.lease_id <= page_token or lease.state not in wanted:
+        leases: Iterable[lease_pb2.Lease]
+        if conversation_id and wanted <= LIVE_STATES:
+            # A conversation has at most one live lease, its current one: no scan.
+            leases = await self._current_leases(conversation_id, node_id, page_token)
+        else:
+            leases = await self.store.list_leases(node_id, conversation_id, after=page_token)
+        for lease in leases:
+            if lease.state not in wanted:
                 continue
             if len(page) == limit:
                 return page, page[-1].lease_id
             page.append(self.lease_view(lease))
         return page, ""
+
+    async def _current_leases(
+        self, conversation_id: str, node_id: str, after: str
+    ) -> list[lease_pb2.Lease]:
+        conversation = await self.store.get_conversation(conversation_id)
+        if conversation is None or conversation.lease_id <= after:
+            return []
+        lease = await self.store.get_lease(conversation.lease_id)
+        return [lease] if lease is not None and node_id in ("", lease.node_id) else []
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation:
         conversation = await self.store.get_conversation(
@@ -737,7 +755,7 @@ class Registry:
             (FORGET_LEASE, lease.lease_id), now + self.config.ended_lease_retention_s
         )
         if was_live:
-            self._account(lease, -1)
+            self._account(lease.node_id, block_count(lease.handle), -1)
         if conversation is None:
             conversation = await self.store.get_conversation(lease.conversation_id)
         if conversation is not None and conversation.lease_id == lease.lease_id:
@@ -768,28 +786,34 @@ class Registry:
         incarnation: str,
         events: Sequence[registry_pb2.RetentionEvent],
         full_snapshot: bool,
-    ) -> tuple[int, list[lease_pb2.Lease]]:
+    ) -> registry_pb2.ReportRetentionResponse:
+        checked: list[tuple[registry_pb2.RetentionEvent, int]] = []  # with block counts
         for event in events:
+            blocks = 0
             if event.HasField("retained"):
                 r = event.retained
                 self._require_id(r.conversation_id, "retained.conversation_id")
-                self._validate_retention(r.handle, r.block_hashes, r.token_count)
+                blocks = self._validate_retention(r.handle, r.block_hashes, r.token_count)
             elif event.HasField("released"):
                 self._require_id(event.released.remote_request_id, "released.remote_request_id")
             else:
                 raise InvalidArgument(f"event {event.sequence} is neither retained nor released")
+            checked.append((event, blocks))
+        checked.sort(key=lambda item: item[0].sequence)
         async with self._mutation():
             node = await self._session(node_id, incarnation)
             runtime = self._node_runtime(node.spec, node.state)
-            granted: list[lease_pb2.Lease] = []
+            # Acks are built in the response itself: copying 100k of them into it afterwards
+            # costs a replay as much as building them.
+            response = registry_pb2.ReportRetentionResponse()
             snapshot_ids: set[str] = set()
-            for event in sorted(events, key=lambda e: e.sequence):
+            for event, blocks in checked:
                 stale = event.sequence <= runtime.applied_sequence and not full_snapshot
                 if event.HasField("retained"):
                     self._require_holder_role(node)
-                    lease = await self._apply_retained(node, event.retained, replay=stale)
+                    lease = await self._apply_retained(node, event.retained, blocks, stale)
                     snapshot_ids.add(lease.lease_id)
-                    granted.append(self._lease_ack(lease))
+                    self._lease_ack(lease, response.leases.add())
                 elif not stale:
                     await self._apply_released(node, event.released)
                 runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
@@ -800,10 +824,11 @@ class Registry:
                     await self._end_lease(
                         lease, REVOKED, "not retained by the engine after reconnect", None
                     )
-            return runtime.applied_sequence, granted
+            response.applied_sequence = runtime.applied_sequence
+            return response
 
     async def _apply_retained(
-        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, replay: bool
+        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, blocks: int, replay: bool
     ) -> lease_pb2.Lease:
         ttl = self._ttl(from_duration(retained.time_to_live) or None)
         if not retained.lease_id:
@@ -820,11 +845,12 @@ class Registry:
                 retained.block_hashes,
                 retained.token_count,
                 ttl,
+                blocks,
             )
-        return await self._restore(node, retained, ttl)
+        return await self._restore(node, retained, ttl, blocks)
 
     async def _restore(
-        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, ttl: float
+        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, ttl: float, blocks: int
     ) -> lease_pb2.Lease:
         """A replayed lease: kept, revived or recreated, unless a newer epoch fences it."""
         now = self.now()
@@ -861,6 +887,7 @@ class Registry:
             # The engine still holds blocks the registry no longer stands behind: free them.
             self._send_command(lease, 0.0, lease.end_reason)
             return lease
+        now_ts = to_timestamp(now)
         if lease is None:
             lease = lease_pb2.Lease(
                 lease_id=retained.lease_id,
@@ -870,18 +897,18 @@ class Registry:
                 handle=retained.handle,
                 block_hashes=retained.block_hashes,
                 token_count=retained.token_count,
-                grant_time=to_timestamp(now),
+                grant_time=now_ts,
             )
         lease.node_incarnation = node.spec.incarnation
         lease.state = ACTIVE
         lease.end_reason = ""
         lease.ClearField("end_time")
-        lease.renew_time.CopyFrom(to_timestamp(now))
+        lease.renew_time.CopyFrom(now_ts)
         lease.expire_time.CopyFrom(to_timestamp(now + ttl))
         self._deadlines.cancel((FORGET_LEASE, lease.lease_id))
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
         await self.store.put_lease(lease)
-        self._account(lease, +1)
+        self._account(lease.node_id, blocks, +1)
         if conversation is None:
             conversation = lease_pb2.Conversation(conversation_id=retained.conversation_id)
         await self._supersede(conversation, lease)

@@ -290,10 +290,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         request: registry_pb2.ReportRetentionRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ReportRetentionResponse:
-        applied, leases = await registry.report_retention(
+        return await registry.report_retention(
             request.node_id, request.incarnation, request.events, request.full_snapshot
         )
-        return registry_pb2.ReportRetentionResponse(applied_sequence=applied, leases=leases)
 
     async def WatchLeaseCommands(
         self, request: registry_pb2.WatchLeaseCommandsRequest, context: grpc.aio.ServicerContext

@@ -161,3 +161,40 @@ async def test_reports_need_a_live_session(stub: RegistryServiceStub) -> None:
         await report(stub, spec, empty)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "neither retained nor released" in (error.value.details() or "")
+
+
+async def test_listings_page_and_filter_without_repeats(stub: RegistryServiceStub) -> None:
+    nodes = [node_spec("decode-0"), node_spec("decode-1", port=5601)]
+    for spec in nodes:
+        await register(stub, spec)
+    for index, spec in enumerate(nodes):
+        await report(
+            stub, spec, *(retained(i + 1, spec, f"c{i}-{index}", f"r{i}") for i in range(25))
+        )
+    # A second turn of one conversation supersedes its first lease.
+    await report(stub, nodes[0], retained(26, nodes[0], "c3-0", "r-next"))
+
+    async def pages(**filters: object) -> list[lease_pb2.Lease]:
+        leases: list[lease_pb2.Lease] = []
+        token = ""
+        while True:
+            response = await stub.ListLeases(
+                registry_pb2.ListLeasesRequest(page_size=7, page_token=token, **filters),  # type: ignore[arg-type]
+                timeout=5,
+            )
+            assert len(response.leases) <= 7
+            leases.extend(response.leases)
+            token = response.next_page_token
+            if not token:
+                return leases
+
+    everything = await pages()
+    ids = [lease.lease_id for lease in everything]
+    assert len(ids) == 50 and ids == sorted(set(ids))  # live only, each once, in id order
+    of_node = await pages(node_id="decode-1")
+    assert len(of_node) == 25 and {lease.node_id for lease in of_node} == {"decode-1"}
+    current = await pages(conversation_id="c3-0")
+    assert [lease.handle.remote_request_id for lease in current] == ["r-next"]
+    superseded = await pages(conversation_id="c3-0", states=[lease_pb2.LEASE_STATE_REVOKED])
+    assert [lease.handle.remote_request_id for lease in superseded] == ["r3"]
+    assert await pages(conversation_id="c3-0", node_id="decode-1") == []
