@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 from kvbroker.common.batcher import Batcher
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.hint_batcher import HintBatcher
@@ -125,7 +127,8 @@ def _fixed_rate_worker(
     seed: int,
     out: Any,
 ) -> None:
-    out.put(asyncio.run(_fixed_rate(address, decodes, conversations, rate, seconds, seed)))
+    # On uvloop, as routers under uvicorn and sidecars run.
+    out.put(uvloop.run(_fixed_rate(address, decodes, conversations, rate, seconds, seed)))
 
 
 async def _fixed_rate(
@@ -197,7 +200,7 @@ async def _fixed_rate(
 def _saturation_worker(
     address: str, conversations: int, seconds: float, batched: bool, out: Any
 ) -> None:
-    out.put(asyncio.run(_saturation(address, conversations, seconds, batched)))
+    out.put(uvloop.run(_saturation(address, conversations, seconds, batched)))
 
 
 async def _saturation(
