@@ -41,6 +41,8 @@ from kvbroker.common.clock import (
     MonotonicClock,
     from_duration,
     from_timestamp,
+    stamp_duration,
+    stamp_time,
     to_duration,
     to_timestamp,
 )
@@ -73,6 +75,11 @@ FORGET_LEASE = "forget-lease"
 FORGET_CONVERSATION = "forget-conversation"
 DeadlineKey = tuple[str, str]
 MAX_HINT_BATCH = 1000
+
+
+_DECISION_LABELS = {
+    value: name.removeprefix("HINT_DECISION_") for name, value in registry_pb2.HintDecision.items()
+}
 
 
 def state_name(state: int) -> str:
@@ -322,13 +329,16 @@ class Registry:
 
     # ----------------------------------------------------------------- views
 
-    def lease_view(self, lease: lease_pb2.Lease) -> lease_pb2.Lease:
-        """A copy for a response, with the time left as of now."""
-        view = lease_pb2.Lease()
+    def lease_view(
+        self, lease: lease_pb2.Lease, into: lease_pb2.Lease | None = None
+    ) -> lease_pb2.Lease:
+        """A copy for a response, with the time left as of now; written into ``into`` (a
+        field of the response) when given, which saves copying a lease twice."""
+        view = into if into is not None else lease_pb2.Lease()
         view.CopyFrom(lease)
         if lease.state in LIVE_STATES:
             expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
-            view.time_to_live.CopyFrom(to_duration((expires or 0.0) - self.now()))
+            stamp_duration(view.time_to_live, (expires or 0.0) - self.now())
         return view
 
     def _lease_ack(self, lease: lease_pb2.Lease, ack: lease_pb2.Lease) -> None:
@@ -344,7 +354,7 @@ class Registry:
         ack.handle.remote_request_id = lease.handle.remote_request_id
         if lease.state in LIVE_STATES:
             expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
-            ack.time_to_live.CopyFrom(to_duration((expires or 0.0) - self.now()))
+            stamp_duration(ack.time_to_live, (expires or 0.0) - self.now())
 
     def node_view(self, node: node_pb2.Node) -> node_pb2.Node:
         view = node_pb2.Node()
@@ -412,7 +422,7 @@ class Registry:
         async with self._mutation():
             node = await self._session(node_id, incarnation)
             now = self.now()
-            node.last_heartbeat_time.CopyFrom(to_timestamp(now))
+            stamp_time(node.last_heartbeat_time, now)
             node.load.CopyFrom(load)
             changed = False
             if node.state != DRAINING:
@@ -569,10 +579,10 @@ class Registry:
             block_hashes=block_hashes,
             token_count=token_count,
             state=ACTIVE,
-            grant_time=to_timestamp(now),
-            renew_time=to_timestamp(now),
-            expire_time=to_timestamp(now + ttl),
         )
+        stamp_time(lease.grant_time, now)
+        stamp_time(lease.renew_time, now)
+        stamp_time(lease.expire_time, now + ttl)
         await self._supersede(conversation, lease)
         await self.store.put_lease(lease)
         self._account(lease.node_id, blocks, +1)
@@ -596,7 +606,7 @@ class Registry:
         conversation.epoch = max(conversation.epoch, lease.epoch)
         conversation.lease_id = lease.lease_id
         conversation.decode_node_id = lease.node_id
-        conversation.last_active_time.CopyFrom(to_timestamp(self.now()))
+        stamp_time(conversation.last_active_time, self.now())
         if previous_id and previous_id != lease.lease_id:
             previous = await self.store.get_lease(previous_id)
             if previous is not None and previous.state in LIVE_STATES:
@@ -636,8 +646,8 @@ class Registry:
             expires = now + lease_ttl
             if lease.state == CLAIMED:
                 expires = max(expires, self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0)
-            lease.renew_time.CopyFrom(to_timestamp(now))
-            lease.expire_time.CopyFrom(to_timestamp(expires))
+            stamp_time(lease.renew_time, now)
+            stamp_time(lease.expire_time, expires)
             await self.store.put_lease(lease)
             self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), expires)
             await self._touch_conversation(lease.conversation_id)
@@ -729,7 +739,7 @@ class Registry:
     async def _touch_conversation(self, conversation_id: str) -> None:
         conversation = await self.store.get_conversation(conversation_id)
         if conversation is not None:
-            conversation.last_active_time.CopyFrom(to_timestamp(self.now()))
+            stamp_time(conversation.last_active_time, self.now())
             await self.store.put_conversation(conversation)
 
     async def _end_lease(
@@ -746,7 +756,7 @@ class Registry:
         was_live = lease.state in LIVE_STATES
         lease.state = state  # type: ignore[assignment]
         lease.end_reason = reason
-        lease.end_time.CopyFrom(to_timestamp(now))
+        stamp_time(lease.end_time, now)
         lease.ClearField("claim_expire_time")
         await self.store.put_lease(lease)
         self._deadlines.cancel((LEASE_EXPIRY, lease.lease_id))
@@ -887,7 +897,6 @@ class Registry:
             # The engine still holds blocks the registry no longer stands behind: free them.
             self._send_command(lease, 0.0, lease.end_reason)
             return lease
-        now_ts = to_timestamp(now)
         if lease is None:
             lease = lease_pb2.Lease(
                 lease_id=retained.lease_id,
@@ -897,14 +906,14 @@ class Registry:
                 handle=retained.handle,
                 block_hashes=retained.block_hashes,
                 token_count=retained.token_count,
-                grant_time=now_ts,
             )
+            stamp_time(lease.grant_time, now)
         lease.node_incarnation = node.spec.incarnation
         lease.state = ACTIVE
         lease.end_reason = ""
         lease.ClearField("end_time")
-        lease.renew_time.CopyFrom(now_ts)
-        lease.expire_time.CopyFrom(to_timestamp(now + ttl))
+        stamp_time(lease.renew_time, now)
+        stamp_time(lease.expire_time, now + ttl)
         self._deadlines.cancel((FORGET_LEASE, lease.lease_id))
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
         await self.store.put_lease(lease)
@@ -1032,11 +1041,8 @@ class Registry:
             decode=decode.spec,
         )
         if lease is not None:
-            hint.lease.CopyFrom(self.lease_view(lease))
-        self.metrics.hint(
-            registry_pb2.HintDecision.Name(decision).removeprefix("HINT_DECISION_"),
-            "EXACT" if exact else "DEGRADED",
-        ).inc()
+            self.lease_view(lease, into=hint.lease)
+        self.metrics.hint(_DECISION_LABELS[decision], "EXACT" if exact else "DEGRADED").inc()
         self.metrics.hint_latency.observe(self.now() - started)
         return hint
 
@@ -1104,11 +1110,11 @@ class Registry:
         now = self.now()
         claim_end = now + self.config.claim_timeout_s
         lease.state = CLAIMED
-        lease.claim_expire_time.CopyFrom(to_timestamp(claim_end))
+        stamp_time(lease.claim_expire_time, claim_end)
         expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id)) or now
         extends = expires < claim_end
         if extends:
-            lease.expire_time.CopyFrom(to_timestamp(claim_end))
+            stamp_time(lease.expire_time, claim_end)
             self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), claim_end)
             # The holder must keep the blocks for the whole claim.
             self._send_command(lease, claim_end - now, "claimed by a read")
@@ -1189,9 +1195,10 @@ EXACT_PICK_LIMIT = 8
 
 def pick(nodes: Sequence[_NodeRuntime], turn: int, prefer: str = "") -> _NodeRuntime:
     """The preferred node if eligible, else the least loaded (ties rotate with ``turn``)."""
-    for node in nodes:
-        if node.node_id == prefer:
-            return node
+    if prefer:
+        for node in nodes:
+            if node.node_id == prefer:
+                return node
     count = len(nodes)
     if count > EXACT_PICK_LIMIT:
         first = random.randrange(count)

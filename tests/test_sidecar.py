@@ -135,13 +135,14 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
         link = EngineLink(f"unix:{sidecar.socket_path}", engine_info("decode-0"))
         link.start()
         stub = registry_stub(channel)
+        stack = Stack(registry, stub, engine, sidecar, link, port)
         try:
             await eventually(lambda: asyncio.to_thread(link.attached.wait, 0.1))
-            yield Stack(registry, stub, engine, sidecar, link, port)
+            yield stack
         finally:
             link.close()
-            await sidecar.stop()
-            await registry.stop()
+            await stack.sidecar.stop()  # a test may have replaced the first one
+            await stack.registry.stop()
 
 
 async def drain_deadlines(link: EngineLink) -> list[Deadline]:

@@ -29,6 +29,17 @@ def to_timestamp(seconds: float) -> Timestamp:
     return ts
 
 
+def stamp_time(field: Timestamp, seconds: float) -> None:
+    """Sets a message's Timestamp field in place: no temporary message to build and copy (the
+    registry sets several per lease, and a temporary costs more than the field)."""
+    field.seconds, field.nanos = divmod(int(seconds * 1e9), 1_000_000_000)
+
+
+def stamp_duration(field: Duration, seconds: float) -> None:
+    """Sets a message's Duration field in place (negative spans as zero)."""
+    field.seconds, field.nanos = divmod(int(max(seconds, 0.0) * 1e9), 1_000_000_000)
+
+
 def from_timestamp(ts: Timestamp) -> float:
     return float(ts.ToNanoseconds()) / 1e9
 
