@@ -55,6 +55,9 @@ class LoadResult:
     p999_ms: float
     throughput: float  # answered per second
     errors: int
+    # The registry process's CPU over the level, in cores (the load generators share the
+    # machine's 2 cores with it): throughput / registry_cpu is what one registry core answers.
+    registry_cpu: float
 
 
 def _spec(index: int, role: node_pb2.NodeRole) -> node_pb2.NodeSpec:
@@ -102,7 +105,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def _summarise(
-    rpc: str, rate: float, latencies: list[float], seconds: float, errors: int
+    rpc: str, rate: float, latencies: list[float], seconds: float, errors: int, cpu: float
 ) -> LoadResult:
     return LoadResult(
         rpc=rpc,
@@ -112,6 +115,7 @@ def _summarise(
         p999_ms=1000 * _percentile(latencies, 0.999),
         throughput=len(latencies) / seconds,
         errors=errors,
+        registry_cpu=cpu,
     )
 
 
@@ -284,6 +288,12 @@ class RegistryProcess:
 
             await poll_until(answers, within_s, "the registry replica leading", every_s=0.2)
 
+    def cpu_seconds(self) -> float:
+        """User and system CPU the process has used so far."""
+        assert self.process is not None
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_mib(self) -> float:
         assert self.process is not None
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -396,28 +406,32 @@ async def run_registry_bench(
             for rate in rates:
                 progress(f"{rate:.0f} turns/s for {seconds:.0f} s")
                 # Two load processes share the offered rate, each the sidecar of half the nodes.
+                cpu_before, started = registry.cpu_seconds(), time.perf_counter()
                 outputs = await asyncio.to_thread(
                     _run_workers,
                     _fixed_rate_worker,
                     [(registry.address, decodes[seed::2], live_leases, rate / 2, seconds, seed)
                      for seed in (0, 1)],
                 )  # fmt: skip
+                cpu = (registry.cpu_seconds() - cpu_before) / (time.perf_counter() - started)
                 for rpc in (HINT_RPC, "ReportRetention", "RenewLease"):
                     merged = [x for o in outputs for x in o["latencies"][rpc]]
                     errors = sum(o["errors"] for o in outputs)
                     elapsed = max(o["seconds"] for o in outputs)
-                    results.append(_summarise(rpc, rate, merged, elapsed, errors))
+                    results.append(_summarise(rpc, rate, merged, elapsed, errors, cpu))
             for batched, rpc in ((False, "GetRoutingHint"), (True, HINT_RPC)):
                 progress(f"saturation: {rpc} from 2 processes x 64 callers for {seconds:.0f} s")
+                cpu_before, started = registry.cpu_seconds(), time.perf_counter()
                 outputs = await asyncio.to_thread(
                     _run_workers,
                     _saturation_worker,
                     [(registry.address, live_leases, seconds, batched)] * 2,
                 )
+                cpu = (registry.cpu_seconds() - cpu_before) / (time.perf_counter() - started)
                 merged = [x for o in outputs for x in o["latencies"]]
                 elapsed = max(o["seconds"] for o in outputs)
                 errors = sum(o["errors"] for o in outputs)
-                results.append(_summarise(rpc, 0, merged, elapsed, errors))
+                results.append(_summarise(rpc, 0, merged, elapsed, errors, cpu))
             base = registry.rss_mib()
             populated = await _live_leases(stub)
             memory.append({"live_leases": populated, "rss_mib": base})
@@ -444,12 +458,18 @@ async def run_registry_bench(
 
 
 async def _restart(registry: RegistryProcess, fleet: Fleet, leases: int) -> dict[str, float]:
-    # Keep exactly `leases` of what the nodes hold, spread over all nodes.
+    # Keep `leases` of what the nodes hold (all, if they hold fewer), as evenly over the nodes
+    # as what each holds allows: a node's quota grows while others fall short.
+    held = {node_id: len(kept) for node_id, kept in fleet.retained.items()}
+    quota = dict.fromkeys(held, 0)
     kept = 0
-    per_node = leases // len(fleet.decodes)
-    for node in fleet.decodes:
-        fleet.retained[node.node_id] = fleet.retained[node.node_id][:per_node]
-        kept += len(fleet.retained[node.node_id])
+    while kept < leases and any(quota[n] < held[n] for n in held):
+        for node_id in held:
+            if kept < leases and quota[node_id] < held[node_id]:
+                quota[node_id] += 1
+                kept += 1
+    for node_id, count in quota.items():
+        fleet.retained[node_id] = fleet.retained[node_id][:count]
     await registry.kill()
     started = time.perf_counter()
     startup = await registry.start()

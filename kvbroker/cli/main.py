@@ -509,13 +509,14 @@ def bench_registry(
 
     result = asyncio.run(bench())
     table = Table(title="registry under load", title_justify="left")
-    for column in ("rpc", "offered", "p50", "p99", "p999", "answered/s", "errors"):
+    columns = ("rpc", "offered", "p50", "p99", "p999", "answered/s", "errors", "registry CPU")
+    for column in columns:
         table.add_column(column, justify="right")
     for row in result["load"]:
         table.add_row(
             row["rpc"], f"{row['rate']:.0f}/s" if row["rate"] else "saturation",
             f"{row['p50_ms']:.2f} ms", f"{row['p99_ms']:.2f} ms", f"{row['p999_ms']:.2f} ms",
-            f"{row['throughput']:,.0f}", str(row["errors"]),
+            f"{row['throughput']:,.0f}", str(row["errors"]), f"{row['registry_cpu']:.2f} cores",
         )  # fmt: skip
     console.print(table)
     for point in result["memory"]:

@@ -1,0 +1,38 @@
+"""`kvbroker bench registry`, shrunk: its own registry and load processes over real gRPC."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvbroker.bench.registry_load import HINT_RPC, run_registry_bench, write
+
+
+async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:
+    report = await run_registry_bench(
+        rates=(40,),
+        live_leases=400,
+        memory_points=(800,),
+        restart_leases=400,
+        seconds=2,
+        nodes=4,
+        progress=lambda message: None,
+    )
+    rows = {(row["rpc"], row["rate"]): row for row in report["load"]}
+    for rpc in (HINT_RPC, "ReportRetention", "RenewLease"):
+        row = rows[(rpc, 40)]
+        assert row["errors"] == 0
+        assert row["throughput"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+        assert 0 < row["registry_cpu"] < 2  # one process, on a machine of 2 cores or more
+    assert rows[(HINT_RPC, 40)]["throughput"] >= 30  # the offered 40 turns/s were answered
+    for rpc in ("GetRoutingHint", HINT_RPC):
+        assert rows[(rpc, 0)]["throughput"] > 100 and rows[(rpc, 0)]["errors"] == 0
+    assert [point["live_leases"] for point in report["memory"]] == [400, 800]
+    assert all(point["rss_mib"] > 10 for point in report["memory"])
+    restart = report["restart"]
+    assert restart["leases"] == restart["recovered"] == 400
+    assert restart["recovery_s"] > restart["startup_s"] > 0
+
+    paths = write(report, tmp_path)
+    assert json.loads(paths[0].read_text())["load"] == report["load"]
+    assert paths[1].stat().st_size > 10_000  # the plot
