@@ -464,8 +464,8 @@ async def _restart(registry: RegistryProcess, fleet: Fleet, leases: int) -> dict
     quota = dict.fromkeys(held, 0)
     kept = 0
     while kept < leases and any(quota[n] < held[n] for n in held):
-        for node_id in held:
-            if kept < leases and quota[node_id] < held[node_id]:
+        for node_id, count in held.items():
+            if kept < leases and quota[node_id] < count:
                 quota[node_id] += 1
                 kept += 1
     for node_id, count in quota.items():
