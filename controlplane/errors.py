@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from kvbroker.v1 import registry_pb2
+
 
 class RegistryError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
@@ -36,3 +38,8 @@ class Unavailable(RegistryError):
 class StoreUnavailable(Unavailable):
     """The durable store refused or could not take a write: this replica's view is now ahead of
     it, so the replica stops serving until it has reloaded."""
+
+
+def hint_error(error: RegistryError) -> registry_pb2.HintError:
+    """One refused hint of a batch, as the status GetRoutingHint would have failed with."""
+    return registry_pb2.HintError(code=error.code.value[0], message=error.message)

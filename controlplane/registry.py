@@ -34,6 +34,7 @@ from controlplane.errors import (
     RegistryError,
     StoreUnavailable,
     Unavailable,
+    hint_error,
 )
 from controlplane.metrics import NodeFigures, RegistryMetrics
 from controlplane.store import LIVE_STATES, Store
@@ -980,35 +981,39 @@ class Registry:
     ) -> registry_pb2.RoutingHint:
         if conversation_id:
             self._require_id(conversation_id, "conversation_id")
+        hint = registry_pb2.RoutingHint()
         async with self._mutation():
-            return await self._hint(conversation_id, model, dry_run)
+            await self._hint(conversation_id, model, dry_run, hint)
+        return hint
 
     async def routing_hints(
         self, requests: Sequence[registry_pb2.GetRoutingHintRequest]
-    ) -> list[registry_pb2.RoutingHint | RegistryError]:
+    ) -> registry_pb2.BatchGetRoutingHintsResponse:
         """Each request's hint, or the error it alone would have failed with, under one lock
-        and one commit."""
+        and one commit; written straight into the response (at saturation a copy of each hint
+        cost a tenth of the registry's time)."""
         if len(requests) > MAX_HINT_BATCH:
             raise InvalidArgument(
                 f"{len(requests)} hint requests exceed the batch limit of {MAX_HINT_BATCH}"
             )
-        results: list[registry_pb2.RoutingHint | RegistryError] = []
+        response = registry_pb2.BatchGetRoutingHintsResponse()
         async with self._mutation():
             for request in requests:
+                result = response.results.add()
                 try:
                     if request.conversation_id:
                         self._require_id(request.conversation_id, "conversation_id")
-                    results.append(
-                        await self._hint(request.conversation_id, request.model, request.dry_run)
+                    await self._hint(
+                        request.conversation_id, request.model, request.dry_run, result.hint
                     )
                 except RegistryError as error:
-                    results.append(error)
-        return results
+                    result.error.CopyFrom(hint_error(error))  # replaces a half-made hint
+        return response
 
     async def _hint(
-        self, conversation_id: str, model: str, dry_run: bool
-    ) -> registry_pb2.RoutingHint:
-        """One hint (call under the lock)."""
+        self, conversation_id: str, model: str, dry_run: bool, hint: registry_pb2.RoutingHint
+    ) -> None:
+        """Writes one hint into ``hint`` (call under the lock)."""
         started = self.now()
         routes = self._routes.get(model)
         if routes is None:
@@ -1033,18 +1038,15 @@ class Registry:
         consistency = (
             registry_pb2.HINT_CONSISTENCY_EXACT if exact else registry_pb2.HINT_CONSISTENCY_DEGRADED
         )
-        hint = registry_pb2.RoutingHint(
-            decision=decision,
-            reason=reason,
-            consistency=consistency,
-            prefill=prefill.spec,
-            decode=decode.spec,
-        )
+        hint.decision = decision
+        hint.reason = reason
+        hint.consistency = consistency
+        hint.prefill.CopyFrom(prefill.spec)
+        hint.decode.CopyFrom(decode.spec)
         if lease is not None:
             self.lease_view(lease, into=hint.lease)
         self.metrics.hint(_DECISION_LABELS[decision], "EXACT" if exact else "DEGRADED").inc()
         self.metrics.hint_latency.observe(self.now() - started)
-        return hint
 
     async def _reuse_decision(
         self, conversation_id: str, claim: bool

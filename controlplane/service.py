@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import structlog
 
-from controlplane.errors import RegistryError, Unavailable
+from controlplane.errors import RegistryError, Unavailable, hint_error
 from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
 from kvbroker.common.clock import from_duration, to_duration
@@ -95,10 +95,6 @@ def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
     return wrapped
 
 
-def _hint_error(error: RegistryError) -> registry_pb2.HintError:
-    return registry_pb2.HintError(code=error.code.value[0], message=error.message)
-
-
 def _ttl(message: Any) -> float | None:
     return from_duration(message.time_to_live) if message.HasField("time_to_live") else None
 
@@ -137,7 +133,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                     hint = await self.leadership.cached_hint(item.conversation_id, item.model, why)
                     response.results.add().hint.CopyFrom(hint)
                 except RegistryError as error:
-                    response.results.add().error.CopyFrom(_hint_error(error))
+                    response.results.add().error.CopyFrom(hint_error(error))
             return response
         raise Unavailable(f"{why}; retry shortly")
 
@@ -330,13 +326,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         request: registry_pb2.BatchGetRoutingHintsRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.BatchGetRoutingHintsResponse:
-        response = registry_pb2.BatchGetRoutingHintsResponse()
-        for result in await registry.routing_hints(request.requests):
-            if isinstance(result, RegistryError):
-                response.results.add().error.CopyFrom(_hint_error(result))
-            else:
-                response.results.add().hint.CopyFrom(result)
-        return response
+        return await registry.routing_hints(request.requests)
 
     @_served
     async def GetRoutingHint(
