@@ -122,12 +122,13 @@ class MemoryStore:
 
     def _keep_lease(self, lease: lease_pb2.Lease, raw: bytes) -> None:
         lease_id = lease.lease_id
+        node_id = sys.intern(lease.node_id)  # one string per node, not one per lease
         if lease_id not in self._leases:
+            # Indexed once, with one string object for the id everywhere: an update (a claim,
+            # a renewal) leaves the indexes' strings as they are instead of adding copies.
             self._lease_order.add(lease_id)
+            self._by_node[node_id][lease.handle.remote_request_id] = lease_id
         self._leases[lease_id] = raw
-        # One string per node, not one per lease (a million leases, a hundred nodes).
-        node_id = sys.intern(lease.node_id)
-        self._by_node[node_id][lease.handle.remote_request_id] = lease_id
         live = self._live_by_node[node_id]
         if lease.state in LIVE_STATES:
             live.add(lease_id)
