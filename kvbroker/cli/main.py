@@ -509,14 +509,15 @@ def bench_registry(
 
     result = asyncio.run(bench())
     table = Table(title="registry under load", title_justify="left")
-    columns = ("rpc", "offered", "p50", "p99", "p999", "answered/s", "errors", "registry CPU")
+    columns = ("rpc", "offered/s", "p50 ms", "p99 ms", "p999 ms", "answered/s", "errors",
+               "registry cores")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for row in result["load"]:
         table.add_row(
-            row["rpc"], f"{row['rate']:.0f}/s" if row["rate"] else "saturation",
-            f"{row['p50_ms']:.2f} ms", f"{row['p99_ms']:.2f} ms", f"{row['p999_ms']:.2f} ms",
-            f"{row['throughput']:,.0f}", str(row["errors"]), f"{row['registry_cpu']:.2f} cores",
+            row["rpc"], f"{row['rate']:.0f}" if row["rate"] else "saturation",
+            f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['p999_ms']:.2f}",
+            f"{row['throughput']:,.0f}", str(row["errors"]), f"{row['registry_cpu']:.2f}",
         )  # fmt: skip
     console.print(table)
     for point in result["memory"]:
