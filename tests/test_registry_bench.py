@@ -18,6 +18,7 @@ async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Pa
         nodes=4,
         progress=lambda message: None,
     )
+    assert 0 < report["idle"]["p50_ms"] <= report["idle"]["p99_ms"]
     rows = {(row["rpc"], row["rate"]): row for row in report["load"]}
     for rpc in (HINT_RPC, "ReportRetention", "RenewLease"):
         row = rows[(rpc, 40)]

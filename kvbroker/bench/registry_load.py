@@ -345,6 +345,25 @@ async def _populate(stub: Any, fleet: Fleet, target: int, start: int) -> None:
         index += count
 
 
+async def _idle_hints(stub: Any, conversations: int, count: int = 500) -> dict[str, float]:
+    """The latency floor: hints one after another on an otherwise idle registry, the round
+    trip between two Python processes included (the first 50 warm the channel up)."""
+    hints = HintBatcher(stub, timeout_s=5)
+    latencies: list[float] = []
+    for index in range(count + 50):
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id=f"conv-{index * 13 % conversations}", dry_run=True
+        )
+        started = time.perf_counter()
+        await hints.hint(request)
+        latencies.append(time.perf_counter() - started)
+    measured = latencies[50:]
+    return {
+        "p50_ms": 1000 * statistics.median(measured),
+        "p99_ms": 1000 * _percentile(measured, 0.99),
+    }
+
+
 async def _replay(stub: Any, fleet: Fleet) -> None:
     await _register(stub, fleet)
 
@@ -402,6 +421,8 @@ async def run_registry_bench(
             await _register(stub, fleet)
             progress(f"populating {live_leases:,} live leases over {nodes} decode nodes")
             await _populate(stub, fleet, live_leases, 0)
+            progress("idle: one hint at a time")
+            idle = await _idle_hints(stub, live_leases)
             decodes = [spec.SerializeToString() for spec in fleet.decodes]
             for rate in rates:
                 progress(f"{rate:.0f} turns/s for {seconds:.0f} s")
@@ -448,6 +469,7 @@ async def run_registry_bench(
         if registry.process is not None and registry.process.returncode is None:
             await registry.kill()
     return {
+        "idle": idle,
         "load": [asdict(r) for r in results],
         "memory": memory,
         "restart": restart,

@@ -520,6 +520,11 @@ def bench_registry(
             f"{row['throughput']:,.0f}", str(row["errors"]), f"{row['registry_cpu']:.2f}",
         )  # fmt: skip
     console.print(table)
+    idle = result["idle"]
+    console.print(
+        f"idle registry, one hint at a time: p50 {idle['p50_ms']:.2f} ms, "
+        f"p99 {idle['p99_ms']:.2f} ms"
+    )
     for point in result["memory"]:
         console.print(f"RSS {point['rss_mib']:,.0f} MiB with {point['live_leases']:,} live leases")
     restart = result["restart"]
