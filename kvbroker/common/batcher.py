@@ -44,6 +44,10 @@ class Batcher(Generic[ItemT, ResultT]):
                     raise RuntimeError(f"{len(results)} results came back for {len(batch)} items")
             except Exception as error:  # every item of the batch fails with it
                 results = [error] * len(batch)
+            except BaseException:  # cancelled (shutdown): its callers must not wait forever
+                for _, future in batch:
+                    future.cancel()
+                raise
             for (_, future), result in zip(batch, results, strict=True):
                 if future.done():
                     continue  # its caller gave up waiting
