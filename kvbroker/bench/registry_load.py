@@ -26,7 +26,7 @@ import signal
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -288,11 +288,16 @@ class RegistryProcess:
 
             await poll_until(answers, within_s, "the registry replica leading", every_s=0.2)
 
-    def cpu_seconds(self) -> float:
+    def _cpu_seconds(self) -> float:
         """User and system CPU the process has used so far."""
         assert self.process is not None
         fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def cpu_meter(self) -> Callable[[], float]:
+        """Starts measuring; the returned call gives the cores the process used since."""
+        cpu, started = self._cpu_seconds(), time.perf_counter()
+        return lambda: (self._cpu_seconds() - cpu) / (time.perf_counter() - started)
 
     def rss_mib(self) -> float:
         assert self.process is not None
@@ -427,14 +432,14 @@ async def run_registry_bench(
             for rate in rates:
                 progress(f"{rate:.0f} turns/s for {seconds:.0f} s")
                 # Two load processes share the offered rate, each the sidecar of half the nodes.
-                cpu_before, started = registry.cpu_seconds(), time.perf_counter()
+                cores = registry.cpu_meter()
                 outputs = await asyncio.to_thread(
                     _run_workers,
                     _fixed_rate_worker,
                     [(registry.address, decodes[seed::2], live_leases, rate / 2, seconds, seed)
                      for seed in (0, 1)],
                 )  # fmt: skip
-                cpu = (registry.cpu_seconds() - cpu_before) / (time.perf_counter() - started)
+                cpu = cores()
                 for rpc in (HINT_RPC, "ReportRetention", "RenewLease"):
                     merged = [x for o in outputs for x in o["latencies"][rpc]]
                     errors = sum(o["errors"] for o in outputs)
@@ -442,13 +447,13 @@ async def run_registry_bench(
                     results.append(_summarise(rpc, rate, merged, elapsed, errors, cpu))
             for batched, rpc in ((False, "GetRoutingHint"), (True, HINT_RPC)):
                 progress(f"saturation: {rpc} from 2 processes x 64 callers for {seconds:.0f} s")
-                cpu_before, started = registry.cpu_seconds(), time.perf_counter()
+                cores = registry.cpu_meter()
                 outputs = await asyncio.to_thread(
                     _run_workers,
                     _saturation_worker,
                     [(registry.address, live_leases, seconds, batched)] * 2,
                 )
-                cpu = (registry.cpu_seconds() - cpu_before) / (time.perf_counter() - started)
+                cpu = cores()
                 merged = [x for o in outputs for x in o["latencies"]]
                 elapsed = max(o["seconds"] for o in outputs)
                 errors = sum(o["errors"] for o in outputs)
@@ -480,18 +485,14 @@ async def run_registry_bench(
 
 
 async def _restart(registry: RegistryProcess, fleet: Fleet, leases: int) -> dict[str, float]:
-    # Keep `leases` of what the nodes hold (all, if they hold fewer), as evenly over the nodes
-    # as what each holds allows: a node's quota grows while others fall short.
-    held = {node_id: len(kept) for node_id, kept in fleet.retained.items()}
-    quota = dict.fromkeys(held, 0)
+    # Keep `leases` of what the nodes hold (all, if they hold fewer), as evenly as what each
+    # holds allows: nodes holding least take their share first, the rest split what is left.
     kept = 0
-    while kept < leases and any(quota[n] < held[n] for n in held):
-        for node_id, count in held.items():
-            if kept < leases and quota[node_id] < count:
-                quota[node_id] += 1
-                kept += 1
-    for node_id, count in quota.items():
-        fleet.retained[node_id] = fleet.retained[node_id][:count]
+    by_holding = sorted(fleet.retained.items(), key=lambda item: len(item[1]))
+    for left, (node_id, retained) in zip(range(len(by_holding), 0, -1), by_holding, strict=True):
+        share = min(len(retained), (leases - kept) // left)
+        fleet.retained[node_id] = retained[:share]
+        kept += share
     await registry.kill()
     started = time.perf_counter()
     startup = await registry.start()

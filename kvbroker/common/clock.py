@@ -25,7 +25,7 @@ class MonotonicClock:
 
 def to_timestamp(seconds: float) -> Timestamp:
     ts = Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
+    stamp_time(ts, seconds)
     return ts
 
 
@@ -46,7 +46,7 @@ def from_timestamp(ts: Timestamp) -> float:
 
 def to_duration(seconds: float) -> Duration:
     d = Duration()
-    d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
+    stamp_duration(d, seconds)
     return d
 
 
