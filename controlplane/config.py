@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controlplane.idle_ttl import IdleTtlConfig
+
 
 @dataclass(frozen=True)
 class RegistryConfig:
-    # A lease lives this long after a grant or renewal unless the request asks for another TTL.
-    default_lease_ttl_s: float = 120.0
+    # The idle TTL: a lease lives this long after a grant or renewal unless the request asks
+    # for another TTL, until the registry has learned one from the gaps between turns.
+    default_lease_ttl_s: float = 60.0
+    # Learn the idle TTL: this percentile of recent gaps between a conversation's turns,
+    # bounded to [min, max].
+    learn_idle_ttl: bool = True
+    idle_ttl_percentile: float = 0.95
+    min_idle_ttl_s: float = 10.0
+    max_idle_ttl_s: float = 600.0
+    # A hint for a conversation whose previous turn is still finishing on its decode node (the
+    # lease it read is consumed, the new retention not reported yet) waits up to this long
+    # for that retention, so back-to-back turns find the latest KV.
+    turn_settle_timeout_s: float = 1.0
     # No grant or renewal may ask for longer.
     max_lease_ttl_s: float = 3600.0
     # How long a hint's claim protects a lease from being freed while P may be reading it.
@@ -30,8 +43,20 @@ class RegistryConfig:
     # Expiries handled per batch before yielding to RPCs (etcd's lessor rate-limits likewise).
     max_expiries_per_batch: int = 1_000
 
+    def idle_ttl(self) -> IdleTtlConfig:
+        return IdleTtlConfig(
+            default_s=self.default_lease_ttl_s,
+            learn=self.learn_idle_ttl,
+            percentile=self.idle_ttl_percentile,
+            min_s=self.min_idle_ttl_s,
+            max_s=min(self.max_idle_ttl_s, self.max_lease_ttl_s),
+        )
+
     def __post_init__(self) -> None:
         if self.default_lease_ttl_s <= 0 or self.max_lease_ttl_s < self.default_lease_ttl_s:
             raise ValueError("need 0 < default lease TTL <= max lease TTL")
         if self.heartbeat_interval_s <= 0 or self.session_ttl_s <= self.heartbeat_interval_s:
             raise ValueError("need 0 < heartbeat interval < session TTL")
+        if self.turn_settle_timeout_s < 0:
+            raise ValueError("the turn settle timeout must not be negative")
+        self.idle_ttl()  # validates the idle TTL settings

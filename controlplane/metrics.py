@@ -20,6 +20,8 @@ class NodeFigures:
     live_leases: int
     retained_blocks: int
     retained_bytes: int
+    # Retained blocks over the node's KV capacity (0 when it reported none).
+    retained_fraction: float
 
 
 class _NodeGauges(Collector):
@@ -41,15 +43,21 @@ class _NodeGauges(Collector):
             "kvbroker_retained_bytes", "KV bytes retained under live leases, per node.",
             labels=["node"],
         )  # fmt: skip
+        fraction = GaugeMetricFamily(
+            "kvbroker_retained_fraction",
+            "Share of a node's KV cache retained under live leases, per node.",
+            labels=["node"],
+        )
         states = GaugeMetricFamily("kvbroker_nodes", "Registered nodes by state.", labels=["state"])
         counts: dict[str, int] = dict.fromkeys(("READY", "NOT_READY", "DRAINING", "DOWN"), 0)
         for figure in figures:
             blocks.add_metric([figure.node_id], figure.retained_blocks)
             size.add_metric([figure.node_id], figure.retained_bytes)
+            fraction.add_metric([figure.node_id], figure.retained_fraction)
             counts[figure.state] = counts.get(figure.state, 0) + 1
         for state, count in counts.items():
             states.add_metric([state], count)
-        yield from (leases, blocks, size, states)
+        yield from (leases, blocks, size, fraction, states)
 
 
 class RegistryMetrics:
@@ -71,6 +79,24 @@ class RegistryMetrics:
             "kvbroker_lease_events",
             "Lease transitions: grant, renew, claim, release, revoke, expire, restore.",
             ["event"],
+            registry=self.registry,
+        )
+        self.lease_ends = Counter(
+            "kvbroker_lease_ends",
+            "Leases ended, by cause: read, pressure, budget, idle, superseded, revoked, "
+            "node_lost, engine, fenced.",
+            ["cause"],
+            registry=self.registry,
+        )
+        self.idle_ttl = Gauge(
+            "kvbroker_idle_ttl_seconds",
+            "The idle TTL new leases get (learned from gaps between turns, or the default).",
+            registry=self.registry,
+        )
+        self.settle_waits = Counter(
+            "kvbroker_hint_settle_waits",
+            "Hints that waited for the previous turn's retention, by outcome (settled, timeout).",
+            ["outcome"],
             registry=self.registry,
         )
         self.commands_dropped = Counter(
@@ -103,6 +129,7 @@ class RegistryMetrics:
         )
         self._hint_children: dict[tuple[str, str], Counter] = {}
         self._event_children: dict[str, Counter] = {}
+        self._end_children: dict[str, Counter] = {}
         self._node_gauges = _NodeGauges()
         self.registry.register(self._node_gauges)
 
@@ -119,6 +146,12 @@ class RegistryMetrics:
         child = self._event_children.get(event)
         if child is None:
             child = self._event_children[event] = self.lease_events.labels(event)
+        return child
+
+    def lease_end(self, cause: str) -> Counter:
+        child = self._end_children.get(cause)
+        if child is None:
+            child = self._end_children[cause] = self.lease_ends.labels(cause)
         return child
 
     def watch_nodes(self, snapshot: Callable[[], Iterable[NodeFigures]]) -> None:

@@ -36,6 +36,7 @@ from controlplane.errors import (
     Unavailable,
     hint_error,
 )
+from controlplane.idle_ttl import IdleTtl
 from controlplane.metrics import NodeFigures, RegistryMetrics
 from controlplane.store import LIVE_STATES, Store
 from kvbroker.common.clock import (
@@ -65,8 +66,17 @@ DOWN = node_pb2.NODE_STATE_DOWN
 PREFILL_ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH})
 DECODE_ROLES = frozenset({node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH})
 
-# Leases ended because their holder's session ended may be revived by the holder's replay.
-REASON_NODE_LOST = "holder node lost its session"
+# Why leases end (the cause is what code decides on; the reason is the sentence for people).
+READ = lease_pb2.LEASE_END_CAUSE_READ
+PRESSURE = lease_pb2.LEASE_END_CAUSE_PRESSURE
+BUDGET = lease_pb2.LEASE_END_CAUSE_BUDGET
+IDLE = lease_pb2.LEASE_END_CAUSE_IDLE
+SUPERSEDED = lease_pb2.LEASE_END_CAUSE_SUPERSEDED
+REVOKED_BY_CALLER = lease_pb2.LEASE_END_CAUSE_REVOKED
+NODE_LOST = lease_pb2.LEASE_END_CAUSE_NODE_LOST
+ENGINE = lease_pb2.LEASE_END_CAUSE_ENGINE
+FENCED = lease_pb2.LEASE_END_CAUSE_FENCED
+RECLAIM_CAUSES = frozenset({PRESSURE, BUDGET})
 
 # Deadline kinds in the one heap.
 LEASE_EXPIRY = "lease"
@@ -85,6 +95,10 @@ _DECISION_LABELS = {
 
 def state_name(state: int) -> str:
     return lease_pb2.LeaseState.Name(state).removeprefix("LEASE_STATE_")
+
+
+def cause_name(cause: int) -> str:
+    return lease_pb2.LeaseEndCause.Name(cause).removeprefix("LEASE_END_CAUSE_")
 
 
 def node_state_name(state: int) -> str:
@@ -145,6 +159,11 @@ class _NodeRuntime:
         self.queued = load.running_requests + load.waiting_requests
         self.kv_usage = load.kv_cache_usage
 
+    @property
+    def retained_fraction(self) -> float:
+        capacity = self.spec.capacity_blocks
+        return self.retained_blocks / capacity if capacity else 0.0
+
 
 class _Mutation:
     """``async with registry._mutation():`` — a class rather than a generator-based context
@@ -180,6 +199,12 @@ class Registry:
         self.config = config or RegistryConfig()
         self.metrics = metrics or RegistryMetrics()
         self.now = clock or MonotonicClock().now
+        self.idle_ttl = IdleTtl(self.config.idle_ttl())
+        self.metrics.idle_ttl.set(self.idle_ttl.ttl())
+        # Conversations whose turn was hinted and whose retention has not been reported yet:
+        # when the turn started, and an event set once it is.
+        self._turns: dict[str, tuple[float, asyncio.Event]] = {}
+        self._turns_sweep_at = 1024
         self._lock = asyncio.Lock()
         self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(self.now)
         self._commands: dict[str, _CommandQueue] = {}
@@ -288,7 +313,7 @@ class Registry:
 
     def _ttl(self, requested: float | None) -> float:
         if requested is None or requested == 0:
-            return self.config.default_lease_ttl_s
+            return self.idle_ttl.ttl()
         if requested < 0:
             raise InvalidArgument("time_to_live must not be negative")
         return min(requested, self.config.max_lease_ttl_s)
@@ -377,6 +402,7 @@ class Registry:
                 live_leases=r.live_leases,
                 retained_blocks=r.retained_blocks,
                 retained_bytes=r.retained_blocks * r.spec.bytes_per_block,
+                retained_fraction=r.retained_fraction,
             )
             for r in list(self._runtime.values())
         ]
@@ -396,7 +422,7 @@ class Registry:
             now = self.now()
             old = await self.store.get_node(spec.node_id)
             if old is not None and old.spec.incarnation != spec.incarnation:
-                await self._withdraw_leases(old, f"{REASON_NODE_LOST}: new incarnation")
+                await self._withdraw_leases(old, "holder node lost its session: new incarnation")
             node = node_pb2.Node(
                 spec=spec,
                 state=READY,
@@ -474,14 +500,14 @@ class Registry:
         node.state = DOWN
         self._node_runtime(node.spec, DOWN)
         self._deadlines.cancel((NODE_SESSION, node.spec.node_id))
-        await self._withdraw_leases(node, f"{REASON_NODE_LOST}: {why}")
+        await self._withdraw_leases(node, f"holder node lost its session: {why}")
         await self.store.put_node(node)
         self._log.warning("node_down", node=node.spec.node_id, why=why)
 
     async def _withdraw_leases(self, node: node_pb2.Node, reason: str) -> None:
         """Ends a node's live leases without commands: the node is not there to receive them."""
         for lease in await self.store.live_leases_of_node(node.spec.node_id):
-            await self._end_lease(lease, REVOKED, reason, command_ttl=None)
+            await self._end_lease(lease, REVOKED, NODE_LOST, reason, command_ttl=None)
 
     def _node_runtime(
         self, spec: node_pb2.NodeSpec, state: int, fresh: bool = False
@@ -591,6 +617,7 @@ class Registry:
         await self.store.put_lease(lease)
         self._account(lease.node_id, blocks, +1)
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
+        self._settle_turn(conversation_id)
         self.metrics.lease_event("grant").inc()
         self._log.debug(
             "lease_granted",
@@ -617,6 +644,7 @@ class Registry:
                 await self._end_lease(
                     previous,
                     REVOKED,
+                    SUPERSEDED,
                     f"superseded by lease {lease.lease_id} (epoch {lease.epoch})",
                     command_ttl=self._grace_for(previous),
                     conversation=conversation,
@@ -671,7 +699,7 @@ class Registry:
                     f"(incarnation {lease.node_incarnation!r}); only its holder may release it"
                 )
             if lease.state in LIVE_STATES:
-                await self._end_lease(lease, RELEASED, reason or "released by holder", None)
+                await self._end_lease(lease, RELEASED, ENGINE, reason or "released by holder", None)
             return self.lease_view(lease)
 
     async def revoke_lease(
@@ -684,7 +712,11 @@ class Registry:
                 lease = await self._lease(lease_id)
             if lease.state in LIVE_STATES:
                 await self._end_lease(
-                    lease, REVOKED, reason or "revoked", command_ttl=self._grace_for(lease)
+                    lease,
+                    REVOKED,
+                    REVOKED_BY_CALLER,
+                    reason or "revoked",
+                    command_ttl=self._grace_for(lease),
                 )
             return self.lease_view(lease)
 
@@ -750,15 +782,17 @@ class Registry:
         self,
         lease: lease_pb2.Lease,
         state: int,
+        cause: int,
         reason: str,
         command_ttl: float | None,
         conversation: lease_pb2.Conversation | None = None,
     ) -> None:
-        """Moves a live lease to an end state; ``command_ttl`` tells the holder when to free.
-        ``conversation``: the lease's, when the caller holds it already (saves a read)."""
+        """Moves a live lease to an end state for ``cause``; ``command_ttl`` tells the holder
+        when to free. ``conversation``: the lease's, when the caller holds it (saves a read)."""
         now = self.now()
         was_live = lease.state in LIVE_STATES
         lease.state = state  # type: ignore[assignment]
+        lease.end_cause = cause  # type: ignore[assignment]
         lease.end_reason = reason
         stamp_time(lease.end_time, now)
         lease.ClearField("claim_expire_time")
@@ -778,6 +812,7 @@ class Registry:
                 now + self.config.conversation_retention_s,
             )
         self.metrics.lease_event(state_name(state).lower()).inc()
+        self.metrics.lease_end(cause_name(cause).lower()).inc()
         if command_ttl is not None:
             self._send_command(lease, command_ttl, reason)
         self._log.debug("lease_ended", lease=lease.lease_id, state=state_name(state), reason=reason)
@@ -788,7 +823,7 @@ class Registry:
             return True
         expires = self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
         if expires is not None and expires <= self.now():
-            await self._end_lease(lease, EXPIRED, "not renewed in time", command_ttl=0.0)
+            await self._end_lease(lease, EXPIRED, IDLE, "not renewed in time", command_ttl=0.0)
             return True
         return False
 
@@ -810,8 +845,16 @@ class Registry:
                 blocks = self._validate_retention(r.handle, r.block_hashes, r.token_count)
             elif event.HasField("released"):
                 self._require_id(event.released.remote_request_id, "released.remote_request_id")
+            elif event.HasField("reclaim"):
+                self._require_id(event.reclaim.remote_request_id, "reclaim.remote_request_id")
+                if event.reclaim.cause not in RECLAIM_CAUSES:
+                    raise InvalidArgument(
+                        f"event {event.sequence}: a reclaim's cause must be PRESSURE or BUDGET"
+                    )
             else:
-                raise InvalidArgument(f"event {event.sequence} is neither retained nor released")
+                raise InvalidArgument(
+                    f"event {event.sequence} is neither retained, released nor a reclaim"
+                )
             checked.append((event, blocks))
         checked.sort(key=lambda item: item[0].sequence)
         async with self._mutation():
@@ -828,15 +871,19 @@ class Registry:
                     lease = await self._apply_retained(node, event.retained, blocks, stale)
                     snapshot_ids.add(lease.lease_id)
                     self._lease_ack(lease, response.leases.add())
-                elif not stale:
+                elif stale:
+                    pass
+                elif event.HasField("released"):
                     await self._apply_released(node, event.released)
+                else:
+                    await self._apply_reclaim(node, event.reclaim)
                 runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
             if full_snapshot:
                 runtime.synced = True
                 for lease_id in self.store.live_lease_ids(node_id) - snapshot_ids:
                     lease = await self._lease(lease_id)
                     await self._end_lease(
-                        lease, REVOKED, "not retained by the engine after reconnect", None
+                        lease, REVOKED, FENCED, "not retained by the engine after reconnect", None
                     )
             response.applied_sequence = runtime.applied_sequence
             return response
@@ -882,9 +929,7 @@ class Registry:
                 lease.node_incarnation = node.spec.incarnation
                 await self.store.put_lease(lease)
             return lease
-        revivable = lease is None or (
-            lease.state == REVOKED and lease.end_reason.startswith(REASON_NODE_LOST)
-        )
+        revivable = lease is None or (lease.state == REVOKED and lease.end_cause == NODE_LOST)
         if fenced or not revivable:
             if lease is None:
                 lease = lease_pb2.Lease(
@@ -895,6 +940,7 @@ class Registry:
                     epoch=retained.epoch,
                     handle=retained.handle,
                     state=REVOKED,
+                    end_cause=FENCED,
                     end_reason=f"fenced: conversation is at epoch {current_epoch}",
                     end_time=to_timestamp(now),
                 )
@@ -914,6 +960,7 @@ class Registry:
             stamp_time(lease.grant_time, now)
         lease.node_incarnation = node.spec.incarnation
         lease.state = ACTIVE
+        lease.ClearField("end_cause")
         lease.end_reason = ""
         lease.ClearField("end_time")
         stamp_time(lease.renew_time, now)
@@ -936,7 +983,42 @@ class Registry:
     ) -> None:
         lease = await self.store.find_lease(node.spec.node_id, released.remote_request_id)
         if lease is not None and lease.state in LIVE_STATES:
-            await self._end_lease(lease, RELEASED, released.reason or "freed by engine", None)
+            await self._end_lease(
+                lease,
+                RELEASED,
+                released.cause or ENGINE,
+                released.reason or "freed by engine",
+                None,
+            )
+
+    async def _apply_reclaim(
+        self, node: node_pb2.Node, reclaim: registry_pb2.ReclaimRequest
+    ) -> None:
+        """The holder's engine wants blocks back. Ended here first, freed by the command after:
+        from this moment no hint offers the lease and a prefill node's lease check declines it,
+        so the only reads that can still touch the blocks are claimed ones, which are kept."""
+        lease = await self.store.find_lease(node.spec.node_id, reclaim.remote_request_id)
+        if lease is None or lease.state not in LIVE_STATES:
+            # Nothing the registry stands behind: the engine may free at once.
+            self._unsent_command(
+                node.spec.node_id,
+                registry_pb2.LeaseCommand(
+                    remote_request_id=reclaim.remote_request_id,
+                    lease_id=lease.lease_id if lease is not None else "",
+                    state=lease.state if lease is not None else RELEASED,
+                    cause=lease.end_cause if lease is not None else reclaim.cause,
+                    reason="no live lease: free now",
+                ),
+            )
+            return
+        if lease.state == CLAIMED:
+            # A read may be in flight: the holder keeps the blocks for the claim.
+            self._send_command(lease, self._grace_for(lease), "claimed by a read: keep for it")
+            return
+        why = "memory pressure" if reclaim.cause == PRESSURE else "over its retention budget"
+        await self._end_lease(
+            lease, RELEASED, reclaim.cause, f"released by {node.spec.node_id}: {why}", 0.0
+        )
 
     # ----------------------------------------------------------------- commands
 
@@ -955,9 +1037,16 @@ class Registry:
                     time_to_live=to_duration(ttl),
                     state=lease.state,
                     reason=reason,
+                    cause=lease.end_cause,
                 ),
             )
         )
+
+    def _unsent_command(self, node_id: str, command: registry_pb2.LeaseCommand) -> None:
+        """Queues a command for a node's current incarnation (no lease to name it by)."""
+        queue = self._commands.get(node_id)
+        if queue is not None:
+            self._unsent.append((queue, command))
 
     def _enqueue(self, queue: _CommandQueue, command: registry_pb2.LeaseCommand) -> None:
         if queue.pending.qsize() >= self.config.max_pending_commands:
@@ -986,6 +1075,8 @@ class Registry:
     ) -> registry_pb2.RoutingHint:
         if conversation_id:
             self._require_id(conversation_id, "conversation_id")
+            if not dry_run:
+                await self._settled((conversation_id,))
         hint = registry_pb2.RoutingHint()
         async with self._mutation():
             await self._hint(conversation_id, model, dry_run, hint)
@@ -1002,6 +1093,14 @@ class Registry:
                 f"{len(requests)} hint requests exceed the batch limit of {MAX_HINT_BATCH}"
             )
         response = registry_pb2.BatchGetRoutingHintsResponse()
+        if self._turns:
+            await self._settled(
+                r.conversation_id
+                for r in requests
+                if r.conversation_id
+                and not r.dry_run
+                and len(r.conversation_id) <= self.config.max_id_length
+            )
         async with self._mutation():
             for request in requests:
                 result = response.results.add()
@@ -1040,6 +1139,8 @@ class Registry:
         if not dry_run:
             prefill.assigned_since_heartbeat += 1
             decode.assigned_since_heartbeat += 1
+            if conversation_id:
+                self._turn_started(conversation_id)
         consistency = (
             registry_pb2.HINT_CONSISTENCY_EXACT if exact else registry_pb2.HINT_CONSISTENCY_DEGRADED
         )
@@ -1063,6 +1164,9 @@ class Registry:
         conversation = await self.store.get_conversation(conversation_id)
         if conversation is None:
             return registry_pb2.HINT_DECISION_MISS, "first turn of this conversation", None, True
+        if claim:
+            # A turn starts: the gap since the conversation was last active teaches the idle TTL.
+            self._observe_gap(conversation)
         lease = await self.store.get_lease(conversation.lease_id) if conversation.lease_id else None
         if lease is None:
             return (
@@ -1073,8 +1177,8 @@ class Registry:
             )
         if await self._expire_if_due(lease):
             return (
-                registry_pb2.HINT_DECISION_MISS,
-                f"lease {lease.lease_id} is {state_name(lease.state)} ({lease.end_reason})",
+                registry_pb2.HINT_DECISION_RECOMPUTE,
+                f"lease {lease.lease_id} ended ({cause_name(lease.end_cause)}): {lease.end_reason}",
                 None,
                 True,
             )
@@ -1113,6 +1217,67 @@ class Registry:
             True,
         )
 
+    def _observe_gap(self, conversation: lease_pb2.Conversation) -> None:
+        if conversation.HasField("last_active_time"):
+            self.idle_ttl.observe_gap(self.now() - from_timestamp(conversation.last_active_time))
+            self.metrics.idle_ttl.set(self.idle_ttl.ttl())
+
+    # ------------------------------------------------------------- turns still finishing
+
+    def _turn_started(self, conversation_id: str) -> None:
+        """A hint sent a turn of this conversation to a decode node, which will report its
+        retention when the turn ends (call under the lock)."""
+        if conversation_id not in self._turns:
+            if len(self._turns) >= self._turns_sweep_at:
+                self._sweep_turns()
+            self._turns[conversation_id] = (self.now(), asyncio.Event())
+
+    def _settle_turn(self, conversation_id: str) -> None:
+        turn = self._turns.pop(conversation_id, None)
+        if turn is not None:
+            turn[1].set()
+
+    def _sweep_turns(self) -> None:
+        """Forgets turns that never reported retention (aborted, failed, not retained)."""
+        horizon = self.now() - self.config.claim_timeout_s - self.config.turn_settle_timeout_s
+        for conversation_id, (started, _) in list(self._turns.items()):
+            if started < horizon:
+                self._settle_turn(conversation_id)
+        self._turns_sweep_at = max(2 * len(self._turns), 1024)
+
+    async def _settled(self, conversation_ids: Iterable[str]) -> None:
+        """Waits, up to the settle timeout, for the retention of previous turns still
+        finishing: a conversation whose current lease is not ACTIVE (consumed by the read
+        that started its last turn, or claimed by it) but whose last turn's retention has not
+        been reported yet. Without the wait such a turn recomputes what its decode node is
+        about to report."""
+        waits: dict[str, asyncio.Event] = {}
+        for conversation_id in conversation_ids:
+            turn = self._turns.get(conversation_id)
+            if turn is None or conversation_id in waits:
+                continue
+            conversation = await self.store.get_conversation(conversation_id)
+            lease_id = conversation.lease_id if conversation is not None else ""
+            lease = await self.store.get_lease(lease_id) if lease_id else None
+            if lease is None or lease.state != ACTIVE:
+                waits[conversation_id] = turn[1]
+        if not waits:
+            return
+        done, _ = await asyncio.wait(
+            [asyncio.ensure_future(event.wait()) for event in waits.values()],
+            timeout=self.config.turn_settle_timeout_s,
+        )
+        settled = len(done)
+        self.metrics.settle_waits.labels("settled").inc(settled)
+        if settled < len(waits):
+            self.metrics.settle_waits.labels("timeout").inc(len(waits) - settled)
+            for conversation_id, event in waits.items():
+                if not event.is_set():
+                    event.set()  # wakes the waiter task created above
+                    # That turn will not report (or is a parallel request still running):
+                    # later hints need not wait for it again.
+                    self._turns.pop(conversation_id, None)
+
     async def _claim(self, lease: lease_pb2.Lease) -> None:
         now = self.now()
         claim_end = now + self.config.claim_timeout_s
@@ -1143,7 +1308,7 @@ class Registry:
                 if kind == LEASE_EXPIRY:
                     lease = await self.store.get_lease(key)
                     if lease is not None and lease.state in LIVE_STATES:
-                        await self._end_lease(lease, EXPIRED, "not renewed in time", 0.0)
+                        await self._end_lease(lease, EXPIRED, IDLE, "not renewed in time", 0.0)
                 elif kind == CLAIM_END:
                     lease = await self.store.get_lease(key)
                     if lease is not None and lease.state == CLAIMED:
@@ -1191,7 +1356,10 @@ def routable(node: _NodeRuntime, model: str) -> bool:
 
 
 def _load(node: _NodeRuntime) -> tuple[int, float]:
-    return node.queued + node.assigned_since_heartbeat, node.kv_usage
+    """Queued work first, then KV headroom: the cache in use as last reported, or what the
+    registry knows is retained there now, whichever is more (new conversations go where
+    retention leaves room)."""
+    return node.queued + node.assigned_since_heartbeat, max(node.kv_usage, node.retained_fraction)
 
 
 # Up to this many candidates the least loaded is found exactly; beyond, two random candidates

@@ -26,6 +26,7 @@ FAST = RegistryConfig(
     revoke_grace_s=0.5,
     heartbeat_interval_s=0.2,
     session_ttl_s=0.8,
+    turn_settle_timeout_s=0.2,
 )
 KVBROKER = str(Path(sys.executable).with_name("kvbroker"))
 

@@ -140,13 +140,13 @@ async def test_hint_names_holder_then_not_after_expiry(stub: RegistryServiceStub
         # The claim (1 s) outlives the TTL; after both, the lease is gone and not offered.
         async def not_offered() -> bool:
             return (await hint(stub, "conv-h", dry_run=True)).decision == (
-                registry_pb2.HINT_DECISION_MISS
-            )
+                registry_pb2.HINT_DECISION_RECOMPUTE
+            ) and "claimed" not in (await hint(stub, "conv-h", dry_run=True)).reason
 
         await wait_for(not_offered, within=4)
         final = await hint(stub, "conv-h")
         assert not final.HasField("lease")
-        assert "EXPIRED" in final.reason
+        assert "(IDLE)" in final.reason
         assert (await get_lease(stub, lease.lease_id)).state == lease_pb2.LEASE_STATE_EXPIRED
 
 
@@ -315,7 +315,8 @@ async def test_node_down_withdraws_its_leases(stub: RegistryServiceStub) -> None
 
         await wait_for(withdrawn, within=3)
         result = await hint(stub, "conv-d")
-        assert result.decision == registry_pb2.HINT_DECISION_MISS
+        assert result.decision == registry_pb2.HINT_DECISION_RECOMPUTE
+        assert "(NODE_LOST)" in result.reason
         assert result.decode.node_id == "decode-1"
 
 

@@ -160,7 +160,7 @@ async def test_reports_need_a_live_session(stub: RegistryServiceStub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await report(stub, spec, empty)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "neither retained nor released" in (error.value.details() or "")
+    assert "neither retained, released nor a reclaim" in (error.value.details() or "")
 
 
 async def test_listings_page_and_filter_without_repeats(stub: RegistryServiceStub) -> None:

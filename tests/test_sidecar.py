@@ -239,7 +239,7 @@ async def test_killed_sidecar_withdraws_its_leases(stack: Stack) -> None:
         assert elapsed < 1.0 + 0.5  # one session TTL plus the registry's scheduling slack
         assert await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_DOWN
         result = await hint(stack.stub, "conv-k")
-        assert result.decision == registry_pb2.HINT_DECISION_MISS
+        assert result.decision == registry_pb2.HINT_DECISION_RECOMPUTE
         assert result.decode.node_id == "decode-1"
 
 

@@ -245,22 +245,34 @@ class RetainedBlocks(_message.Message):
     def __init__(self, conversation_id: _Optional[str] = ..., handle: _Optional[_Union[_lease_pb2.KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class ReleasedBlocks(_message.Message):
-    __slots__ = ("remote_request_id", "reason")
+    __slots__ = ("remote_request_id", "reason", "cause")
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     remote_request_id: str
     reason: str
-    def __init__(self, remote_request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    cause: _lease_pb2.LeaseEndCause
+    def __init__(self, remote_request_id: _Optional[str] = ..., reason: _Optional[str] = ..., cause: _Optional[_Union[_lease_pb2.LeaseEndCause, str]] = ...) -> None: ...
+
+class ReclaimRequest(_message.Message):
+    __slots__ = ("remote_request_id", "cause")
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    remote_request_id: str
+    cause: _lease_pb2.LeaseEndCause
+    def __init__(self, remote_request_id: _Optional[str] = ..., cause: _Optional[_Union[_lease_pb2.LeaseEndCause, str]] = ...) -> None: ...
 
 class RetentionEvent(_message.Message):
-    __slots__ = ("sequence", "retained", "released")
+    __slots__ = ("sequence", "retained", "released", "reclaim")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     retained: RetainedBlocks
     released: ReleasedBlocks
-    def __init__(self, sequence: _Optional[int] = ..., retained: _Optional[_Union[RetainedBlocks, _Mapping]] = ..., released: _Optional[_Union[ReleasedBlocks, _Mapping]] = ...) -> None: ...
+    reclaim: ReclaimRequest
+    def __init__(self, sequence: _Optional[int] = ..., retained: _Optional[_Union[RetainedBlocks, _Mapping]] = ..., released: _Optional[_Union[ReleasedBlocks, _Mapping]] = ..., reclaim: _Optional[_Union[ReclaimRequest, _Mapping]] = ...) -> None: ...
 
 class ReportRetentionRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "events", "full_snapshot")
@@ -291,20 +303,22 @@ class WatchLeaseCommandsRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class LeaseCommand(_message.Message):
-    __slots__ = ("lease_id", "remote_request_id", "epoch", "time_to_live", "state", "reason")
+    __slots__ = ("lease_id", "remote_request_id", "epoch", "time_to_live", "state", "reason", "cause")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     remote_request_id: str
     epoch: int
     time_to_live: _duration_pb2.Duration
     state: _lease_pb2.LeaseState
     reason: str
-    def __init__(self, lease_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., state: _Optional[_Union[_lease_pb2.LeaseState, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    cause: _lease_pb2.LeaseEndCause
+    def __init__(self, lease_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., state: _Optional[_Union[_lease_pb2.LeaseState, str]] = ..., reason: _Optional[str] = ..., cause: _Optional[_Union[_lease_pb2.LeaseEndCause, str]] = ...) -> None: ...
 
 class WatchLeaseCommandsResponse(_message.Message):
     __slots__ = ("command",)

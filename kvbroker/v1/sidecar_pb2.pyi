@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model")
+    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model", "retention_budget_blocks")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_HOST_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class EngineInfo(_message.Message):
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     side_channel_host: str
     side_channel_port: int
@@ -23,7 +24,8 @@ class EngineInfo(_message.Message):
     capacity_blocks: int
     bytes_per_block: int
     model: str
-    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    retention_budget_blocks: int
+    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ...) -> None: ...
 
 class AttachEngineRequest(_message.Message):
     __slots__ = ("engine", "retained")

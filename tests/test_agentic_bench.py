@@ -1,0 +1,151 @@
+"""`kvbroker bench agentic`'s pure parts: trace compression, arm stacks, summary figures."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from kvbroker.bench.agentic import (
+    FIXED_TTL_CONNECTOR,
+    AgenticConfig,
+    AgenticRecord,
+    ArmResult,
+    compress,
+    quantile,
+    summarise,
+    write,
+)
+from kvbroker.bench.retention import Conversation, Gap
+from kvbroker.cli.main import bench_agentic
+
+
+def test_compress_scales_caps_gaps_and_cuts_turns() -> None:
+    trace = [
+        Conversation((Gap(120, True), Gap(6000, False), Gap(24, True)), closes=True),
+        Conversation((), closes=False),
+    ]
+    compressed = compress(trace, time_scale=12, max_gap_s=48, max_turns=3)
+    assert compressed[0] == Conversation((Gap(10, True), Gap(48, False)), closes=True)
+    assert compressed[1] == Conversation((), closes=False)
+    with pytest.raises(ValueError):
+        compress(trace, time_scale=0, max_gap_s=48, max_turns=3)
+
+
+def test_config_trace_is_deterministic_and_bounded() -> None:
+    config = AgenticConfig(sessions=30, max_turns=5)
+    trace = config.trace()
+    assert trace == config.trace() and len(trace) == 30
+    assert all(c.turns <= 5 for c in trace)
+    assert all(0 <= g.seconds <= config.gap_cap_s for c in trace for g in c.gaps)
+    # Some gaps outlast the fixed cap, so the fixed TTL can miss as vLLM's would.
+    assert config.gap_cap_s > config.fixed_cap_s
+
+
+def test_fixed_cap_is_compressed_but_bounded_below() -> None:
+    assert AgenticConfig(time_scale=12).fixed_cap_s == 40
+    assert AgenticConfig(time_scale=100).fixed_cap_s == 20
+
+
+def test_arm_stacks() -> None:
+    config = AgenticConfig(time_scale=12, kv_blocks=70, workdir=Path("/tmp/x"))
+    fixed = config.stack_config("fixed-ttl")
+    assert fixed.hard_cap_s == 40
+    assert fixed.registry_flags == ("--lease-ttl", "40", "--no-learn-idle-ttl")
+    assert fixed.connector_extra == FIXED_TTL_CONNECTOR
+    assert fixed.engine_args == ("--num-gpu-blocks-override", "70")
+    ours = config.stack_config("kvbroker")
+    assert ours.engine_args == fixed.engine_args
+    assert (ours.hard_cap_s, ours.registry_flags, ours.connector_extra) == (480, (), {})
+    assert ours.workdir != fixed.workdir
+
+
+def test_cli_defaults_match_the_config() -> None:
+    defaults = AgenticConfig()
+    options = inspect.signature(bench_agentic).parameters
+    renamed = {"max_gap": "max_gap_s", "model": "model_dir"}
+    for name, parameter in options.items():
+        if name in ("output", "arms"):
+            continue
+        assert parameter.default == getattr(defaults, renamed.get(name, name)), name
+    assert sorted(options["arms"].default.split(",")) == sorted(defaults.arms)
+
+
+def _record(turn: int, ttft_ms: float, decision: str, decode_wait_ms: float) -> AgenticRecord:
+    return AgenticRecord(
+        arm="kvbroker",
+        conversation_id="c",
+        turn=turn,
+        gap_s=0.0,
+        after_tool_call=False,
+        decision=decision,
+        input_num_tokens=100,
+        output_num_tokens=16,
+        ttft_ms=ttft_ms,
+        e2e_ms=ttft_ms + 100,
+        prefill_leg_ms=ttft_ms - decode_wait_ms,
+        decode_wait_ms=decode_wait_ms,
+        waited_for_blocks=decode_wait_ms > 2000,
+        sent_s=0.0,
+    )
+
+
+def test_summary_figures() -> None:
+    result = ArmResult(
+        "kvbroker",
+        records=[
+            _record(1, 100, "MISS", 50),  # the first turn never counts for reuse
+            _record(2, 200, "REUSE", 50),
+            _record(3, 300, "RECOMPUTE", 50),
+            _record(4, 5000, "REUSE", 4500),  # a stall
+            _record(5, 400, "REUSE", math.nan),
+        ],
+        errors=["c turn 6: boom"],
+        decode_samples=[(0.0, 0.5, 0), (1.0, 1.0, 2), (2.0, 0.0, 0), (3.0, 0.5, 1)],
+    )
+    row = summarise(result)
+    assert (row["requests"], row["errors"], row["stalls"]) == (5, 1, 1)
+    assert row["reuse_opportunities"] == 4
+    assert row["reuse_rate"] == pytest.approx(3 / 4)
+    assert row["ttft_p50_ms"] == 300
+    assert row["ttft_max_ms"] == 5000
+    assert row["ttft_p90_ms"] == pytest.approx(3160)  # interpolated between 400 and 5000
+    assert row["decode_wait_p50_ms"] == 50 and row["decode_wait_max_ms"] == 4500
+    assert row["decode_kv_usage_mean"] == pytest.approx(0.5)
+    assert row["decode_kv_usage_max"] == 1.0
+    assert row["decode_waiting_share"] == pytest.approx(0.5)
+
+
+def test_empty_arm_and_quantiles() -> None:
+    row = summarise(ArmResult("reuse-off"))
+    assert row["requests"] == 0 and math.isnan(row["ttft_p50_ms"])
+    assert math.isnan(row["reuse_rate"]) and math.isnan(row["decode_kv_usage_mean"])
+    assert quantile([7.0], 0.99) == 7.0
+    assert quantile([1.0, 2.0, 3.0], 0.5) == 2.0
+
+
+def test_write_outputs(tmp_path: Path) -> None:
+    results = [
+        ArmResult("reuse-off", records=[_record(1, 900, "MISS", 40)]),
+        ArmResult(
+            "kvbroker",
+            records=[_record(1, 800, "MISS", 40), _record(2, 150, "REUSE", 40)],
+            decode_samples=[(0.0, 0.2, 0.0), (1.0, 0.4, 0.0)],
+        ),
+    ]
+    paths = write(results, AgenticConfig(), tmp_path)
+    assert [p.name for p in paths] == ["records.jsonl", "summary.json", "agentic.png"]
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 3
+    assert {f.name for f in fields(AgenticRecord)} >= {
+        "ttft_ms",
+        "arm",
+        "conversation_id",
+        "turn",
+        "decision",
+        "input_num_tokens",
+        "waited_for_blocks",
+    }
+    assert (tmp_path / "agentic.png").stat().st_size > 0
