@@ -1011,8 +1011,9 @@ class Registry:
                 ),
             )
             return
-        if lease.state == CLAIMED:
-            # A read may be in flight: the holder keeps the blocks for the claim.
+        if lease.state == CLAIMED or self._inherited_claims_until > self.now():
+            # A read may be in flight (a claim of this registry's, or one a previous leader
+            # made and did not write down): the holder keeps the blocks for it.
             self._send_command(lease, self._grace_for(lease), "claimed by a read: keep for it")
             return
         why = "memory pressure" if reclaim.cause == PRESSURE else "over its retention budget"

@@ -10,10 +10,13 @@ It keeps vLLM's class name because several of vLLM's config checks match on it.
 
 Decode side: a finished request with bidirectional transfer keeps its blocks as vLLM does, and
 the handle (with kvbroker's prefix hashes and the conversation id) goes to the sidecar. From
-then on the deadline comes from the lease: grants and renewals extend it, revocations shorten
-it to the grace the registry computed, expiry ends it, and ``decoder_kv_blocks_ttl`` caps every
-deadline so blocks are freed even if the control plane disappears. Requests without a
-conversation id are not retained. Frees are reported back.
+then on the deadline comes from the lease: its idle TTL, extended by turns and renewals,
+shortened by revocations, ended by expiry; ``decoder_kv_blocks_ttl`` caps every deadline so
+blocks are freed even if the control plane disappears. Retained KV is a cache: when the
+scheduler cannot admit or grow a request for lack of free blocks, or retention holds more than
+its budget, the lowest-value conversations are reclaimed through the registry at once
+(``engine_ext.pressure``). Requests without a conversation id are not retained. Frees are
+reported back with their cause.
 
 Prefill side: a remote handle is used only when its lease is live at its epoch (asked through
 the sidecar), only up to the first block whose hash differs from this prompt's, and only when
@@ -36,13 +39,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 
 from engine_ext.nixl_tuning import calm_progress_thread
 from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
+from engine_ext.pressure import RetainedRequest, choose_reclaims, end_cause_of_free
 from kvbroker.common import handles
-from kvbroker.common.clock import to_duration
 from kvbroker.common.engine_link import EngineLink
-from kvbroker.v1 import registry_pb2, sidecar_pb2
+from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -72,6 +76,13 @@ class KvBrokerSettings:
     idle_step_sleep_s: float = 0.005
     # NIXL's progress thread poll delay, microseconds (NIXL's Python API forces 0: a spin).
     progress_thread_delay_us: int = 1000
+    # Release retained conversations when the engine lacks free blocks (off: vLLM's fixed TTL).
+    pressure_release: bool = True
+    # The most of the KV cache retention may hold (1.0: no budget).
+    retention_max_fraction: float = 0.5
+    # A reclaim the registry has not answered within this long may be asked again (or of
+    # another request); meanwhile its blocks count as being freed.
+    reclaim_retry_s: float = 1.0
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvBrokerSettings:
@@ -85,7 +96,24 @@ class KvBrokerSettings:
             lease_check_timeout_s=float(extra.get("kvbroker_lease_check_timeout_s", 0.25)),
             idle_step_sleep_s=float(extra.get("kvbroker_idle_step_sleep_s", 0.005)),
             progress_thread_delay_us=int(extra.get("kvbroker_progress_thread_delay_us", 1000)),
+            pressure_release=_flag(extra.get("kvbroker_pressure_release", True)),
+            retention_max_fraction=float(extra.get("kvbroker_retention_max_fraction", 0.5)),
+            reclaim_retry_s=float(extra.get("kvbroker_reclaim_retry_s", 1.0)),
         )
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.retention_max_fraction <= 1.0:
+            raise ValueError(
+                "kvbroker_retention_max_fraction must be in (0, 1], "
+                f"not {self.retention_max_fraction}"
+            )
+
+
+def _flag(value: object) -> bool:
+    """A JSON boolean, or the strings people write for one."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
 
 
 class NixlConnector(NixlPullConnector):
@@ -100,12 +128,17 @@ class NixlConnector(NixlPullConnector):
         # Requests vLLM tracks for retention (went through update_state_after_alloc with
         # transfer params); others must not be retained (vLLM 0.32 would leak their blocks).
         self._tracked: set[str] = set()
-        # Decode side: retained request id -> hard-cap deadline (perf_counter clock).
-        self._retained: dict[str, float] = {}
+        # Decode side: what is retained, by request id.
+        self._retained: dict[str, RetainedRequest] = {}
+        self._budget_blocks = int(self.settings.retention_max_fraction * kv_cache_config.num_blocks)
+        # Blocks the scheduler lacked this step to admit a waiting request (0: none).
+        self._shortfall_blocks = 0
+        self._block_pool: BlockPool | None = None
         self.link: EngineLink | None = None
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
             self.link = EngineLink(
-                self.settings.sidecar, _engine_info(vllm_config, kv_cache_config)
+                self.settings.sidecar,
+                _engine_info(vllm_config, kv_cache_config, self._budget_blocks),
             )
             self.link.start()
             log.info("kvbroker_link_started", sidecar=self.settings.sidecar)
@@ -117,9 +150,41 @@ class NixlConnector(NixlPullConnector):
 
     # ------------------------------------------------------------ prefill side
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM 0.32 hands the scheduler's cache manager to its connector after building it:
+        the one documented way for a connector to see how many blocks are free."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._block_pool = kv_cache_manager.block_pool
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        matched = self._match(request, num_computed_tokens)
+        if self._retained and matched[0] is not None:
+            self._note_demand(request, num_computed_tokens)
+        return matched
+
+    def _note_demand(self, request: Request, num_computed_tokens: int) -> None:
+        """The scheduler asks this for each waiting request it is about to admit: if the free
+        blocks cannot hold its prompt, retention owes the difference."""
+        if self._block_pool is None:
+            return
+        size = self._block_size
+        needed = -(-(request.num_tokens + 1) // size) - num_computed_tokens // size
+        shortfall = needed - self._block_pool.get_num_free_blocks()
+        self._shortfall_blocks = max(self._shortfall_blocks, shortfall)
+
+    def has_pending_block_frees(self) -> bool:
+        """Asked by the scheduler when a running request cannot grow, before it preempts one:
+        reclaim retained blocks instead, and have it wait for them while they are coming."""
+        self._shortfall_blocks = max(self._shortfall_blocks, 1)
+        now = time.perf_counter()
+        self._reclaim(now)
+        retry = self.settings.reclaim_retry_s
+        pending = any(r.being_reclaimed(now, retry) for r in self._retained.values())
+        return pending or super().has_pending_block_frees()
+
+    def _match(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if params is not None and params.get("_remote_blocks_processed"):
             # A read was already attempted for this request (it failed, or the request was
@@ -222,20 +287,31 @@ class NixlConnector(NixlPullConnector):
             self._sched._reqs_need_send[request_id] = time.perf_counter()
             return delay_free, None
         num_tokens = int(out["remote_num_tokens"])
-        self._retained[request_id] = time.perf_counter() + self.settings.hard_cap_s
+        now = time.perf_counter()
+        cap = now + self.settings.hard_cap_s
+        self._retained[request_id] = RetainedRequest(
+            request_id=request_id,
+            tokens=num_tokens,
+            blocks=len(block_ids[0]) if block_ids else 0,
+            hard_cap=cap,
+            deadline=cap,
+            last_active=now,
+            ttl_s=self.settings.hard_cap_s,
+        )
+        # No time_to_live: the lease's lifetime is the registry's idle TTL, not the hard cap.
         self.link.retained(
             registry_pb2.RetainedBlocks(
                 conversation_id=session,
                 handle=handles.handle_from_params(out),
                 block_hashes=prefix_hashes(request.all_token_ids, self._block_size, num_tokens),
                 token_count=num_tokens,
-                time_to_live=to_duration(self.settings.hard_cap_s),
             )
         )
         return delay_free, out
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         self._apply_deadlines()
+        self._reclaim(time.perf_counter())
         meta = super().build_connector_meta(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0 and self.settings.idle_step_sleep_s:
             time.sleep(self.settings.idle_step_sleep_s)
@@ -245,23 +321,64 @@ class NixlConnector(NixlPullConnector):
         """The lease's deadlines become the worker's deadlines, never past the hard cap."""
         if self.link is None:
             return
-        now_mono, now_perf = time.monotonic(), time.perf_counter()
+        now_mono, now = time.monotonic(), time.perf_counter()
         for deadline in self.link.poll_deadlines():
-            cap = self._retained.get(deadline.remote_request_id)
-            if cap is None:
+            retained = self._retained.get(deadline.remote_request_id)
+            if retained is None:
                 continue
             left = max(deadline.expires_at - now_mono, 0.0)
             if deadline.lease_live:
-                # Each grant or renewal may keep the blocks up to one hard cap from now.
-                cap = now_perf + self.settings.hard_cap_s
-                self._retained[deadline.remote_request_id] = cap
-            self._sched._reqs_need_send[deadline.remote_request_id] = min(now_perf + left, cap)
+                # Each grant or renewal may keep the blocks up to one hard cap from now, and
+                # restarts the conversation's idle clock.
+                retained.hard_cap = now + self.settings.hard_cap_s
+                retained.last_active, retained.ttl_s = now, left
+                # A CLAIMED answer (to a reclaim, or a claim that moved the expiry): a read
+                # may be in flight, so it is not asked for again until then.
+                if deadline.state == lease_pb2.LEASE_STATE_CLAIMED:
+                    retained.claimed_until = now + left
+                    retained.reclaim_asked_at = None
+            else:
+                retained.end_cause = deadline.cause
+            retained.deadline = min(now + left, retained.hard_cap)
+            self._sched._reqs_need_send[deadline.remote_request_id] = retained.deadline
+
+    def _reclaim(self, now: float) -> None:
+        """Asks the registry to release the lowest-value retained requests that cover this
+        step's shortfall of free blocks and keep retention within its budget."""
+        shortfall, self._shortfall_blocks = self._shortfall_blocks, 0
+        if self.link is None or not self._retained or not self.settings.pressure_release:
+            return
+        chosen = choose_reclaims(
+            self._retained.values(),
+            now,
+            shortfall,
+            self._budget_blocks,
+            self.settings.reclaim_retry_s,
+        )
+        for retained, cause in chosen:
+            retained.reclaim_asked_at = now
+            self.link.reclaim(retained.request_id, cause)  # type: ignore[arg-type]
+        if chosen:
+            log.info(
+                "kvbroker_reclaim",
+                requests=len(chosen),
+                blocks=sum(r.blocks for r, _ in chosen),
+                shortfall=shortfall,
+                retained=len(self._retained),
+            )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
+        now = time.perf_counter()
         for request_id in connector_output.finished_sending or ():
-            if self._retained.pop(request_id, None) is not None and self.link is not None:
-                self.link.released(request_id, "freed by the engine (read or deadline)")
+            retained = self._retained.pop(request_id, None)
+            if retained is not None and self.link is not None:
+                cause = end_cause_of_free(retained, now)
+                self.link.released(
+                    request_id,
+                    "freed by the engine: " + lease_pb2.LeaseEndCause.Name(cause),
+                    cause,  # type: ignore[arg-type]
+                )
 
     def shutdown(self) -> None:
         if self.link is not None:
@@ -269,7 +386,9 @@ class NixlConnector(NixlPullConnector):
         super().shutdown()
 
 
-def _engine_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> sidecar_pb2.EngineInfo:
+def _engine_info(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, budget_blocks: int
+) -> sidecar_pb2.EngineInfo:
     from vllm import envs
 
     assert vllm_config.kv_transfer_config is not None
@@ -288,4 +407,5 @@ def _engine_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> sid
         capacity_blocks=kv_cache_config.num_blocks,
         bytes_per_block=page_bytes,
         model=model,
+        retention_budget_blocks=budget_blocks,
     )

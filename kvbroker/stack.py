@@ -63,6 +63,8 @@ class StackConfig:
     # More than one: that many registry replicas on an etcd the stack starts too.
     registry_replicas: int = 1
     engine_args: tuple[str, ...] = ()
+    # More kv_connector_extra_config keys for both engines (e.g. the retention budget).
+    connector_extra: dict[str, object] = field(default_factory=dict)
     # CPU binding of the two engines; on a 2-core host one core each.
     prefill_cpus: str = "0"
     decode_cpus: str = "1" if (os.cpu_count() or 1) > 1 else "0"
@@ -120,6 +122,7 @@ class Stack:
             "kv_recompute_threshold": self.config.recompute_threshold,
             "decoder_kv_blocks_ttl": self.config.hard_cap_s,
             "kvbroker_sidecar": f"unix:{self.socket_path(engine)}",
+            **self.config.connector_extra,
         }
         return json.dumps(
             {

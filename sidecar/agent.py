@@ -139,7 +139,9 @@ class Agent:
             self._subscribers.discard(queue)
 
     async def check_lease(self, lease_id: str, epoch: int) -> tuple[bool, str]:
-        """The fence before a read: live, and not superseded by a newer turn."""
+        """The fence before a read: claimed for a read (a hint handed it out and the claim
+        still protects it), and not superseded by a newer turn. An ACTIVE lease is not enough:
+        its holder may be reclaiming its blocks for new work right now."""
         stub = self._stub
         if stub is None:
             return False, "the sidecar has no registry session"
@@ -152,9 +154,10 @@ class Agent:
         lease = response.lease
         if lease.epoch != epoch:
             return False, f"stale epoch {epoch}: lease {lease_id} is at epoch {lease.epoch}"
-        if lease.state not in (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED):
+        if lease.state != lease_pb2.LEASE_STATE_CLAIMED:
             state = lease_pb2.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_")
-            return False, f"lease {lease_id} is {state} ({lease.end_reason})"
+            why = f" ({lease.end_reason})" if lease.end_reason else ": its claim ended"
+            return False, f"lease {lease_id} is {state}{why}"
         return True, ""
 
     def _to_engine(self, command: registry_pb2.LeaseCommand) -> None:
@@ -179,6 +182,8 @@ class Agent:
             block_size=self.engine.block_size,
             capacity_blocks=self.engine.capacity_blocks,
             bytes_per_block=self.engine.bytes_per_block,
+            retention_budget_blocks=self.engine.retention_budget_blocks
+            or self.engine.capacity_blocks,
             incarnation=self.incarnation,
         )
 
@@ -281,7 +286,7 @@ class Agent:
                 batch.append(self._outbox.get_nowait())
             if not self.connected.is_set():
                 raise SessionLostError("the engine re-attached; a new snapshot is due")
-            events = [e for e in batch if e.HasField("retained") or e.HasField("released")]
+            events = [e for e in batch if e.WhichOneof("event") is not None]
             if not events:
                 continue
             for event in events:

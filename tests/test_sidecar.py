@@ -183,7 +183,7 @@ async def test_retention_is_visible_and_deadlines_reach_the_engine(stack: Stack)
     assert revocation.expires_at - asyncio.get_running_loop().time() <= 0.5  # the revoke grace
 
     # The engine frees the blocks and says so; nothing stays live.
-    stack.link.released("req-1", "revoked")
+    stack.link.released("req-1", "revoked", lease_pb2.LEASE_END_CAUSE_REVOKED)
     assert stack.link.retained_count() == 0
 
 
@@ -195,7 +195,7 @@ async def test_registry_restart_loses_nothing(stack: Stack) -> None:
     await stack.registry.process.wait()
     # While the registry is away the engine keeps working: frees some, retains more.
     for i in range(5):
-        stack.link.released(f"req-{i}", "read completed")
+        stack.link.released(f"req-{i}", "read completed", lease_pb2.LEASE_END_CAUSE_READ)
     for i in range(40, 45):
         stack.link.retained(retained_blocks("decode-0", f"conv-{i}", f"req-{i}"))
     await asyncio.sleep(0.5)

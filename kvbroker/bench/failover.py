@@ -306,7 +306,9 @@ class SimEngine:
                     held.free_at = min(held.free_at, deadline.expires_at)
             for request_id in [r for r, h in self.held.items() if h.free_at <= now]:
                 del self.held[request_id]
-                self.link.released(request_id, "freed by the engine (deadline)")
+                self.link.released(
+                    request_id, "freed by the engine (deadline)", lease_pb2.LEASE_END_CAUSE_IDLE
+                )
             await asyncio.sleep(0.02)
 
 

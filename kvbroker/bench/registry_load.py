@@ -268,7 +268,7 @@ class RegistryProcess:
         self.process = await asyncio.create_subprocess_exec(
             KVBROKER, "registry", "serve", "--listen", self.address, "--log-level", "warning",
             "--session-ttl", "3600", "--heartbeat-interval", "60",
-            "--lease-ttl", "3600", "--store", self.store,
+            "--lease-ttl", "3600", "--no-learn-idle-ttl", "--store", self.store,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         assert self.process.stdout is not None

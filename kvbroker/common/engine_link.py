@@ -42,6 +42,8 @@ class Deadline:
     expires_at: float
     state: lease_pb2.LeaseState
     reason: str
+    # Why the lease ended (UNSPECIFIED while it is live).
+    cause: lease_pb2.LeaseEndCause = lease_pb2.LEASE_END_CAUSE_UNSPECIFIED
 
     @property
     def lease_live(self) -> bool:
@@ -81,14 +83,25 @@ class EngineLink:
             self._retained[blocks.handle.remote_request_id] = blocks
         self._send(registry_pb2.RetentionEvent(retained=blocks))
 
-    def released(self, remote_request_id: str, reason: str) -> None:
+    def released(self, remote_request_id: str, reason: str, cause: lease_pb2.LeaseEndCause) -> None:
         with self._lock:
             if self._retained.pop(remote_request_id, None) is None:
                 return
         self._send(
             registry_pb2.RetentionEvent(
                 released=registry_pb2.ReleasedBlocks(
-                    remote_request_id=remote_request_id, reason=reason
+                    remote_request_id=remote_request_id, reason=reason, cause=cause
+                )
+            )
+        )
+
+    def reclaim(self, remote_request_id: str, cause: lease_pb2.LeaseEndCause) -> None:
+        """Asks the registry to end a lease so its blocks can be freed; the answer comes back
+        as a deadline (free now, or keep for a read in flight). Lost if the link is down."""
+        self._send(
+            registry_pb2.RetentionEvent(
+                reclaim=registry_pb2.ReclaimRequest(
+                    remote_request_id=remote_request_id, cause=cause
                 )
             )
         )
@@ -193,6 +206,7 @@ class EngineLink:
                     expires_at=time.monotonic() + from_duration(command.time_to_live),
                     state=command.state,
                     reason=command.reason,
+                    cause=command.cause,
                 )
             )
         raise ConnectionError("the sidecar closed the deadline stream")
