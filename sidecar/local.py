@@ -35,9 +35,10 @@ class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "attach the engine before reporting"
             )
         for event in request.events:
-            if not (event.HasField("retained") or event.HasField("released")):
+            if event.WhichOneof("event") is None:
                 await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, "an event is neither retained nor released"
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "an event is neither retained, released nor a reclaim",
                 )
         depth = self.agent.submit(request.events)
         return sidecar_pb2.SubmitRetentionEventsResponse(queue_depth=depth)

@@ -376,3 +376,28 @@ async def test_a_decode_node_vanishing_before_the_read_means_recompute(
         response.json()["choices"][0]["message"]["content"]
         == recomputed.json()["choices"][0]["message"]["content"]
     )
+
+
+async def test_back_to_back_turns_of_concurrent_conversations_find_the_latest_kv(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Each turn is sent the moment the previous answer arrives, four conversations at once:
+    the registry must know of each turn's retention before the next turn's hint (it waits for
+    a turn still finishing), so every turn after the first reuses, with reuse-off output."""
+
+    async def agent(index: int, session: str | None) -> tuple[list[str], list[str]]:
+        messages = [{"role": "system", "content": user_message(120 + index, lines=10)}]
+        answers, decisions = [], []
+        for turn in range(3):
+            messages.append({"role": "user", "content": user_message(130 + 3 * index + turn)})
+            answer, headers = await chat(stack, http, messages, session)
+            messages.append({"role": "assistant", "content": answer})
+            answers.append(answer)
+            decisions.append(headers["x-kvbroker-decision"])
+        return answers, decisions
+
+    with_reuse = await asyncio.gather(*(agent(i, f"conv-b2b-{i}") for i in range(4)))
+    for _, decisions in with_reuse:
+        assert decisions == ["MISS", "REUSE", "REUSE"], decisions
+    without = await asyncio.gather(*(agent(i, None) for i in range(4)))
+    assert [answers for answers, _ in with_reuse] == [answers for answers, _ in without]

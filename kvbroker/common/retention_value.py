@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbroker.v1 import lease_pb2
+
 
 @dataclass(frozen=True, slots=True)
 class RetentionValue:
@@ -43,3 +45,17 @@ class RetentionValue:
     def release_order(self) -> tuple[float, float]:
         """Sort key: the first to release comes first."""
         return self.value, -self.idle_s
+
+
+def of_lease(lease: lease_pb2.Lease) -> RetentionValue:
+    """A live lease's rank inputs as the registry reports them: the TTL it got at its last
+    grant or renewal (expiry minus renewal) and the idle time since (that TTL minus the time
+    left). Durations only, so the reader's clock does not matter."""
+    ttl_s = (lease.expire_time.ToNanoseconds() - lease.renew_time.ToNanoseconds()) / 1e9
+    left_s = lease.time_to_live.ToNanoseconds() / 1e9
+    return RetentionValue(
+        tokens=lease.token_count,
+        blocks=sum(len(group.block_ids) for group in lease.handle.remote_block_groups),
+        idle_s=max(ttl_s - left_s, 0.0),
+        ttl_s=ttl_s,
+    )
