@@ -583,6 +583,82 @@ def bench_failover(
     raise typer.Exit(1 if bad else 0)
 
 
+@bench_app.command("agentic")
+def bench_agentic(
+    output: Annotated[Path, typer.Option(help="Where records, summary and chart go.")] = Path(
+        "results/agentic"
+    ),
+    arms: Annotated[
+        str, typer.Option(help="Arms to run: reuse-off, fixed-ttl, kvbroker.")
+    ] = "reuse-off,fixed-ttl,kvbroker",
+    sessions: Annotated[int, typer.Option(min=1, help="Agent sessions in the trace.")] = 20,
+    concurrency: Annotated[int, typer.Option(min=1, help="Sessions running at once.")] = 6,
+    time_scale: Annotated[
+        float, typer.Option(min=1, help="Trace seconds per wall-clock second.")
+    ] = 12.0,
+    max_gap: Annotated[
+        float | None,
+        typer.Option(min=0.1, help="Longest compressed gap, s [default: 1.2 x the fixed cap]."),
+    ] = None,
+    mean_turns: Annotated[float, typer.Option(min=2, help="Mean turns per session.")] = 6.0,
+    max_turns: Annotated[int, typer.Option(min=1, help="Turns per session at most.")] = 12,
+    kv_blocks: Annotated[
+        int, typer.Option(min=64, help="KV blocks (128 tokens) per engine; 64 fit 8,192 tokens.")
+    ] = 72,
+    system_tokens: Annotated[int, typer.Option(min=1, help="System prompt, tokens.")] = 500,
+    turn_tokens: Annotated[int, typer.Option(min=1, help="New context per turn, tokens.")] = 250,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 16,
+    stall_ms: Annotated[
+        float, typer.Option(min=1, help="A decode leg longer than this waited for blocks.")
+    ] = 2000.0,
+    seed: Annotated[int, typer.Option(help="Trace and text seed.")] = 0,
+    model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path(
+        "/tmp/kvbroker-agentic"
+    ),
+) -> None:
+    """Concurrent agent sessions on a small decode KV cache: no reuse, vLLM's fixed TTL and
+    kvbroker on the same trace; TTFT, reuse rate and stalls per arm."""
+    from kvbroker.bench.agentic import ARMS, AgenticConfig, print_table, run_agentic, summarise
+    from kvbroker.bench.agentic import write as write_agentic
+
+    chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
+    if not chosen or any(a not in ARMS for a in chosen):
+        fail(f"--arms {arms!r}: choose from {', '.join(ARMS)}", 2)
+    config = AgenticConfig(
+        arms=chosen,
+        sessions=sessions,
+        concurrency=concurrency,
+        mean_turns=mean_turns,
+        max_turns=max_turns,
+        time_scale=time_scale,
+        max_gap_s=max_gap,
+        kv_blocks=kv_blocks,
+        system_tokens=system_tokens,
+        turn_tokens=turn_tokens,
+        max_tokens=max_tokens,
+        stall_ms=stall_ms,
+        seed=seed,
+        model_dir=model,
+        workdir=workdir,
+    )
+    console = Console()
+    try:
+        results = asyncio.run(run_agentic(config, console))
+    except (RuntimeError, TimeoutError) as error:
+        fail(str(error))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        fail("interrupted; every stack was stopped", 130)
+    print_table([summarise(result) for result in results], stall_ms, console)
+    paths = write_agentic(results, config, output)
+    console.print(f"written: {', '.join(str(p) for p in paths)}")
+    errors = [message for result in results for message in result.errors]
+    for message in errors[:5]:
+        console.print(f"[red]·[/] {message}", highlight=False)
+    if errors:
+        fail(f"{len(errors)} sessions ended on a failed request (all in summary.json)")
+
+
 # ---------------------------------------------------------------------- router
 
 
