@@ -34,6 +34,7 @@ from kvbroker.cli.output import (
     to_dict,
     when,
 )
+from kvbroker.common import retention_value
 from kvbroker.common.clock import to_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.logging import LogFormat, configure_logging
@@ -147,8 +148,32 @@ def registry_serve(
         typer.Option(envvar="KVBROKER_TLS_CLIENT_CA", help="Require client certs (mTLS)."),
     ] = None,
     lease_ttl: Annotated[
-        float, typer.Option(envvar="KVBROKER_LEASE_TTL", help="Default lease TTL, seconds.")
+        float,
+        typer.Option(
+            envvar="KVBROKER_LEASE_TTL",
+            help="Idle TTL, seconds: a lease not renewed this long ends (until one is learned).",
+        ),
     ] = RegistryConfig.default_lease_ttl_s,
+    learn_idle_ttl: Annotated[
+        bool,
+        typer.Option(
+            envvar="KVBROKER_LEARN_IDLE_TTL",
+            help="Learn the idle TTL from the gaps between turns (a bounded high percentile).",
+        ),
+    ] = RegistryConfig.learn_idle_ttl,
+    min_idle_ttl: Annotated[
+        float, typer.Option(envvar="KVBROKER_MIN_IDLE_TTL", help="Shortest learned idle TTL.")
+    ] = RegistryConfig.min_idle_ttl_s,
+    max_idle_ttl: Annotated[
+        float, typer.Option(envvar="KVBROKER_MAX_IDLE_TTL", help="Longest learned idle TTL.")
+    ] = RegistryConfig.max_idle_ttl_s,
+    turn_settle_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_TURN_SETTLE_TIMEOUT",
+            help="A hint waits this long for the previous turn's retention, seconds.",
+        ),
+    ] = RegistryConfig.turn_settle_timeout_s,
     max_lease_ttl: Annotated[
         float, typer.Option(envvar="KVBROKER_MAX_LEASE_TTL", help="Longest TTL a call may ask.")
     ] = RegistryConfig.max_lease_ttl_s,
@@ -201,6 +226,10 @@ def registry_serve(
     try:
         config = RegistryConfig(
             default_lease_ttl_s=lease_ttl,
+            learn_idle_ttl=learn_idle_ttl,
+            min_idle_ttl_s=min_idle_ttl,
+            max_idle_ttl_s=max_idle_ttl,
+            turn_settle_timeout_s=turn_settle_timeout,
             max_lease_ttl_s=max_lease_ttl,
             claim_timeout_s=claim_timeout,
             revoke_grace_s=revoke_grace,
@@ -705,20 +734,43 @@ def _state(value: int) -> str:
     return lease_pb2.LeaseState.Name(value).removeprefix("LEASE_STATE_")
 
 
+def _cause(value: int) -> str:
+    return lease_pb2.LeaseEndCause.Name(value).removeprefix("LEASE_END_CAUSE_")
+
+
+def _live(lease: lease_pb2.Lease) -> bool:
+    return lease.state in (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
+
+
+def _rank_fields(lease: lease_pb2.Lease) -> list[str]:
+    """Idle time, chance of a next turn and value (kvbroker.common.retention_value)."""
+    if not _live(lease):
+        return ["-", "-", "-"]
+    rank = retention_value.of_lease(lease)
+    return [f"{rank.idle_s:.0f}s/{rank.ttl_s:.0f}s", f"{rank.p_next:.2f}", f"{rank.value:.1f}"]
+
+
 def _lease_row(lease: lease_pb2.Lease) -> list[str]:
+    state = _state(lease.state)
+    if lease.end_cause:
+        state += f" {_cause(lease.end_cause)}"
     return [
         lease.lease_id,
         lease.conversation_id,
         lease.node_id,
         str(lease.epoch),
-        _state(lease.state),
+        state,
         str(lease.token_count),
         str(sum(len(g.block_ids) for g in lease.handle.remote_block_groups)),
         seconds_left(lease.time_to_live),
+        *_rank_fields(lease),
     ]
 
 
-_LEASE_COLUMNS = ["LEASE", "CONVERSATION", "NODE", "EPOCH", "STATE", "TOKENS", "BLOCKS", "TTL"]
+_LEASE_COLUMNS = [
+    "LEASE", "CONVERSATION", "NODE", "EPOCH", "STATE", "TOKENS", "BLOCKS", "TTL",
+    "IDLE/TTL", "P(NEXT)", "VALUE",
+]  # fmt: skip
 
 
 def _show_lease(lease: lease_pb2.Lease, output: OutputFormat) -> None:
@@ -744,6 +796,12 @@ def _show_lease(lease: lease_pb2.Lease, output: OutputFormat) -> None:
                 ("expires", when(lease.expire_time)),
                 ("time left", seconds_left(lease.time_to_live)),
                 ("ended", when(lease.end_time)),
+                ("end cause", _cause(lease.end_cause) if lease.end_cause else "-"),
+                *zip(
+                    ("idle / idle TTL", "p(next turn)", "value (tokens saved per block)"),
+                    _rank_fields(lease),
+                    strict=True,
+                ),
             ],
         )
 
@@ -888,6 +946,14 @@ _ROLES = {
 }
 
 
+def _retained(node: node_pb2.Node) -> str:
+    """Retained blocks over capacity, with the share and the bytes."""
+    capacity = node.spec.capacity_blocks
+    share = f" {100 * node.retained_blocks / capacity:.0f}%" if capacity else ""
+    mib = node.retained_blocks * node.spec.bytes_per_block / 2**20
+    return f"{node.retained_blocks}/{capacity}{share} {mib:.0f}MiB"
+
+
 def _node_rows(nodes: list[node_pb2.Node]) -> list[list[str]]:
     return [
         [
@@ -898,7 +964,8 @@ def _node_rows(nodes: list[node_pb2.Node]) -> list[list[str]]:
             n.spec.http_base_url,
             f"{n.spec.side_channel_host}:{n.spec.side_channel_port}",
             str(n.live_leases),
-            f"{n.retained_blocks}/{n.spec.capacity_blocks}",
+            _retained(n),
+            str(n.spec.retention_budget_blocks or "-"),
             str(n.load.running_requests + n.load.waiting_requests),
             when(n.last_heartbeat_time),
         ]
@@ -914,7 +981,8 @@ _NODE_COLUMNS = [
     "HTTP",
     "NIXL",
     "LEASES",
-    "BLOCKS",
+    "RETAINED",
+    "BUDGET",
     "QUEUE",
     "HEARTBEAT",
 ]
