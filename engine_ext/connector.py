@@ -79,7 +79,7 @@ class KvBrokerSettings:
     # Release retained conversations when the engine lacks free blocks (off: vLLM's fixed TTL).
     pressure_release: bool = True
     # The most of the KV cache retention may hold (1.0: no budget).
-    retention_max_fraction: float = 0.5
+    retention_max_fraction: float = 0.8
     # A reclaim the registry has not answered within this long may be asked again (or of
     # another request); meanwhile its blocks count as being freed.
     reclaim_retry_s: float = 1.0
@@ -97,7 +97,7 @@ class KvBrokerSettings:
             idle_step_sleep_s=float(extra.get("kvbroker_idle_step_sleep_s", 0.005)),
             progress_thread_delay_us=int(extra.get("kvbroker_progress_thread_delay_us", 1000)),
             pressure_release=_flag(extra.get("kvbroker_pressure_release", True)),
-            retention_max_fraction=float(extra.get("kvbroker_retention_max_fraction", 0.5)),
+            retention_max_fraction=float(extra.get("kvbroker_retention_max_fraction", 0.8)),
             reclaim_retry_s=float(extra.get("kvbroker_reclaim_retry_s", 1.0)),
         )
 
