@@ -354,30 +354,6 @@ def _kill_engine(url: str) -> None:
                     os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
 
 
-async def test_a_decode_node_vanishing_before_the_read_means_recompute(
-    stack: Stack, http: httpx.AsyncClient
-) -> None:
-    """Runs last: it kills the module's decode server."""
-    messages = [{"role": "user", "content": user_message(95, lines=30)}]
-    answer, _ = await chat(stack, http, messages, "conv-vanish")
-    await asyncio.sleep(0.3)
-    held = await current_lease(stack, "conv-vanish")
-    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "so?"}]
-    _kill_engine(stack.url(stack.decode))
-    # Within the node's session TTL the lease still checks out, so P tries to read from a
-    # node that is gone; the failed read must turn into a recompute, not a failed request.
-    body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}
-    reuse = {**body, "kv_transfer_params": prefill_params(held)}
-    response = await http.post(f"{stack.url(stack.prefill)}/v1/chat/completions", json=reuse)
-    assert response.status_code == 200, response.text
-    plain = {**body, "kv_transfer_params": prefill_params(None)}
-    recomputed = await http.post(f"{stack.url(stack.prefill)}/v1/chat/completions", json=plain)
-    assert (
-        response.json()["choices"][0]["message"]["content"]
-        == recomputed.json()["choices"][0]["message"]["content"]
-    )
-
-
 async def test_back_to_back_turns_of_concurrent_conversations_find_the_latest_kv(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:
@@ -401,3 +377,27 @@ async def test_back_to_back_turns_of_concurrent_conversations_find_the_latest_kv
         assert decisions == ["MISS", "REUSE", "REUSE"], decisions
     without = await asyncio.gather(*(agent(i, None) for i in range(4)))
     assert [answers for answers, _ in with_reuse] == [answers for answers, _ in without]
+
+
+async def test_a_decode_node_vanishing_before_the_read_means_recompute(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Runs last: it kills the module's decode server."""
+    messages = [{"role": "user", "content": user_message(95, lines=30)}]
+    answer, _ = await chat(stack, http, messages, "conv-vanish")
+    await asyncio.sleep(0.3)
+    held = await current_lease(stack, "conv-vanish")
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "so?"}]
+    _kill_engine(stack.url(stack.decode))
+    # Within the node's session TTL the lease still checks out, so P tries to read from a
+    # node that is gone; the failed read must turn into a recompute, not a failed request.
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}
+    reuse = {**body, "kv_transfer_params": prefill_params(held)}
+    response = await http.post(f"{stack.url(stack.prefill)}/v1/chat/completions", json=reuse)
+    assert response.status_code == 200, response.text
+    plain = {**body, "kv_transfer_params": prefill_params(None)}
+    recomputed = await http.post(f"{stack.url(stack.prefill)}/v1/chat/completions", json=plain)
+    assert (
+        response.json()["choices"][0]["message"]["content"]
+        == recomputed.json()["choices"][0]["message"]["content"]
+    )
