@@ -39,7 +39,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 
 from engine_ext.nixl_tuning import calm_progress_thread
 from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
-from engine_ext.pressure import RetainedRequest, choose_reclaims, end_cause_of_free
+from engine_ext.pressure import (
+    RetainedRequest,
+    blocks_to_admit,
+    choose_reclaims,
+    end_cause_of_free,
+)
 from kvbroker.common import handles
 from kvbroker.common.engine_link import EngineLink
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
@@ -167,11 +172,16 @@ class NixlConnector(NixlPullConnector):
     def _note_demand(self, request: Request, num_computed_tokens: int) -> None:
         """The scheduler asks this for each waiting request it is about to admit: if the free
         blocks cannot hold its prompt, retention owes the difference."""
-        if self._block_pool is None:
+        pool = self._block_pool
+        if pool is None:
             return
-        size = self._block_size
-        needed = -(-(request.num_tokens + 1) // size) - num_computed_tokens // size
-        shortfall = needed - self._block_pool.get_num_free_blocks()
+        hits = request.block_hashes[: num_computed_tokens // self._block_size]
+        in_use = 0
+        for block_hash in hits:
+            cached = pool.get_cached_block(block_hash, [0])
+            in_use += cached is not None and cached[0].ref_cnt > 0
+        needed = blocks_to_admit(request.num_tokens, self._block_size, in_use)
+        shortfall = needed - pool.get_num_free_blocks()
         self._shortfall_blocks = max(self._shortfall_blocks, shortfall)
 
     def has_pending_block_frees(self) -> bool:

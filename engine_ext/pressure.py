@@ -60,6 +60,16 @@ class RetainedRequest:
         return self.reclaim_asked_at is not None and now - self.reclaim_asked_at < retry_s
 
 
+def blocks_to_admit(prompt_tokens: int, block_size: int, hit_blocks_in_use: int) -> int:
+    """Free blocks the scheduler needs to admit a request of ``prompt_tokens`` (and its first
+    output token). A local prefix hit saves only the hit blocks that some request holds: a hit
+    block that is itself free (an evictable cached block, e.g. the previous turn's KV after the
+    prefill node read it) leaves the free pool when the request takes it, so it costs a free
+    block like a new one. Counting every local hit as free capacity under-estimated exactly the
+    follow-up turns of long conversations, which then waited for blocks nobody released."""
+    return -(-(prompt_tokens + 1) // block_size) - hit_blocks_in_use
+
+
 def choose_reclaims(
     retained: Iterable[RetainedRequest],
     now: float,

@@ -12,6 +12,7 @@ from engine_ext.pressure import (
     BUDGET,
     PRESSURE,
     RetainedRequest,
+    blocks_to_admit,
     choose_reclaims,
     end_cause_of_free,
 )
@@ -120,3 +121,12 @@ def test_idle_ttl_settings_are_checked() -> None:
         RegistryConfig(idle_ttl_percentile=1.5)
     with pytest.raises(ValueError):
         RegistryConfig(turn_settle_timeout_s=-1)
+
+
+def test_a_local_hit_on_free_cached_blocks_still_needs_those_blocks() -> None:
+    # 3,300 tokens in 128-token blocks: 26 blocks (the first output token included).
+    assert blocks_to_admit(3300, 128, hit_blocks_in_use=0) == 26
+    # Hit blocks that another request holds are shared, not allocated.
+    assert blocks_to_admit(3300, 128, hit_blocks_in_use=20) == 6
+    assert blocks_to_admit(127, 128, hit_blocks_in_use=0) == 1
+    assert blocks_to_admit(128, 128, hit_blocks_in_use=0) == 2
