@@ -33,6 +33,7 @@ from starlette.routing import Route
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from router.metrics import RouterMetrics
 
@@ -119,16 +120,12 @@ class Router:
             if "no ready" in (error.details() or ""):
                 raise  # the registry answered: there is nowhere to send the request
             return self._degraded_plan(model, error.details() or error.code().name)
-        decision = registry_pb2.HintDecision.Name(hint.decision).removeprefix("HINT_DECISION_")
-        consistency = registry_pb2.HintConsistency.Name(hint.consistency).removeprefix(
-            "HINT_CONSISTENCY_"
-        )
         return Plan(
             prefill=hint.prefill,
             decode=hint.decode,
             lease=hint.lease if hint.HasField("lease") else None,
-            decision=decision,
-            consistency=consistency,
+            decision=label(registry_pb2.HintDecision, hint.decision),
+            consistency=label(registry_pb2.HintConsistency, hint.consistency),
             reason=hint.reason,
         )
 
@@ -346,7 +343,7 @@ class Handlers:
                 "session_id": session,
                 "lease_id": lease.lease_id,
                 "epoch": lease.epoch,
-                "state": lease_pb2.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_"),
+                "state": label(lease_pb2.LeaseState, lease.state),
                 "ttl_seconds": lease.time_to_live.ToNanoseconds() / 1e9,
             }
         )

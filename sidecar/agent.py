@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.clock import from_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.labels import label
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
@@ -155,17 +156,14 @@ class Agent:
         if lease.epoch != epoch:
             return False, f"stale epoch {epoch}: lease {lease_id} is at epoch {lease.epoch}"
         if lease.state != lease_pb2.LEASE_STATE_CLAIMED:
-            state = lease_pb2.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_")
             why = f" ({lease.end_reason})" if lease.end_reason else ": its claim ended"
-            return False, f"lease {lease_id} is {state}{why}"
+            return False, f"lease {lease_id} is {label(lease_pb2.LeaseState, lease.state)}{why}"
         return True, ""
 
     def _to_engine(self, command: registry_pb2.LeaseCommand) -> None:
         for queue in self._subscribers:
             queue.put_nowait(command)
-        self.metrics.commands.labels(
-            lease_pb2.LeaseState.Name(command.state).removeprefix("LEASE_STATE_").lower()
-        ).inc()
+        self.metrics.commands.labels(label(lease_pb2.LeaseState, command.state).lower()).inc()
 
     # ------------------------------------------------------------ registry side
 
