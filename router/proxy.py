@@ -35,6 +35,7 @@ from kvbroker.common.handles import prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from router.config import RouterConfig
 from router.metrics import RouterMetrics
 
 log = structlog.get_logger("kvbroker.router")
@@ -42,14 +43,6 @@ log = structlog.get_logger("kvbroker.router")
 SESSION_HEADER = "x-session-id"
 _PREFILL_ROLES = (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH)
 _DECODE_ROLES = (node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    hint_timeout_s: float = 0.5
-    upstream_timeout_s: float = 600.0
-    # How often the fallback node list is refreshed (used only while the registry is away).
-    node_refresh_s: float = 5.0
 
 
 class UpstreamError(Exception):

@@ -30,6 +30,7 @@ from kvbroker.common.labels import label
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from sidecar.config import SidecarConfig
 from sidecar.metrics import SidecarMetrics
 
 log = structlog.get_logger("kvbroker.sidecar")
@@ -37,23 +38,6 @@ log = structlog.get_logger("kvbroker.sidecar")
 # Statuses after which the session must be re-established (registered again, then replayed).
 _SESSION_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 _RPC_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class SidecarConfig:
-    node_id: str
-    role: node_pb2.NodeRole
-    engine_url: str
-    # Served model; when empty, the engine's own report (or /v1/models) names it.
-    model: str = ""
-    # Advertised HTTP base URL when it differs from engine_url (NAT, another interface).
-    advertise_url: str = ""
-    max_batch: int = 512
-    backoff_initial_s: float = 0.1
-    # Short: after a registry failover the holder's replay is what lets its KV be reused
-    # again, and one reconnect a second per node is nothing to a registry.
-    backoff_max_s: float = 1.0
-    health_timeout_s: float = 1.0
 
 
 @dataclass

@@ -39,6 +39,8 @@ from kvbroker.common.clock import to_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.logging import LogFormat, configure_logging
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from router.config import RouterConfig
+from sidecar.config import SidecarConfig
 
 app = typer.Typer(
     name="kvbroker",
@@ -300,11 +302,11 @@ def sidecar_run(
     ] = "",
     model: Annotated[
         str, typer.Option(envvar="KVBROKER_MODEL", help="Served model [default: ask the engine].")
-    ] = "",
+    ] = SidecarConfig.model,
     advertise_url: Annotated[
         str,
         typer.Option(envvar="KVBROKER_ADVERTISE_URL", help="URL routers use [default: engine's]."),
-    ] = "",
+    ] = SidecarConfig.advertise_url,
     metrics_listen: Annotated[
         str | None,
         typer.Option(envvar="KVBROKER_METRICS_LISTEN", help="Prometheus HTTP HOST:PORT."),
@@ -322,7 +324,6 @@ def sidecar_run(
         endpoint = RegistryEndpoint.parse(registry, token, tls_ca)
     except ValueError as error:
         fail(str(error), 2)
-    from sidecar.agent import SidecarConfig
     from sidecar.server import serve_forever as serve_sidecar
 
     node_id = node_id or f"{socket.gethostname()}-{role.value}"
@@ -695,11 +696,11 @@ def bench_agentic(
 def router_run(
     listen: Annotated[
         str, typer.Option(envvar="KVBROKER_ROUTER_LISTEN", help="HTTP address HOST:PORT.")
-    ] = "127.0.0.1:8000",
+    ] = RouterConfig.listen,
     hint_timeout: Annotated[
         float,
         typer.Option(envvar="KVBROKER_HINT_TIMEOUT", help="Registry deadline per hint, s."),
-    ] = 0.5,
+    ] = RouterConfig.hint_timeout_s,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -707,18 +708,19 @@ def router_run(
     log_format: LogFormatOpt = "auto",
 ) -> None:
     """Serve /v1/chat/completions and /v1/completions, routing turns by the registry."""
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
+    config = RouterConfig(listen=listen, hint_timeout_s=hint_timeout)
+    try:
+        config.host_and_port()
+    except ValueError:
         fail(f"--listen {listen!r} is not HOST:PORT", 2)
     try:
         endpoint = RegistryEndpoint.parse(registry, token, tls_ca)
     except ValueError as error:
         fail(str(error), 2)
-    from router.proxy import RouterConfig
     from router.server import serve as serve_router
 
     _configure_logging(log_level, log_format)
-    serve_router(endpoint, host, int(port), RouterConfig(hint_timeout_s=hint_timeout))
+    serve_router(endpoint, config)
 
 
 # ---------------------------------------------------------------------- leases
