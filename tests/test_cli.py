@@ -6,7 +6,9 @@ import asyncio
 
 import grpc
 
+from kvbroker.cli.sidecar import Role
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.labels import by_lower_label
 from kvbroker.v1 import node_pb2
 from tests.conftest import RegistryProcess, run_cli, spawn_registry
 from tests.factories import Heartbeats, grant, node_spec
@@ -162,3 +164,7 @@ async def test_tls_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert plain.code == 3  # a plaintext client cannot talk to a TLS registry
     finally:
         await secured.stop()
+
+
+def test_sidecar_roles_are_the_node_role_labels() -> None:
+    assert [role.value for role in Role] == list(by_lower_label(node_pb2.NodeRole))
