@@ -146,6 +146,11 @@ async def test_serve_rejects_bad_flags() -> None:
     assert result.code == 2 and "heartbeat interval" in result.stderr
 
 
+async def test_router_refuses_a_listen_address_without_a_port() -> None:
+    result = await run_cli("router", "run", "--listen", "localhost")
+    assert result.code == 2 and "--listen 'localhost' is not HOST:PORT" in result.stderr
+
+
 async def test_tls_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """TLS end to end with a throwaway self-signed certificate for 127.0.0.1."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
