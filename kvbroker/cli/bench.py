@@ -1,5 +1,6 @@
 """``kvbroker bench``: the benchmarks. Each imports its code only when it runs, so that the
-operator commands start fast."""
+operator commands start fast; the retention simulation's module is light, so its flags take
+their defaults from TraceConfig."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvbroker.bench.retention import TraceConfig
 from kvbroker.cli.output import fail
 from kvbroker.cli.stack import run_with_stack
 
@@ -60,12 +62,14 @@ def bench_retention(
     output: Annotated[Path, typer.Option(help="Where the table's JSON and the plot go.")] = Path(
         "results/retention"
     ),
-    conversations: Annotated[int, typer.Option(min=1, help="Conversations in the trace.")] = 5000,
+    conversations: Annotated[
+        int, typer.Option(min=1, help="Conversations in the trace.")
+    ] = TraceConfig.conversations,
     fixed_ttl: Annotated[float, typer.Option(min=1, help="The fixed TTL to compare, s.")] = 480,
-    seed: Annotated[int, typer.Option(help="Trace seed.")] = 0,
+    seed: Annotated[int, typer.Option(help="Trace seed.")] = TraceConfig.seed,
 ) -> None:
     """Simulate decode retention on an agentic trace: fixed TTL vs kvbroker idle leases."""
-    from kvbroker.bench.retention import TraceConfig, report, simulate
+    from kvbroker.bench.retention import report, simulate
 
     config = TraceConfig(conversations=conversations, seed=seed)
     baseline, sweep = simulate(config, fixed_ttl)
