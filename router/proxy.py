@@ -33,7 +33,9 @@ from starlette.routing import Route
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from router.config import RouterConfig
 from router.metrics import RouterMetrics
 
 log = structlog.get_logger("kvbroker.router")
@@ -41,14 +43,6 @@ log = structlog.get_logger("kvbroker.router")
 SESSION_HEADER = "x-session-id"
 _PREFILL_ROLES = (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH)
 _DECODE_ROLES = (node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH)
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    hint_timeout_s: float = 0.5
-    upstream_timeout_s: float = 600.0
-    # How often the fallback node list is refreshed (used only while the registry is away).
-    node_refresh_s: float = 5.0
 
 
 class UpstreamError(Exception):
@@ -119,16 +113,12 @@ class Router:
             if "no ready" in (error.details() or ""):
                 raise  # the registry answered: there is nowhere to send the request
             return self._degraded_plan(model, error.details() or error.code().name)
-        decision = registry_pb2.HintDecision.Name(hint.decision).removeprefix("HINT_DECISION_")
-        consistency = registry_pb2.HintConsistency.Name(hint.consistency).removeprefix(
-            "HINT_CONSISTENCY_"
-        )
         return Plan(
             prefill=hint.prefill,
             decode=hint.decode,
             lease=hint.lease if hint.HasField("lease") else None,
-            decision=decision,
-            consistency=consistency,
+            decision=label(registry_pb2.HintDecision, hint.decision),
+            consistency=label(registry_pb2.HintConsistency, hint.consistency),
             reason=hint.reason,
         )
 
@@ -346,7 +336,7 @@ class Handlers:
                 "session_id": session,
                 "lease_id": lease.lease_id,
                 "epoch": lease.epoch,
-                "state": lease_pb2.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_"),
+                "state": label(lease_pb2.LeaseState, lease.state),
                 "ttl_seconds": lease.time_to_live.ToNanoseconds() / 1e9,
             }
         )

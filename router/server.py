@@ -5,9 +5,11 @@ from __future__ import annotations
 import uvicorn
 
 from kvbroker.common.grpc_client import RegistryEndpoint
-from router.proxy import Router, RouterConfig, build_app
+from router.config import RouterConfig
+from router.proxy import Router, build_app
 
 
-def serve(registry: RegistryEndpoint, host: str, port: int, config: RouterConfig) -> None:
+def serve(registry: RegistryEndpoint, config: RouterConfig) -> None:
+    host, port = config.host_and_port()
     app = build_app(Router(registry, config))
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -21,7 +21,8 @@ from controlplane.server import ServerOptions, start_registry
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
 from kvbroker.v1 import node_pb2
-from router.proxy import Router, RouterConfig, build_app
+from router.config import RouterConfig
+from router.proxy import Router, build_app
 from tests.factories import Heartbeats, node_spec
 from tests.fake_engine import FakeEngine, serving
 

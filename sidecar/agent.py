@@ -26,9 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.clock import from_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.labels import label
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from sidecar.config import SidecarConfig
 from sidecar.metrics import SidecarMetrics
 
 log = structlog.get_logger("kvbroker.sidecar")
@@ -36,23 +38,6 @@ log = structlog.get_logger("kvbroker.sidecar")
 # Statuses after which the session must be re-established (registered again, then replayed).
 _SESSION_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 _RPC_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class SidecarConfig:
-    node_id: str
-    role: node_pb2.NodeRole
-    engine_url: str
-    # Served model; when empty, the engine's own report (or /v1/models) names it.
-    model: str = ""
-    # Advertised HTTP base URL when it differs from engine_url (NAT, another interface).
-    advertise_url: str = ""
-    max_batch: int = 512
-    backoff_initial_s: float = 0.1
-    # Short: after a registry failover the holder's replay is what lets its KV be reused
-    # again, and one reconnect a second per node is nothing to a registry.
-    backoff_max_s: float = 1.0
-    health_timeout_s: float = 1.0
 
 
 @dataclass
@@ -155,17 +140,14 @@ class Agent:
         if lease.epoch != epoch:
             return False, f"stale epoch {epoch}: lease {lease_id} is at epoch {lease.epoch}"
         if lease.state != lease_pb2.LEASE_STATE_CLAIMED:
-            state = lease_pb2.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_")
             why = f" ({lease.end_reason})" if lease.end_reason else ": its claim ended"
-            return False, f"lease {lease_id} is {state}{why}"
+            return False, f"lease {lease_id} is {label(lease_pb2.LeaseState, lease.state)}{why}"
         return True, ""
 
     def _to_engine(self, command: registry_pb2.LeaseCommand) -> None:
         for queue in self._subscribers:
             queue.put_nowait(command)
-        self.metrics.commands.labels(
-            lease_pb2.LeaseState.Name(command.state).removeprefix("LEASE_STATE_").lower()
-        ).inc()
+        self.metrics.commands.labels(label(lease_pb2.LeaseState, command.state).lower()).inc()
 
     # ------------------------------------------------------------ registry side
 

@@ -13,7 +13,8 @@ from prometheus_client import start_http_server
 
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.v1 import sidecar_pb2_grpc
-from sidecar.agent import Agent, SidecarConfig
+from sidecar.agent import Agent
+from sidecar.config import SidecarConfig
 from sidecar.local import SidecarServicer
 
 log = structlog.get_logger("kvbroker.sidecar")

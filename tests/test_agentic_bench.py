@@ -20,7 +20,7 @@ from kvbroker.bench.agentic import (
     write,
 )
 from kvbroker.bench.retention import Conversation, Gap
-from kvbroker.cli.main import bench_agentic
+from kvbroker.cli.bench import bench_agentic
 
 
 def test_compress_scales_caps_gaps_and_cuts_turns() -> None:

@@ -6,7 +6,9 @@ import asyncio
 
 import grpc
 
+from kvbroker.cli.sidecar import Role
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.labels import by_lower_label
 from kvbroker.v1 import node_pb2
 from tests.conftest import RegistryProcess, run_cli, spawn_registry
 from tests.factories import Heartbeats, grant, node_spec
@@ -144,6 +146,11 @@ async def test_serve_rejects_bad_flags() -> None:
     assert result.code == 2 and "heartbeat interval" in result.stderr
 
 
+async def test_router_refuses_a_listen_address_without_a_port() -> None:
+    result = await run_cli("router", "run", "--listen", "localhost")
+    assert result.code == 2 and "--listen 'localhost' is not HOST:PORT" in result.stderr
+
+
 async def test_tls_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """TLS end to end with a throwaway self-signed certificate for 127.0.0.1."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -162,3 +169,7 @@ async def test_tls_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert plain.code == 3  # a plaintext client cannot talk to a TLS registry
     finally:
         await secured.stop()
+
+
+def test_sidecar_roles_are_the_node_role_labels() -> None:
+    assert [role.value for role in Role] == list(by_lower_label(node_pb2.NodeRole))

@@ -15,7 +15,8 @@ from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.ports import free_port
 from kvbroker.v1 import node_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from router.proxy import Router, RouterConfig, build_app
+from router.config import RouterConfig
+from router.proxy import Router, build_app
 from tests.factories import Heartbeats, grant, node_spec
 from tests.fake_engine import FakeEngine, serving
 

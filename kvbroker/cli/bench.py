@@ -1,0 +1,273 @@
+"""``kvbroker bench``: the benchmarks. Each imports its code only when it runs, so that the
+operator commands start fast; the retention simulation's module is light, so its flags take
+their defaults from TraceConfig."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvbroker.bench.retention import TraceConfig
+from kvbroker.cli.output import fail
+from kvbroker.cli.stack import run_with_stack
+
+bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+
+
+@bench_app.command("multiturn")
+def bench_multiturn(
+    output: Annotated[Path, typer.Option(help="Where records and charts go.")] = Path(
+        "results/multiturn"
+    ),
+    lengths: Annotated[
+        str, typer.Option(help="Prompt lengths the conversations grow through.")
+    ] = "512,1024,2048,4096,6144",
+    conversations: Annotated[int, typer.Option(min=1, help="Conversations per mode.")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 32,
+    model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-bench"),
+) -> None:
+    """TTFT vs prompt length with reuse ON and OFF in the same run: JSON, charts, a table."""
+    try:
+        targets = [int(n) for n in lengths.split(",")]
+    except ValueError:
+        fail(f"--lengths {lengths!r} is not a comma-separated list of token counts", 2)
+    from kvbroker.bench.multiturn import plot, print_table, run_sweep, summarise, write_records
+
+    async def body(stack: Any, console: Console) -> None:
+        records = await run_sweep(stack, output, targets, conversations, max_tokens, console)
+        write_records(records, output)
+        rows = summarise(records)
+        print_table(rows, console)
+        (output / "summary.json").write_text(
+            json.dumps({"model_dir": str(stack.model_dir), "rows": rows}, indent=2)
+        )
+        charts = plot(rows, output, f"TTFT vs prompt length ({stack.config.served_model}, CPU)")
+        console.print(
+            f"records, summary and charts in {output}: {', '.join(c.name for c in charts)}"
+        )
+
+    run_with_stack(True, model, workdir, body)
+
+
+@bench_app.command("retention")
+def bench_retention(
+    output: Annotated[Path, typer.Option(help="Where the table's JSON and the plot go.")] = Path(
+        "results/retention"
+    ),
+    conversations: Annotated[
+        int, typer.Option(min=1, help="Conversations in the trace.")
+    ] = TraceConfig.conversations,
+    fixed_ttl: Annotated[float, typer.Option(min=1, help="The fixed TTL to compare, s.")] = 480,
+    seed: Annotated[int, typer.Option(help="Trace seed.")] = TraceConfig.seed,
+) -> None:
+    """Simulate decode retention on an agentic trace: fixed TTL vs kvbroker idle leases."""
+    from kvbroker.bench.retention import report, simulate
+
+    config = TraceConfig(conversations=conversations, seed=seed)
+    baseline, sweep = simulate(config, fixed_ttl)
+    report(baseline, sweep, output, Console())
+
+
+@bench_app.command("registry")
+def bench_registry(
+    output: Annotated[Path, typer.Option(help="Where the JSON and the plot go.")] = Path(
+        "results/registry"
+    ),
+    rates: Annotated[str, typer.Option(help="Offered turns per second.")] = "250,500,1000",
+    live_leases: Annotated[int, typer.Option(help="Live leases during the load.")] = 10_000,
+    memory_points: Annotated[
+        str, typer.Option(help="Live-lease counts at which RSS is read.")
+    ] = "100000,250000,500000,1000000",
+    restart_leases: Annotated[int, typer.Option(help="Leases replayed after restart.")] = 100_000,
+    seconds: Annotated[float, typer.Option(help="Seconds per load level.")] = 10.0,
+    etcd: Annotated[
+        bool,
+        typer.Option(help="Run the registry as a replica on its own etcd (load levels only)."),
+    ] = False,
+) -> None:
+    """Registry latency and throughput over gRPC, RSS per lease, and restart recovery."""
+    try:
+        rate_list = [float(r) for r in rates.split(",")]
+        points = [int(p) for p in memory_points.split(",") if p]
+    except ValueError:
+        fail("--rates and --memory-points are comma-separated numbers", 2)
+    from kvbroker.bench.registry_load import run_registry_bench, write
+
+    console = Console()
+
+    async def bench() -> dict[str, Any]:
+        say = lambda message: console.print(f"[dim]·[/] {message}")  # noqa: E731
+        if not etcd:
+            return await run_registry_bench(
+                rate_list, live_leases, points, restart_leases, seconds, progress=say
+            )
+        from kvbroker.bench.failover import EtcdServer
+
+        with tempfile.TemporaryDirectory(prefix="kvbroker-bench-etcd-") as workdir:
+            server = EtcdServer(Path(workdir))
+            await server.start()
+            try:
+                return await run_registry_bench(
+                    rate_list, live_leases, [], 0, seconds, progress=say, store=server.url
+                )
+            finally:
+                await server.child.stop()
+
+    result = asyncio.run(bench())
+    table = Table(title="registry under load", title_justify="left")
+    # Short headers: a console that is not a terminal is 80 columns wide.
+    columns = ("rpc", "rate/s", "p50 ms", "p99 ms", "p999 ms", "done/s", "errors", "cores")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in result["load"]:
+        table.add_row(
+            row["rpc"], f"{row['rate']:.0f}" if row["rate"] else "saturation",
+            f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['p999_ms']:.2f}",
+            f"{row['throughput']:,.0f}", str(row["errors"]), f"{row['registry_cpu']:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    idle = result["idle"]
+    console.print(
+        f"idle registry, one hint at a time: p50 {idle['p50_ms']:.2f} ms, "
+        f"p99 {idle['p99_ms']:.2f} ms"
+    )
+    for point in result["memory"]:
+        console.print(f"RSS {point['rss_mib']:,.0f} MiB with {point['live_leases']:,} live leases")
+    restart = result["restart"]
+    if restart:
+        console.print(
+            f"restart: {restart['recovered']:,} of {restart['leases']:,} leases back in "
+            f"{restart['recovery_s']:.2f} s (process start {restart['startup_s']:.2f} s)"
+        )
+    paths = write(result, output)
+    console.print(f"written: {', '.join(str(p) for p in paths)}")
+
+
+@bench_app.command("failover")
+def bench_failover(
+    output: Annotated[Path, typer.Option(help="Where failover.json goes.")] = Path(
+        "results/failover"
+    ),
+    seconds: Annotated[float, typer.Option(min=10, help="How long the load and kills last.")] = 120,
+    replicas: Annotated[int, typer.Option(min=2, help="Registry replicas.")] = 3,
+    conversations: Annotated[int, typer.Option(min=1, help="Concurrent conversations.")] = 8,
+    kill_every: Annotated[float, typer.Option(min=2, help="Seconds between kills.")] = 8,
+    restart_etcd: Annotated[
+        bool, typer.Option(help="Restart etcd once, a third of the way in.")
+    ] = True,
+    seed: Annotated[int, typer.Option(help="Seed for think times and victims.")] = 7,
+) -> None:
+    """Soak: replicas on a real etcd killed under a steady load of turns through the router.
+    Exits 1 if any request failed, any lease was lost, or any hint or read was stale."""
+    from kvbroker.bench.failover import SoakConfig, run_soak, summary_rows, write_report
+
+    console = Console()
+    config = SoakConfig(
+        replicas=replicas,
+        conversations=conversations,
+        duration_s=seconds,
+        kill_every_s=kill_every,
+        restart_etcd=restart_etcd,
+        seed=seed,
+    )
+    try:
+        report = asyncio.run(
+            run_soak(config, progress=lambda message: console.print(f"[dim]·[/] {message}"))
+        )
+    except (RuntimeError, TimeoutError) as error:
+        fail(str(error))
+    table = Table(title="registry replicas under kills", title_justify="left")
+    for column, justify in (("figure", "left"), ("value", "right"), ("must be", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for row in summary_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    for failure in report.failures:
+        console.print(f"[red]·[/] {failure}")
+    console.print(f"written: {write_report(report, output)}")
+    bad = report.failed_requests + report.leases_lost + report.stale_hints + report.stale_reads
+    raise typer.Exit(1 if bad else 0)
+
+
+@bench_app.command("agentic")
+def bench_agentic(
+    output: Annotated[Path, typer.Option(help="Where records, summary and chart go.")] = Path(
+        "results/agentic"
+    ),
+    arms: Annotated[
+        str, typer.Option(help="Arms to run: reuse-off, fixed-ttl, kvbroker.")
+    ] = "reuse-off,fixed-ttl,kvbroker",
+    sessions: Annotated[int, typer.Option(min=1, help="Agent sessions in the trace.")] = 20,
+    concurrency: Annotated[int, typer.Option(min=1, help="Sessions running at once.")] = 6,
+    time_scale: Annotated[
+        float, typer.Option(min=1, help="Trace seconds per wall-clock second.")
+    ] = 12.0,
+    max_gap: Annotated[
+        float | None,
+        typer.Option(min=0.1, help="Longest compressed gap, s [default: 1.2 x the fixed cap]."),
+    ] = None,
+    mean_turns: Annotated[float, typer.Option(min=2, help="Mean turns per session.")] = 6.0,
+    max_turns: Annotated[int, typer.Option(min=1, help="Turns per session at most.")] = 12,
+    kv_blocks: Annotated[
+        int, typer.Option(min=64, help="KV blocks (128 tokens) per engine; 64 fit 8,192 tokens.")
+    ] = 72,
+    system_tokens: Annotated[int, typer.Option(min=1, help="System prompt, tokens.")] = 500,
+    turn_tokens: Annotated[int, typer.Option(min=1, help="New context per turn, tokens.")] = 250,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 16,
+    stall_ms: Annotated[
+        float, typer.Option(min=1, help="A decode leg longer than this waited for blocks.")
+    ] = 2000.0,
+    seed: Annotated[int, typer.Option(help="Trace and text seed.")] = 0,
+    model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path(
+        "/tmp/kvbroker-agentic"
+    ),
+) -> None:
+    """Concurrent agent sessions on a small decode KV cache: no reuse, vLLM's fixed TTL and
+    kvbroker on the same trace; TTFT, reuse rate and stalls per arm."""
+    from kvbroker.bench.agentic import ARMS, AgenticConfig, print_table, run_agentic, summarise
+    from kvbroker.bench.agentic import write as write_agentic
+
+    chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
+    if not chosen or any(a not in ARMS for a in chosen):
+        fail(f"--arms {arms!r}: choose from {', '.join(ARMS)}", 2)
+    config = AgenticConfig(
+        arms=chosen,
+        sessions=sessions,
+        concurrency=concurrency,
+        mean_turns=mean_turns,
+        max_turns=max_turns,
+        time_scale=time_scale,
+        max_gap_s=max_gap,
+        kv_blocks=kv_blocks,
+        system_tokens=system_tokens,
+        turn_tokens=turn_tokens,
+        max_tokens=max_tokens,
+        stall_ms=stall_ms,
+        seed=seed,
+        model_dir=model,
+        workdir=workdir,
+    )
+    console = Console()
+    try:
+        results = asyncio.run(run_agentic(config, console))
+    except (RuntimeError, TimeoutError) as error:
+        fail(str(error))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        fail("interrupted; every stack was stopped", 130)
+    print_table([summarise(result) for result in results], stall_ms, console)
+    paths = write_agentic(results, config, output)
+    console.print(f"written: {', '.join(str(p) for p in paths)}")
+    errors = [message for result in results for message in result.errors]
+    for message in errors[:5]:
+        console.print(f"[red]·[/] {message}", highlight=False)
+    if errors:
+        fail(f"{len(errors)} sessions ended on a failed request (all in summary.json)")

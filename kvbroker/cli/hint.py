@@ -1,0 +1,62 @@
+"""``kvbroker hint``: ask the registry where a conversation's next turn would go."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from kvbroker.cli.client import call_registry
+from kvbroker.cli.options import (
+    DEFAULT_REGISTRY,
+    DEFAULT_TIMEOUT_S,
+    OutputOpt,
+    RegistryOpt,
+    TimeoutOpt,
+    TlsCaOpt,
+    TokenOpt,
+)
+from kvbroker.cli.output import OutputFormat, emit_fields, render, to_dict
+from kvbroker.common.labels import label
+from kvbroker.v1 import registry_pb2
+
+
+def hint(
+    conversation: Annotated[str, typer.Argument(help="Conversation (session) id.")],
+    model: Annotated[str, typer.Option(help="Served model name (default: any).")] = "",
+    claim: Annotated[
+        bool,
+        typer.Option(help="Claim the lease as a router would (default: look only)."),
+    ] = False,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Where the conversation's next turn would go, and whether it would reuse KV."""
+
+    async def rpc(stub: Any) -> registry_pb2.RoutingHint:
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id=conversation, model=model, dry_run=not claim
+        )
+        return (await stub.GetRoutingHint(request, timeout=timeout)).hint  # type: ignore[no-any-return]
+
+    result = call_registry(registry, token, tls_ca, rpc)
+
+    def table() -> None:
+        fields = [
+            ("decision", label(registry_pb2.HintDecision, result.decision)),
+            ("reason", result.reason),
+            ("consistency", label(registry_pb2.HintConsistency, result.consistency)),
+            ("prefill", f"{result.prefill.node_id} {result.prefill.http_base_url}"),
+            ("decode", f"{result.decode.node_id} {result.decode.http_base_url}"),
+        ]
+        if result.HasField("lease"):
+            fields += [
+                ("lease", f"{result.lease.lease_id} (epoch {result.lease.epoch})"),
+                ("tokens", str(result.lease.token_count)),
+            ]
+        emit_fields(f"hint for {conversation}", fields)
+
+    render(output, to_dict(result), table)

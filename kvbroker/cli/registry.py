@@ -1,0 +1,156 @@
+"""``kvbroker registry``: run the registry. The tunables' defaults are RegistryConfig's, so the
+flags and the library cannot drift apart; the server itself is imported only when it runs, so
+that the operator commands start fast."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import uvloop
+
+from controlplane.config import RegistryConfig
+from kvbroker.cli.options import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_REGISTRY,
+    LogFormatOpt,
+    LogLevelOpt,
+    MetricsListenOpt,
+    TokenOpt,
+    apply_logging_flags,
+)
+from kvbroker.cli.output import fail
+
+registry_app = typer.Typer(help="Run the registry.", no_args_is_help=True)
+
+
+@registry_app.command("serve")
+def registry_serve(
+    listen: Annotated[
+        str, typer.Option(envvar="KVBROKER_LISTEN", help="gRPC address HOST:PORT (port 0: any).")
+    ] = DEFAULT_REGISTRY,
+    metrics_listen: MetricsListenOpt = None,
+    token: TokenOpt = None,
+    tls_cert: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_CERT")] = None,
+    tls_key: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_KEY")] = None,
+    tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(envvar="KVBROKER_TLS_CLIENT_CA", help="Require client certs (mTLS)."),
+    ] = None,
+    lease_ttl: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_LEASE_TTL",
+            help="Idle TTL, seconds: a lease not renewed this long ends (until one is learned).",
+        ),
+    ] = RegistryConfig.default_lease_ttl_s,
+    learn_idle_ttl: Annotated[
+        bool,
+        typer.Option(
+            envvar="KVBROKER_LEARN_IDLE_TTL",
+            help="Learn the idle TTL from the gaps between turns (a bounded high percentile).",
+        ),
+    ] = RegistryConfig.learn_idle_ttl,
+    min_idle_ttl: Annotated[
+        float, typer.Option(envvar="KVBROKER_MIN_IDLE_TTL", help="Shortest learned idle TTL.")
+    ] = RegistryConfig.min_idle_ttl_s,
+    max_idle_ttl: Annotated[
+        float, typer.Option(envvar="KVBROKER_MAX_IDLE_TTL", help="Longest learned idle TTL.")
+    ] = RegistryConfig.max_idle_ttl_s,
+    turn_settle_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_TURN_SETTLE_TIMEOUT",
+            help="A hint waits this long for the previous turn's retention, seconds.",
+        ),
+    ] = RegistryConfig.turn_settle_timeout_s,
+    max_lease_ttl: Annotated[
+        float, typer.Option(envvar="KVBROKER_MAX_LEASE_TTL", help="Longest TTL a call may ask.")
+    ] = RegistryConfig.max_lease_ttl_s,
+    claim_timeout: Annotated[
+        float,
+        typer.Option(envvar="KVBROKER_CLAIM_TIMEOUT", help="How long a hint protects a read."),
+    ] = RegistryConfig.claim_timeout_s,
+    revoke_grace: Annotated[
+        float,
+        typer.Option(envvar="KVBROKER_REVOKE_GRACE", help="Blocks kept after a revoke, seconds."),
+    ] = RegistryConfig.revoke_grace_s,
+    heartbeat_interval: Annotated[
+        float, typer.Option(envvar="KVBROKER_HEARTBEAT_INTERVAL", help="Sidecar heartbeat.")
+    ] = RegistryConfig.heartbeat_interval_s,
+    session_ttl: Annotated[
+        float,
+        typer.Option(envvar="KVBROKER_SESSION_TTL", help="Silence before a node is DOWN."),
+    ] = RegistryConfig.session_ttl_s,
+    store: Annotated[
+        str,
+        typer.Option(
+            envvar="KVBROKER_STORE",
+            help="'memory', or etcd://HOST:PORT[,HOST:PORT] to run as one of several replicas.",
+        ),
+    ] = "memory",
+    advertise: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVBROKER_ADVERTISE",
+            help="HOST:PORT other replicas forward to (default: the listen address).",
+        ),
+    ] = None,
+    election_ttl: Annotated[
+        int,
+        typer.Option(
+            envvar="KVBROKER_ELECTION_TTL",
+            help="Seconds before a dead leader is replaced (etcd store).",
+        ),
+    ] = 2,
+    etcd_prefix: Annotated[
+        str, typer.Option(envvar="KVBROKER_ETCD_PREFIX", help="Key prefix in etcd.")
+    ] = "/kvbroker",
+    log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
+    log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
+) -> None:
+    """Serve the registry: standalone in memory, or one replica of several sharing etcd.
+    Prints one JSON line with its addresses."""
+    if (tls_cert is None) != (tls_key is None):
+        fail("--tls-cert and --tls-key go together", 2)
+    try:
+        config = RegistryConfig(
+            default_lease_ttl_s=lease_ttl,
+            learn_idle_ttl=learn_idle_ttl,
+            min_idle_ttl_s=min_idle_ttl,
+            max_idle_ttl_s=max_idle_ttl,
+            turn_settle_timeout_s=turn_settle_timeout,
+            max_lease_ttl_s=max_lease_ttl,
+            claim_timeout_s=claim_timeout,
+            revoke_grace_s=revoke_grace,
+            heartbeat_interval_s=heartbeat_interval,
+            session_ttl_s=session_ttl,
+        )
+    except ValueError as error:
+        fail(str(error), 2)
+    # Imported here so that the operator commands start fast.
+    from controlplane.etcd_store import EtcdEndpoints
+    from controlplane.server import ServerOptions, TlsFiles, serve_forever
+
+    if store != "memory":
+        try:
+            EtcdEndpoints.parse(store)
+        except ValueError as error:
+            fail(str(error), 2)
+    if election_ttl < 1:
+        fail("--election-ttl must be at least 1 second", 2)
+    apply_logging_flags(log_level, log_format)
+    tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
+    options = ServerOptions(
+        listen, metrics_listen, token, tls, config, store, advertise, election_ttl, etcd_prefix
+    )
+    try:
+        # uvloop: the registry's time is mostly event loop and gRPC per-call work, and uvloop
+        # answers ~25% more calls a second than asyncio's own loop on the same core.
+        uvloop.run(serve_forever(options))
+    except OSError as error:
+        fail(f"cannot serve on {listen}: {error}")
+    except ValueError as error:
+        fail(str(error), 2)

@@ -1,0 +1,52 @@
+"""``kvbroker router``: run the KV-aware OpenAI-compatible proxy; defaults from RouterConfig."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvbroker.cli.client import registry_endpoint
+from kvbroker.cli.options import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_REGISTRY,
+    LogFormatOpt,
+    LogLevelOpt,
+    RegistryOpt,
+    TlsCaOpt,
+    TokenOpt,
+    apply_logging_flags,
+)
+from kvbroker.cli.output import fail
+from router.config import RouterConfig
+
+router_app = typer.Typer(help="Run the KV-aware OpenAI-compatible proxy.", no_args_is_help=True)
+
+
+@router_app.command("run")
+def router_run(
+    listen: Annotated[
+        str, typer.Option(envvar="KVBROKER_ROUTER_LISTEN", help="HTTP address HOST:PORT.")
+    ] = RouterConfig.listen,
+    hint_timeout: Annotated[
+        float,
+        typer.Option(envvar="KVBROKER_HINT_TIMEOUT", help="Registry deadline per hint, s."),
+    ] = RouterConfig.hint_timeout_s,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
+    log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
+) -> None:
+    """Serve /v1/chat/completions and /v1/completions, routing turns by the registry."""
+    config = RouterConfig(listen=listen, hint_timeout_s=hint_timeout)
+    try:
+        config.host_and_port()
+    except ValueError:
+        fail(f"--listen {listen!r} is not HOST:PORT", 2)
+    endpoint = registry_endpoint(registry, token, tls_ca)
+    from router.server import serve as serve_router
+
+    apply_logging_flags(log_level, log_format)
+    serve_router(endpoint, config)

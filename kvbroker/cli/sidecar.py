@@ -1,0 +1,94 @@
+"""``kvbroker sidecar``: run the agent beside a vLLM server; defaults from SidecarConfig."""
+
+from __future__ import annotations
+
+import socket
+from enum import StrEnum
+from typing import Annotated, cast
+
+import typer
+import uvloop
+
+from kvbroker.cli.client import registry_endpoint
+from kvbroker.cli.options import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    DEFAULT_REGISTRY,
+    LogFormatOpt,
+    LogLevelOpt,
+    MetricsListenOpt,
+    RegistryOpt,
+    TlsCaOpt,
+    TokenOpt,
+    apply_logging_flags,
+)
+from kvbroker.cli.output import fail
+from kvbroker.common.labels import by_lower_label
+from kvbroker.v1 import node_pb2
+from sidecar.config import SidecarConfig
+
+sidecar_app = typer.Typer(help="Run the agent beside a vLLM server.", no_args_is_help=True)
+
+_NODE_ROLES = by_lower_label(node_pb2.NodeRole)
+
+
+class Role(StrEnum):
+    """The --role choices: the lower-case labels of NodeRole."""
+
+    prefill = "prefill"
+    decode = "decode"
+    both = "both"
+
+
+@sidecar_app.command("run")
+def sidecar_run(
+    engine_url: Annotated[
+        str,
+        typer.Option(envvar="KVBROKER_ENGINE_URL", help="The vLLM server, http://HOST:PORT."),
+    ],
+    role: Annotated[Role, typer.Option(envvar="KVBROKER_ROLE", help="The node's P/D role.")],
+    node_id: Annotated[
+        str,
+        typer.Option(envvar="KVBROKER_NODE_ID", help="Unique node name [default: HOST-ROLE]."),
+    ] = "",
+    listen: Annotated[
+        str,
+        typer.Option(
+            envvar="KVBROKER_SIDECAR_LISTEN",
+            help="Local endpoint for the engine [default: unix:/tmp/kvbroker-NODE.sock].",
+        ),
+    ] = "",
+    model: Annotated[
+        str, typer.Option(envvar="KVBROKER_MODEL", help="Served model [default: ask the engine].")
+    ] = SidecarConfig.model,
+    advertise_url: Annotated[
+        str,
+        typer.Option(envvar="KVBROKER_ADVERTISE_URL", help="URL routers use [default: engine's]."),
+    ] = SidecarConfig.advertise_url,
+    metrics_listen: MetricsListenOpt = None,
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+    log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
+    log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
+) -> None:
+    """Register this node, keep its session, and link its engine to the registry."""
+    if not engine_url.startswith(("http://", "https://")):
+        fail(f"--engine-url {engine_url!r} is not an http(s) URL", 2)
+    endpoint = registry_endpoint(registry, token, tls_ca)
+    from sidecar.server import serve_forever as serve_sidecar
+
+    node_id = node_id or f"{socket.gethostname()}-{role.value}"
+    listen = listen or f"unix:/tmp/kvbroker-{node_id}.sock"
+    apply_logging_flags(log_level, log_format)
+    config = SidecarConfig(
+        node_id=node_id,
+        role=cast("node_pb2.NodeRole", _NODE_ROLES[role.value]),
+        engine_url=engine_url,
+        model=model,
+        advertise_url=advertise_url,
+    )
+    try:
+        uvloop.run(serve_sidecar(config, endpoint, listen, metrics_listen))
+    except OSError as error:
+        fail(f"cannot serve the sidecar on {listen}: {error}")
