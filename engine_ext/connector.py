@@ -22,38 +22,37 @@ Prefill side: a remote handle is used only when its lease is live at its epoch (
 the sidecar), only up to the first block whose hash differs from this prompt's, and only when
 the reusable remainder meets ``kv_recompute_threshold``; otherwise the handle is removed and P
 recomputes. vLLM's own prefix cache is consulted first (``num_computed_tokens``).
+
+vLLM and NIXL are reached only through ``engine_ext.vllm_compat``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import structlog
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
-
-from engine_ext.nixl_tuning import calm_progress_thread
+from engine_ext import vllm_compat
 from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
 from engine_ext.pressure import RetainedRequest, choose_reclaims, end_cause_of_free
+from engine_ext.vllm_compat import (
+    BlockPool,
+    KVCacheBlocks,
+    KVCacheConfig,
+    KVCacheManager,
+    KVConnectorOutput,
+    KVConnectorRole,
+    NixlPullConnector,
+    NixlPullConnectorScheduler,
+    Request,
+    SchedulerOutput,
+    VllmConfig,
+)
 from kvbroker.common import handles
 from kvbroker.common.engine_link import EngineLink
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
-
-log = structlog.get_logger("kvbroker.engine_ext")
+log = vllm_compat.engine_logger("connector")
 
 _CHECKED_KEY = "_kvbroker_checked"
 
@@ -86,9 +85,7 @@ class KvBrokerSettings:
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvBrokerSettings:
-        config = vllm_config.kv_transfer_config
-        assert config is not None
-        extra = config.kv_connector_extra_config or {}
+        extra = vllm_compat.kv_connector_extra_config(vllm_config)
         return cls(
             sidecar=str(extra.get("kvbroker_sidecar", "")),
             recompute_threshold=int(extra.get("kv_recompute_threshold", 64)),
@@ -122,7 +119,7 @@ class NixlConnector(NixlPullConnector):
     ) -> None:
         self.settings = KvBrokerSettings.from_vllm(vllm_config)
         if role == KVConnectorRole.WORKER:
-            calm_progress_thread(self.settings.progress_thread_delay_us)
+            vllm_compat.calm_progress_thread(self.settings.progress_thread_delay_us)
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         # Requests vLLM tracks for retention (went through update_state_after_alloc with
@@ -141,7 +138,7 @@ class NixlConnector(NixlPullConnector):
                 _engine_info(vllm_config, kv_cache_config, self._budget_blocks),
             )
             self.link.start()
-            log.info("kvbroker_link_started", sidecar=self.settings.sidecar)
+            log.info("kvbroker link to the sidecar at %s started", self.settings.sidecar)
 
     @property
     def _sched(self) -> NixlPullConnectorScheduler:
@@ -150,7 +147,7 @@ class NixlConnector(NixlPullConnector):
 
     # ------------------------------------------------------------ prefill side
 
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """vLLM 0.32 hands the scheduler's cache manager to its connector after building it:
         the one documented way for a connector to see how many blocks are free."""
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -186,7 +183,7 @@ class NixlConnector(NixlPullConnector):
 
     def _match(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params is not None and params.get("_remote_blocks_processed"):
+        if params is not None and vllm_compat.remote_read_attempted(params):
             # A read was already attempted for this request (it failed, or the request was
             # preempted after it): vLLM 0.32 would report the remote tokens again without
             # starting a new read, leaving the request waiting forever. Recompute instead.
@@ -206,14 +203,14 @@ class NixlConnector(NixlPullConnector):
         prefix. A removed handle means vLLM recomputes and never touches the decode node."""
         verdict = self._remote_verdict(request, params, num_computed_tokens)
         if verdict is not None:
-            log.info("kvbroker_remote_declined", request=request.request_id, reason=verdict)
+            log.info("kvbroker remote KV not read for %s: %s", request.request_id, verdict)
             handles.strip_handle(params)
             return
         log.info(
-            "kvbroker_remote_accepted",
-            request=request.request_id,
-            tokens=params["remote_num_tokens"],
-            local_tokens=num_computed_tokens,
+            "kvbroker remote KV accepted for %s: %d tokens, %d cached locally",
+            request.request_id,
+            params["remote_num_tokens"],
+            num_computed_tokens,
         )
 
     def _remote_verdict(
@@ -254,7 +251,7 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if request.request_id in self._sched._reqs_in_batch:
+        if vllm_compat.in_transfer_batch(self._sched, request.request_id):
             self._tracked.add(request.request_id)
 
     def request_finished(
@@ -281,10 +278,10 @@ class NixlConnector(NixlPullConnector):
         if not is_decode_retention:
             return delay_free, out
         assert out is not None
-        session = getattr(request, "session_id", None)
+        session = vllm_compat.session_id(request)
         if not session or self.link is None:
             # Nothing can ask for this KV again: let the worker free it at the next step.
-            self._sched._reqs_need_send[request_id] = time.perf_counter()
+            vllm_compat.free_at(self._sched, request_id, time.perf_counter())
             return delay_free, None
         num_tokens = int(out["remote_num_tokens"])
         now = time.perf_counter()
@@ -340,7 +337,7 @@ class NixlConnector(NixlPullConnector):
             else:
                 retained.end_cause = deadline.cause
             retained.deadline = min(now + left, retained.hard_cap)
-            self._sched._reqs_need_send[deadline.remote_request_id] = retained.deadline
+            vllm_compat.free_at(self._sched, deadline.remote_request_id, retained.deadline)
 
     def _reclaim(self, now: float) -> None:
         """Asks the registry to release the lowest-value retained requests that cover this
@@ -360,11 +357,11 @@ class NixlConnector(NixlPullConnector):
             self.link.reclaim(retained.request_id, cause)  # type: ignore[arg-type]
         if chosen:
             log.info(
-                "kvbroker_reclaim",
-                requests=len(chosen),
-                blocks=sum(r.blocks for r, _ in chosen),
-                shortfall=shortfall,
-                retained=len(self._retained),
+                "kvbroker reclaiming %d requests (%d blocks): shortfall %d blocks, %d retained",
+                len(chosen),
+                sum(r.blocks for r, _ in chosen),
+                shortfall,
+                len(self._retained),
             )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -389,23 +386,15 @@ class NixlConnector(NixlPullConnector):
 def _engine_info(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, budget_blocks: int
 ) -> sidecar_pb2.EngineInfo:
-    from vllm import envs
-
     assert vllm_config.kv_transfer_config is not None
-    page_bytes = sum(
-        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        for group in kv_cache_config.kv_cache_groups
-    )
-    served = vllm_config.model_config.served_model_name
-    model = served[0] if isinstance(served, list) else str(served)
+    host, port = vllm_compat.side_channel_address(vllm_config)
     return sidecar_pb2.EngineInfo(
         engine_id=str(vllm_config.kv_transfer_config.engine_id),
-        side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
-        side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT
-        + vllm_config.parallel_config.data_parallel_index,
+        side_channel_host=host,
+        side_channel_port=port,
         block_size=vllm_config.cache_config.block_size,
         capacity_blocks=kv_cache_config.num_blocks,
-        bytes_per_block=page_bytes,
-        model=model,
+        bytes_per_block=vllm_compat.bytes_per_block(kv_cache_config),
+        model=vllm_compat.served_model_name(vllm_config),
         retention_budget_blocks=budget_blocks,
     )

@@ -6,13 +6,15 @@ loop on a daemon thread: ``retained``/``released`` only record and enqueue, and
 once per scheduler step). After any disconnect the link re-attaches and sends everything the
 engine still retains, so a restarted sidecar rebuilds its view.
 
-No vLLM import here: engine_ext adapts vLLM's objects to these proto messages.
+No vLLM import here: engine_ext adapts vLLM's objects to these proto messages. It logs through
+stdlib ``logging``, which vLLM configures in the engine process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -20,13 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import structlog
 
 from kvbroker.common.clock import from_duration
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2, sidecar_pb2_grpc
 
-log = structlog.get_logger("kvbroker.engine_link")
+log = logging.getLogger("kvbroker.engine_link")
 
 LIVE_STATES = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 
@@ -166,7 +167,7 @@ class EngineLink:
                 break
             self.attached.clear()
             error = session.exception()
-            log.warning("sidecar_link_down", error=str(error), retry_in_s=backoff)
+            log.warning("sidecar link down (%s); retrying in %.2fs", error, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, backoff_max)
 
