@@ -50,6 +50,12 @@ from engine_ext.vllm_compat import (
 )
 from kvbroker.common import handles
 from kvbroker.common.engine_link import EngineLink
+from kvbroker.common.retention_deadline import (
+    LeaseDeadline,
+    RetentionDeadline,
+    first_deadline,
+    next_deadline,
+)
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
 log = vllm_compat.engine_logger("connector")
@@ -285,13 +291,13 @@ class NixlConnector(NixlPullConnector):
             return delay_free, None
         num_tokens = int(out["remote_num_tokens"])
         now = time.perf_counter()
-        cap = now + self.settings.hard_cap_s
+        first = first_deadline(now, self.settings.hard_cap_s)
         self._retained[request_id] = RetainedRequest(
             request_id=request_id,
             tokens=num_tokens,
             blocks=len(block_ids[0]) if block_ids else 0,
-            hard_cap=cap,
-            deadline=cap,
+            hard_cap=first.hard_cap,
+            deadline=first.free_at,
             last_active=now,
             ttl_s=self.settings.hard_cap_s,
         )
@@ -324,10 +330,15 @@ class NixlConnector(NixlPullConnector):
             if retained is None:
                 continue
             left = max(deadline.expires_at - now_mono, 0.0)
+            updated = next_deadline(
+                RetentionDeadline(hard_cap=retained.hard_cap, free_at=retained.deadline),
+                LeaseDeadline(live=deadline.lease_live, time_left_s=left),
+                now,
+                self.settings.hard_cap_s,
+            )
+            retained.hard_cap, retained.deadline = updated.hard_cap, updated.free_at
             if deadline.lease_live:
-                # Each grant or renewal may keep the blocks up to one hard cap from now, and
-                # restarts the conversation's idle clock.
-                retained.hard_cap = now + self.settings.hard_cap_s
+                # A grant or renewal restarts the conversation's idle clock.
                 retained.last_active, retained.ttl_s = now, left
                 # A CLAIMED answer (to a reclaim, or a claim that moved the expiry): a read
                 # may be in flight, so it is not asked for again until then.
@@ -336,7 +347,6 @@ class NixlConnector(NixlPullConnector):
                     retained.reclaim_asked_at = None
             else:
                 retained.end_cause = deadline.cause
-            retained.deadline = min(now + left, retained.hard_cap)
             vllm_compat.free_at(self._sched, deadline.remote_request_id, retained.deadline)
 
     def _reclaim(self, now: float) -> None:
