@@ -21,7 +21,9 @@ reported back with their cause.
 Prefill side: a remote handle is used only when its lease is live at its epoch (asked through
 the sidecar), only up to the first block whose hash differs from this prompt's, and only when
 the reusable remainder meets ``kv_recompute_threshold``; otherwise the handle is removed and P
-recomputes. vLLM's own prefix cache is consulted first (``num_computed_tokens``).
+recomputes (the rule: ``engine_ext.verdict``). vLLM's own prefix cache is consulted first
+(``num_computed_tokens``). The lease check runs on the sidecar link's thread: until it answers,
+the request is reported as "not known yet" and vLLM's scheduler asks again next step.
 
 vLLM and NIXL are reached only through ``engine_ext.vllm_compat``.
 """
@@ -29,12 +31,14 @@ vLLM and NIXL are reached only through ``engine_ext.vllm_compat``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine_ext import vllm_compat
 from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
 from engine_ext.pressure import RetainedRequest, choose_reclaims, end_cause_of_free
+from engine_ext.verdict import LeaseCheck, RemoteOffer, Verdict, remote_verdict, worth_reading
 from engine_ext.vllm_compat import (
     BlockPool,
     KVCacheBlocks,
@@ -49,7 +53,7 @@ from engine_ext.vllm_compat import (
     VllmConfig,
 )
 from kvbroker.common import handles
-from kvbroker.common.engine_link import EngineLink
+from kvbroker.common.engine_link import EngineLink, LeaseAnswer
 from kvbroker.common.retention_deadline import (
     LeaseDeadline,
     RetentionDeadline,
@@ -74,7 +78,8 @@ class KvBrokerSettings:
     recompute_threshold: int = 64
     # vLLM's hard cap on retention, seconds: no deadline from the lease may exceed it.
     hard_cap_s: float = 480.0
-    # How long the prefill side waits for the lease check before recomputing.
+    # How long the prefill side waits for the lease check before recomputing (the request
+    # waits; vLLM's scheduler thread does not).
     lease_check_timeout_s: float = 0.25
     # Engine steps that schedule nothing sleep this long (vLLM spins at ~1 kHz while it
     # retains blocks; on a shared CPU that starves the model threads).
@@ -119,6 +124,24 @@ def _flag(value: object) -> bool:
     return bool(value)
 
 
+@dataclass(slots=True)
+class _PendingCheck:
+    """A handle whose lease check is in flight (``asked_at`` on ``time.monotonic``)."""
+
+    offer: RemoteOffer
+    asked_at: float
+    answer: Future[LeaseAnswer]
+
+    def check(self) -> LeaseCheck:
+        if not self.answer.done():
+            return LeaseCheck(self.asked_at)
+        if self.answer.cancelled() or self.answer.exception() is not None:
+            # The link's loop went away under the call.
+            lost = LeaseAnswer(False, "lease check lost with the sidecar link", from_registry=False)
+            return LeaseCheck(self.asked_at, lost)
+        return LeaseCheck(self.asked_at, self.answer.result())
+
+
 class NixlConnector(NixlPullConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -131,6 +154,8 @@ class NixlConnector(NixlPullConnector):
         # Requests vLLM tracks for retention (went through update_state_after_alloc with
         # transfer params); others must not be retained (vLLM 0.32 would leak their blocks).
         self._tracked: set[str] = set()
+        # Prefill side: lease checks still in flight, by request id.
+        self._pending_checks: dict[str, _PendingCheck] = {}
         # Decode side: what is retained, by request id.
         self._retained: dict[str, RetainedRequest] = {}
         self._budget_blocks = int(self.settings.retention_max_fraction * kv_cache_config.num_blocks)
@@ -197,59 +222,93 @@ class NixlConnector(NixlPullConnector):
         has_handle = bool(
             params and params.get("do_remote_decode") and params.get("remote_block_ids")
         )
-        if params is not None and has_handle and not params.get(_CHECKED_KEY):
-            params[_CHECKED_KEY] = True
-            self._verify_remote(request, params, num_computed_tokens)
+        settled = (
+            params is None
+            or not has_handle
+            or bool(params.get(_CHECKED_KEY))
+            or self._settle_remote(request, params, num_computed_tokens)
+        )
+        if not settled:
+            return None, False  # vLLM 0.32: "not known yet"; it asks again next step
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def _verify_remote(
+    def _settle_remote(
         self, request: Request, params: dict[str, Any], num_computed_tokens: int
-    ) -> None:
-        """Keeps the handle only if it is safe and worth reading; trims it to the verified
-        prefix. A removed handle means vLLM recomputes and never touches the decode node."""
-        verdict = self._remote_verdict(request, params, num_computed_tokens)
-        if verdict is not None:
-            log.info("kvbroker remote KV not read for %s: %s", request.request_id, verdict)
+    ) -> bool:
+        """Keeps the handle only if it is safe and worth reading, trimmed to the verified
+        prefix; a removed handle means vLLM recomputes and never touches the decode node.
+        False while the lease check is still in flight."""
+        request_id = request.request_id
+        now = time.monotonic()
+        wait_s = self.settings.lease_check_timeout_s
+        pending = self._pending_checks.get(request_id)
+        check: LeaseCheck | None = None
+        if pending is not None:
+            # The local prefix cache may have grown since the first ask.
+            offer = replace(pending.offer, local_tokens=num_computed_tokens)
+            check = pending.check()
+        else:
+            offer = self._offer(request, params, num_computed_tokens)
+            if self.link is not None and worth_reading(offer) is None:
+                pending = _PendingCheck(
+                    offer=offer,
+                    asked_at=now,
+                    answer=self.link.start_lease_check(
+                        str(params[handles.LEASE_ID_KEY]), int(params[handles.EPOCH_KEY]), wait_s
+                    ),
+                )
+                self._pending_checks[request_id] = pending
+                check = pending.check()
+        decision = remote_verdict(offer, check, now, wait_s)
+        if decision.verdict is Verdict.WAIT:
+            return False
+        self._pending_checks.pop(request_id, None)
+        params[_CHECKED_KEY] = True
+        if decision.verdict is not Verdict.READ:
+            log.info(
+                "kvbroker remote KV not read for %s (%s): %s",
+                request_id,
+                decision.verdict.value,
+                decision.reason,
+            )
             handles.strip_handle(params)
-            return
+            return True
+        params["remote_num_tokens"] = offer.verified_tokens
+        blocks = -(-offer.verified_tokens // self._block_size)
+        params["remote_block_ids"] = [list(group)[:blocks] for group in params["remote_block_ids"]]
         log.info(
             "kvbroker remote KV accepted for %s: %d tokens, %d cached locally",
-            request.request_id,
-            params["remote_num_tokens"],
+            request_id,
+            offer.verified_tokens,
             num_computed_tokens,
         )
+        return True
 
-    def _remote_verdict(
+    def _offer(
         self, request: Request, params: dict[str, Any], num_computed_tokens: int
-    ) -> str | None:
-        lease_id = params.get(handles.LEASE_ID_KEY)
-        epoch = params.get(handles.EPOCH_KEY)
+    ) -> RemoteOffer:
+        """What the handle offers this prompt: its prefix as far as the block hashes verify."""
         remote_hashes = handles.hashes_from_params(params)
-        if not lease_id or epoch is None or remote_hashes is None:
-            return "handle carries no kvbroker lease (id, epoch, block hashes)"
-        prompt = request.prompt_token_ids or []
-        # vLLM needs at least one prompt token computed here to sample from.
-        usable_limit = len(prompt) - 1
-        matched = verified_prefix_tokens(
-            remote_hashes, prompt, self._block_size, int(params.get("remote_num_tokens") or 0)
+        carries_lease = bool(
+            params.get(handles.LEASE_ID_KEY)
+            and params.get(handles.EPOCH_KEY) is not None
+            and remote_hashes is not None
         )
-        matched = min(matched, usable_limit)
-        if matched - num_computed_tokens < max(self.settings.recompute_threshold, 1):
-            return (
-                f"verified prefix {matched} tokens, {num_computed_tokens} cached locally: "
-                f"below the recompute threshold {self.settings.recompute_threshold}"
+        verified = 0
+        if remote_hashes is not None:
+            prompt = request.prompt_token_ids or []
+            remote_tokens = int(params.get("remote_num_tokens") or 0)
+            verified = verified_prefix_tokens(
+                remote_hashes, prompt, self._block_size, remote_tokens
             )
-        if self.link is None:
-            return "no sidecar configured to check the lease"
-        usable, reason = self.link.check_lease(
-            str(lease_id), int(epoch), self.settings.lease_check_timeout_s
+            # vLLM needs at least one prompt token computed here to sample from.
+            verified = min(verified, len(prompt) - 1)
+        return RemoteOffer(
+            carries_lease=carries_lease,
+            verified_tokens=verified,
+            local_tokens=num_computed_tokens,
+            recompute_threshold=self.settings.recompute_threshold,
         )
-        if not usable:
-            return reason
-        params["remote_num_tokens"] = matched
-        blocks = -(-matched // self._block_size)
-        params["remote_block_ids"] = [list(group)[:blocks] for group in params["remote_block_ids"]]
-        return None
 
     # ------------------------------------------------------------ decode side
 
@@ -269,6 +328,8 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
+        # Finished (e.g. aborted) while its lease check was in flight: nothing will ask again.
+        self._pending_checks.pop(request_id, None)
         tracked = request_id in self._tracked
         self._tracked.discard(request_id)
         params = request.kv_transfer_params
