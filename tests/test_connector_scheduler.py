@@ -164,6 +164,14 @@ def scheduled_tokens(output: SchedulerOutput, request: Request) -> int:
     return output.num_scheduled_tokens.get(request.request_id, 0)
 
 
+def assert_recomputed(output: SchedulerOutput, request: Request) -> None:
+    """The whole prompt is computed here and the handle is gone (the decode node is never
+    read or notified)."""
+    assert scheduled_tokens(output, request) == PROMPT_TOKENS
+    assert request.status == RequestStatus.RUNNING
+    assert not any(key in params_of(request) for key in handles.HANDLE_KEYS)
+
+
 def test_the_request_waits_for_the_lease_check_then_reads_the_verified_prefix(
     scheduler: Scheduler, link: FakeLeaseLink
 ) -> None:
@@ -196,10 +204,7 @@ def test_a_declined_lease_is_recomputed_without_the_handle(
     assert scheduled_tokens(scheduler.schedule(), request) == 0
 
     link.checks[0][2].set_result(LeaseAnswer(False, "lease superseded"))
-    output = scheduler.schedule()
-    assert scheduled_tokens(output, request) == PROMPT_TOKENS
-    assert request.status == RequestStatus.RUNNING
-    assert not any(key in params_of(request) for key in handles.HANDLE_KEYS)
+    assert_recomputed(scheduler.schedule(), request)
 
 
 def test_an_unanswered_check_means_recompute_after_its_bound(
@@ -212,8 +217,7 @@ def test_an_unanswered_check_means_recompute_after_its_bound(
         assert time.monotonic() - started < WAIT_S + 2.0, "the request was never scheduled"
         time.sleep(0.01)
     assert time.monotonic() - started >= WAIT_S
-    assert scheduled_tokens(output, request) == PROMPT_TOKENS
-    assert not any(key in params_of(request) for key in handles.HANDLE_KEYS)
+    assert_recomputed(output, request)
     assert len(link.checks) == 1
 
 
@@ -222,10 +226,8 @@ def test_a_prefix_below_the_threshold_is_recomputed_without_asking(
 ) -> None:
     request = request_with_handle("r-short", prompt(), remote_tokens=192, verified_tokens=48)
     scheduler.add_request(request)
-    output = scheduler.schedule()
-    assert scheduled_tokens(output, request) == PROMPT_TOKENS
+    assert_recomputed(scheduler.schedule(), request)
     assert link.checks == []
-    assert not any(key in params_of(request) for key in handles.HANDLE_KEYS)
 
 
 def test_a_request_aborted_while_its_check_is_in_flight_leaves_nothing_behind(
