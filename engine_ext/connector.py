@@ -21,23 +21,21 @@ reported back with their cause.
 Prefill side: a remote handle is used only when its lease is live at its epoch (asked through
 the sidecar), only up to the first block whose hash differs from this prompt's, and only when
 the reusable remainder meets ``kv_recompute_threshold``; otherwise the handle is removed and P
-recomputes. vLLM's own prefix cache is consulted first (``num_computed_tokens``).
+recomputes (the rule: ``engine_ext.verdict``). vLLM's own prefix cache is consulted first
+(``num_computed_tokens``). The lease check runs on the sidecar link's thread: until it answers,
+the request is reported as "not known yet" and vLLM's scheduler asks again next step.
+
+vLLM and NIXL are reached only through ``engine_ext.vllm_compat``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
 
-import structlog
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
-
-from engine_ext.nixl_tuning import calm_progress_thread
+from engine_ext import vllm_compat
 from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
 from engine_ext.pressure import (
     RetainedRequest,
@@ -45,20 +43,33 @@ from engine_ext.pressure import (
     choose_reclaims,
     end_cause_of_free,
 )
+from engine_ext.verdict import LeaseCheck, RemoteOffer, Verdict, remote_verdict, worth_reading
+from engine_ext.vllm_compat import (
+    BlockPool,
+    KVCacheBlocks,
+    KVCacheConfig,
+    KVCacheManager,
+    KVConnectorOutput,
+    KVConnectorRole,
+    NixlPullConnector,
+    NixlPullConnectorScheduler,
+    Request,
+    SchedulerOutput,
+    VllmConfig,
+    free_blocks,
+    local_hit_blocks_in_use,
+)
 from kvbroker.common import handles
-from kvbroker.common.engine_link import EngineLink
+from kvbroker.common.engine_link import EngineLink, LeaseAnswer
+from kvbroker.common.retention_deadline import (
+    LeaseDeadline,
+    RetentionDeadline,
+    first_deadline,
+    next_deadline,
+)
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
-
-log = structlog.get_logger("kvbroker.engine_ext")
+log = vllm_compat.engine_logger("connector")
 
 _CHECKED_KEY = "_kvbroker_checked"
 
@@ -74,7 +85,8 @@ class KvBrokerSettings:
     recompute_threshold: int = 64
     # vLLM's hard cap on retention, seconds: no deadline from the lease may exceed it.
     hard_cap_s: float = 480.0
-    # How long the prefill side waits for the lease check before recomputing.
+    # How long the prefill side waits for the lease check before recomputing (the request
+    # waits; vLLM's scheduler thread does not).
     lease_check_timeout_s: float = 0.25
     # Engine steps that schedule nothing sleep this long (vLLM spins at ~1 kHz while it
     # retains blocks; on a shared CPU that starves the model threads).
@@ -91,9 +103,7 @@ class KvBrokerSettings:
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> KvBrokerSettings:
-        config = vllm_config.kv_transfer_config
-        assert config is not None
-        extra = config.kv_connector_extra_config or {}
+        extra = vllm_compat.kv_connector_extra_config(vllm_config)
         return cls(
             sidecar=str(extra.get("kvbroker_sidecar", "")),
             recompute_threshold=int(extra.get("kv_recompute_threshold", 64)),
@@ -121,18 +131,38 @@ def _flag(value: object) -> bool:
     return bool(value)
 
 
+@dataclass(slots=True)
+class _PendingCheck:
+    """A handle whose lease check is in flight (``asked_at`` on ``time.monotonic``)."""
+
+    offer: RemoteOffer
+    asked_at: float
+    answer: Future[LeaseAnswer]
+
+    def check(self) -> LeaseCheck:
+        if not self.answer.done():
+            return LeaseCheck(self.asked_at)
+        if self.answer.cancelled() or self.answer.exception() is not None:
+            # The link's loop went away under the call.
+            lost = LeaseAnswer(False, "lease check lost with the sidecar link", from_registry=False)
+            return LeaseCheck(self.asked_at, lost)
+        return LeaseCheck(self.asked_at, self.answer.result())
+
+
 class NixlConnector(NixlPullConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         self.settings = KvBrokerSettings.from_vllm(vllm_config)
         if role == KVConnectorRole.WORKER:
-            calm_progress_thread(self.settings.progress_thread_delay_us)
+            vllm_compat.calm_progress_thread(self.settings.progress_thread_delay_us)
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         # Requests vLLM tracks for retention (went through update_state_after_alloc with
         # transfer params); others must not be retained (vLLM 0.32 would leak their blocks).
         self._tracked: set[str] = set()
+        # Prefill side: lease checks still in flight, by request id.
+        self._pending_checks: dict[str, _PendingCheck] = {}
         # Decode side: what is retained, by request id.
         self._retained: dict[str, RetainedRequest] = {}
         self._budget_blocks = int(self.settings.retention_max_fraction * kv_cache_config.num_blocks)
@@ -146,7 +176,7 @@ class NixlConnector(NixlPullConnector):
                 _engine_info(vllm_config, kv_cache_config, self._budget_blocks),
             )
             self.link.start()
-            log.info("kvbroker_link_started", sidecar=self.settings.sidecar)
+            log.info("kvbroker link to the sidecar at %s started", self.settings.sidecar)
 
     @property
     def _sched(self) -> NixlPullConnectorScheduler:
@@ -155,7 +185,7 @@ class NixlConnector(NixlPullConnector):
 
     # ------------------------------------------------------------ prefill side
 
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """vLLM 0.32 hands the scheduler's cache manager to its connector after building it:
         the one documented way for a connector to see how many blocks are free."""
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -175,13 +205,9 @@ class NixlConnector(NixlPullConnector):
         pool = self._block_pool
         if pool is None:
             return
-        hits = request.block_hashes[: num_computed_tokens // self._block_size]
-        in_use = 0
-        for block_hash in hits:
-            cached = pool.get_cached_block(block_hash, [0])
-            in_use += cached is not None and cached[0].ref_cnt > 0
+        in_use = local_hit_blocks_in_use(pool, request, num_computed_tokens // self._block_size)
         needed = blocks_to_admit(request.num_tokens, self._block_size, in_use)
-        shortfall = needed - pool.get_num_free_blocks()
+        shortfall = needed - free_blocks(pool)
         self._shortfall_blocks = max(self._shortfall_blocks, shortfall)
 
     def has_pending_block_frees(self) -> bool:
@@ -196,7 +222,7 @@ class NixlConnector(NixlPullConnector):
 
     def _match(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params is not None and params.get("_remote_blocks_processed"):
+        if params is not None and vllm_compat.remote_read_attempted(params):
             # A read was already attempted for this request (it failed, or the request was
             # preempted after it): vLLM 0.32 would report the remote tokens again without
             # starting a new read, leaving the request waiting forever. Recompute instead.
@@ -204,59 +230,93 @@ class NixlConnector(NixlPullConnector):
         has_handle = bool(
             params and params.get("do_remote_decode") and params.get("remote_block_ids")
         )
-        if params is not None and has_handle and not params.get(_CHECKED_KEY):
-            params[_CHECKED_KEY] = True
-            self._verify_remote(request, params, num_computed_tokens)
+        settled = (
+            params is None
+            or not has_handle
+            or bool(params.get(_CHECKED_KEY))
+            or self._settle_remote(request, params, num_computed_tokens)
+        )
+        if not settled:
+            return None, False  # vLLM 0.32: "not known yet"; it asks again next step
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def _verify_remote(
+    def _settle_remote(
         self, request: Request, params: dict[str, Any], num_computed_tokens: int
-    ) -> None:
-        """Keeps the handle only if it is safe and worth reading; trims it to the verified
-        prefix. A removed handle means vLLM recomputes and never touches the decode node."""
-        verdict = self._remote_verdict(request, params, num_computed_tokens)
-        if verdict is not None:
-            log.info("kvbroker_remote_declined", request=request.request_id, reason=verdict)
-            handles.strip_handle(params)
-            return
-        log.info(
-            "kvbroker_remote_accepted",
-            request=request.request_id,
-            tokens=params["remote_num_tokens"],
-            local_tokens=num_computed_tokens,
-        )
-
-    def _remote_verdict(
-        self, request: Request, params: dict[str, Any], num_computed_tokens: int
-    ) -> str | None:
-        lease_id = params.get(handles.LEASE_ID_KEY)
-        epoch = params.get(handles.EPOCH_KEY)
-        remote_hashes = handles.hashes_from_params(params)
-        if not lease_id or epoch is None or remote_hashes is None:
-            return "handle carries no kvbroker lease (id, epoch, block hashes)"
-        prompt = request.prompt_token_ids or []
-        # vLLM needs at least one prompt token computed here to sample from.
-        usable_limit = len(prompt) - 1
-        matched = verified_prefix_tokens(
-            remote_hashes, prompt, self._block_size, int(params.get("remote_num_tokens") or 0)
-        )
-        matched = min(matched, usable_limit)
-        if matched - num_computed_tokens < max(self.settings.recompute_threshold, 1):
-            return (
-                f"verified prefix {matched} tokens, {num_computed_tokens} cached locally: "
-                f"below the recompute threshold {self.settings.recompute_threshold}"
+    ) -> bool:
+        """Keeps the handle only if it is safe and worth reading, trimmed to the verified
+        prefix; a removed handle means vLLM recomputes and never touches the decode node.
+        False while the lease check is still in flight."""
+        request_id = request.request_id
+        now = time.monotonic()
+        wait_s = self.settings.lease_check_timeout_s
+        pending = self._pending_checks.get(request_id)
+        check: LeaseCheck | None = None
+        if pending is not None:
+            # The local prefix cache may have grown since the first ask.
+            offer = replace(pending.offer, local_tokens=num_computed_tokens)
+            check = pending.check()
+        else:
+            offer = self._offer(request, params, num_computed_tokens)
+            if self.link is not None and worth_reading(offer) is None:
+                pending = _PendingCheck(
+                    offer=offer,
+                    asked_at=now,
+                    answer=self.link.start_lease_check(
+                        str(params[handles.LEASE_ID_KEY]), int(params[handles.EPOCH_KEY]), wait_s
+                    ),
+                )
+                self._pending_checks[request_id] = pending
+                check = pending.check()
+        decision = remote_verdict(offer, check, now, wait_s)
+        if decision.verdict is Verdict.WAIT:
+            return False
+        self._pending_checks.pop(request_id, None)
+        params[_CHECKED_KEY] = True
+        if decision.verdict is not Verdict.READ:
+            log.info(
+                "kvbroker remote KV not read for %s (%s): %s",
+                request_id,
+                decision.verdict.value,
+                decision.reason,
             )
-        if self.link is None:
-            return "no sidecar configured to check the lease"
-        usable, reason = self.link.check_lease(
-            str(lease_id), int(epoch), self.settings.lease_check_timeout_s
-        )
-        if not usable:
-            return reason
-        params["remote_num_tokens"] = matched
-        blocks = -(-matched // self._block_size)
+            handles.strip_handle(params)
+            return True
+        params["remote_num_tokens"] = offer.verified_tokens
+        blocks = -(-offer.verified_tokens // self._block_size)
         params["remote_block_ids"] = [list(group)[:blocks] for group in params["remote_block_ids"]]
-        return None
+        log.info(
+            "kvbroker remote KV accepted for %s: %d tokens, %d cached locally",
+            request_id,
+            offer.verified_tokens,
+            num_computed_tokens,
+        )
+        return True
+
+    def _offer(
+        self, request: Request, params: dict[str, Any], num_computed_tokens: int
+    ) -> RemoteOffer:
+        """What the handle offers this prompt: its prefix as far as the block hashes verify."""
+        remote_hashes = handles.hashes_from_params(params)
+        carries_lease = bool(
+            params.get(handles.LEASE_ID_KEY)
+            and params.get(handles.EPOCH_KEY) is not None
+            and remote_hashes is not None
+        )
+        verified = 0
+        if remote_hashes is not None:
+            prompt = request.prompt_token_ids or []
+            remote_tokens = int(params.get("remote_num_tokens") or 0)
+            verified = verified_prefix_tokens(
+                remote_hashes, prompt, self._block_size, remote_tokens
+            )
+            # vLLM needs at least one prompt token computed here to sample from.
+            verified = min(verified, len(prompt) - 1)
+        return RemoteOffer(
+            carries_lease=carries_lease,
+            verified_tokens=verified,
+            local_tokens=num_computed_tokens,
+            recompute_threshold=self.settings.recompute_threshold,
+        )
 
     # ------------------------------------------------------------ decode side
 
@@ -264,7 +324,7 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if request.request_id in self._sched._reqs_in_batch:
+        if vllm_compat.in_transfer_batch(self._sched, request.request_id):
             self._tracked.add(request.request_id)
 
     def request_finished(
@@ -276,6 +336,8 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
+        # Finished (e.g. aborted) while its lease check was in flight: nothing will ask again.
+        self._pending_checks.pop(request_id, None)
         tracked = request_id in self._tracked
         self._tracked.discard(request_id)
         params = request.kv_transfer_params
@@ -291,20 +353,20 @@ class NixlConnector(NixlPullConnector):
         if not is_decode_retention:
             return delay_free, out
         assert out is not None
-        session = getattr(request, "session_id", None)
+        session = vllm_compat.session_id(request)
         if not session or self.link is None:
             # Nothing can ask for this KV again: let the worker free it at the next step.
-            self._sched._reqs_need_send[request_id] = time.perf_counter()
+            vllm_compat.free_at(self._sched, request_id, time.perf_counter())
             return delay_free, None
         num_tokens = int(out["remote_num_tokens"])
         now = time.perf_counter()
-        cap = now + self.settings.hard_cap_s
+        first = first_deadline(now, self.settings.hard_cap_s)
         self._retained[request_id] = RetainedRequest(
             request_id=request_id,
             tokens=num_tokens,
             blocks=len(block_ids[0]) if block_ids else 0,
-            hard_cap=cap,
-            deadline=cap,
+            hard_cap=first.hard_cap,
+            deadline=first.free_at,
             last_active=now,
             ttl_s=self.settings.hard_cap_s,
         )
@@ -337,10 +399,15 @@ class NixlConnector(NixlPullConnector):
             if retained is None:
                 continue
             left = max(deadline.expires_at - now_mono, 0.0)
+            updated = next_deadline(
+                RetentionDeadline(hard_cap=retained.hard_cap, free_at=retained.deadline),
+                LeaseDeadline(live=deadline.lease_live, time_left_s=left),
+                now,
+                self.settings.hard_cap_s,
+            )
+            retained.hard_cap, retained.deadline = updated.hard_cap, updated.free_at
             if deadline.lease_live:
-                # Each grant or renewal may keep the blocks up to one hard cap from now, and
-                # restarts the conversation's idle clock.
-                retained.hard_cap = now + self.settings.hard_cap_s
+                # A grant or renewal restarts the conversation's idle clock.
                 retained.last_active, retained.ttl_s = now, left
                 # A CLAIMED answer (to a reclaim, or a claim that moved the expiry): a read
                 # may be in flight, so it is not asked for again until then.
@@ -349,8 +416,7 @@ class NixlConnector(NixlPullConnector):
                     retained.reclaim_asked_at = None
             else:
                 retained.end_cause = deadline.cause
-            retained.deadline = min(now + left, retained.hard_cap)
-            self._sched._reqs_need_send[deadline.remote_request_id] = retained.deadline
+            vllm_compat.free_at(self._sched, deadline.remote_request_id, retained.deadline)
 
     def _reclaim(self, now: float) -> None:
         """Asks the registry to release the lowest-value retained requests that cover this
@@ -370,11 +436,11 @@ class NixlConnector(NixlPullConnector):
             self.link.reclaim(retained.request_id, cause)  # type: ignore[arg-type]
         if chosen:
             log.info(
-                "kvbroker_reclaim",
-                requests=len(chosen),
-                blocks=sum(r.blocks for r, _ in chosen),
-                shortfall=shortfall,
-                retained=len(self._retained),
+                "kvbroker reclaiming %d requests (%d blocks): shortfall %d blocks, %d retained",
+                len(chosen),
+                sum(r.blocks for r, _ in chosen),
+                shortfall,
+                len(self._retained),
             )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -399,23 +465,15 @@ class NixlConnector(NixlPullConnector):
 def _engine_info(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, budget_blocks: int
 ) -> sidecar_pb2.EngineInfo:
-    from vllm import envs
-
     assert vllm_config.kv_transfer_config is not None
-    page_bytes = sum(
-        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-        for group in kv_cache_config.kv_cache_groups
-    )
-    served = vllm_config.model_config.served_model_name
-    model = served[0] if isinstance(served, list) else str(served)
+    host, port = vllm_compat.side_channel_address(vllm_config)
     return sidecar_pb2.EngineInfo(
         engine_id=str(vllm_config.kv_transfer_config.engine_id),
-        side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
-        side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT
-        + vllm_config.parallel_config.data_parallel_index,
+        side_channel_host=host,
+        side_channel_port=port,
         block_size=vllm_config.cache_config.block_size,
         capacity_blocks=kv_cache_config.num_blocks,
-        bytes_per_block=page_bytes,
-        model=model,
+        bytes_per_block=vllm_compat.bytes_per_block(kv_cache_config),
+        model=vllm_compat.served_model_name(vllm_config),
         retention_budget_blocks=budget_blocks,
     )

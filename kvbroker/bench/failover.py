@@ -48,6 +48,12 @@ from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry
 from kvbroker.common.handles import EPOCH_KEY, LEASE_ID_KEY
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
+from kvbroker.common.retention_deadline import (
+    LeaseDeadline,
+    RetentionDeadline,
+    first_deadline,
+    next_deadline,
+)
 from kvbroker.common.tasks import poll_until
 from kvbroker.stack import KVBROKER
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
@@ -143,7 +149,7 @@ class Held:
     """Blocks a simulated decode engine holds for one request (its ground truth)."""
 
     conversation: str
-    free_at: float
+    deadline: RetentionDeadline
     lease_id: str = ""
     epoch: int = 0
 
@@ -270,7 +276,7 @@ class SimEngine:
             1 + sum(h.conversation == conversation for h in self.held.values())
         )
         blocks = -(-tokens // BLOCK_SIZE)
-        self.held[request_id] = Held(conversation, time.monotonic() + HARD_CAP_S)
+        self.held[request_id] = Held(conversation, first_deadline(time.monotonic(), HARD_CAP_S))
         self.fleet.retentions.setdefault(conversation, []).append((self.engine_id, request_id))
         self.link.retained(
             registry_pb2.RetainedBlocks(
@@ -301,10 +307,9 @@ class SimEngine:
                 if deadline.lease_live:
                     held.lease_id, held.epoch = deadline.lease_id, deadline.epoch
                     self.fleet.tally.leases.add(deadline.lease_id)
-                    held.free_at = min(deadline.expires_at, now + HARD_CAP_S)
-                else:
-                    held.free_at = min(held.free_at, deadline.expires_at)
-            for request_id in [r for r, h in self.held.items() if h.free_at <= now]:
+                lease = LeaseDeadline(deadline.lease_live, deadline.expires_at - now)
+                held.deadline = next_deadline(held.deadline, lease, now, HARD_CAP_S)
+            for request_id in [r for r, h in self.held.items() if h.deadline.free_at <= now]:
                 del self.held[request_id]
                 self.link.released(
                     request_id, "freed by the engine (deadline)", lease_pb2.LEASE_END_CAUSE_IDLE

