@@ -27,13 +27,20 @@ import structlog
 from controlplane.config import RegistryConfig
 from controlplane.deadlines import DeadlineQueue
 from controlplane.errors import (
-    FailedPrecondition,
+    ConversationNotFound,
     InvalidArgument,
-    NotFound,
-    PermissionDenied,
+    LeaseEnded,
+    LeaseNotFound,
+    NodeDown,
+    NodeNotRegistered,
+    NoLeader,
+    NoLiveLease,
+    NoReadyNode,
+    NotADecodeNode,
+    NotHolder,
     RegistryError,
+    SessionLost,
     StoreUnavailable,
-    Unavailable,
     hint_error,
 )
 from controlplane.idle_ttl import IdleTtl
@@ -321,7 +328,7 @@ class Registry:
     async def _node(self, node_id: str) -> node_pb2.Node:
         node = await self.store.get_node(self._require_id(node_id, "node_id"))
         if node is None:
-            raise NotFound(f"node {node_id!r} is not registered")
+            raise NodeNotRegistered(f"node {node_id!r} is not registered")
         return node
 
     async def _session(self, node_id: str, incarnation: str) -> node_pb2.Node:
@@ -329,12 +336,12 @@ class Registry:
         node = await self._node(node_id)
         self._require_id(incarnation, "incarnation")
         if node.spec.incarnation != incarnation:
-            raise FailedPrecondition(
+            raise SessionLost(
                 f"node {node_id!r} is now incarnation {node.spec.incarnation!r}, "
                 f"not {incarnation!r}; register again"
             )
         if node.state == DOWN:
-            raise FailedPrecondition(
+            raise SessionLost(
                 f"node {node_id!r} lost its session (missed heartbeats); register again"
             )
         return node
@@ -342,7 +349,7 @@ class Registry:
     async def _lease(self, lease_id: str) -> lease_pb2.Lease:
         lease = await self.store.get_lease(self._require_id(lease_id, "lease_id"))
         if lease is None:
-            raise NotFound(f"lease {lease_id!r} does not exist (or ended long ago)")
+            raise LeaseNotFound(f"lease {lease_id!r} does not exist (or ended long ago)")
         return lease
 
     async def _current_live_lease(self, conversation_id: str) -> lease_pb2.Lease:
@@ -350,10 +357,10 @@ class Registry:
             self._require_id(conversation_id, "conversation_id")
         )
         if conversation is None:
-            raise NotFound(f"conversation {conversation_id!r} is unknown")
+            raise ConversationNotFound(f"conversation {conversation_id!r} is unknown")
         lease = await self.store.get_lease(conversation.lease_id) if conversation.lease_id else None
         if lease is None or lease.state not in LIVE_STATES:
-            raise NotFound(f"conversation {conversation_id!r} has no live lease")
+            raise NoLiveLease(f"conversation {conversation_id!r} has no live lease")
         return lease
 
     # ----------------------------------------------------------------- views
@@ -479,7 +486,7 @@ class Registry:
         async with self._mutation():
             node = await self._node(node_id)
             if node.state == DOWN:
-                raise FailedPrecondition(f"node {node_id!r} is down; there is nothing to drain")
+                raise NodeDown(f"node {node_id!r} is down; there is nothing to drain")
             node.state = DRAINING
             self._node_runtime(node.spec, DRAINING)
             await self.store.put_node(node)
@@ -555,7 +562,7 @@ class Registry:
     @staticmethod
     def _require_holder_role(node: node_pb2.Node) -> None:
         if node.spec.role not in DECODE_ROLES:
-            raise FailedPrecondition(
+            raise NotADecodeNode(
                 f"node {node.spec.node_id!r} is a prefill node; only decode nodes retain KV "
                 "under leases"
             )
@@ -670,7 +677,7 @@ class Registry:
             else:
                 lease = await self._lease(lease_id)
             if lease.state not in LIVE_STATES:
-                raise FailedPrecondition(
+                raise LeaseEnded(
                     f"lease {lease.lease_id} is {state_name(lease.state)} "
                     f"({lease.end_reason}); it cannot be renewed"
                 )
@@ -694,7 +701,7 @@ class Registry:
             lease = await self._lease(lease_id)
             self._require_id(node_id, "node_id")
             if lease.node_id != node_id or lease.node_incarnation != incarnation:
-                raise PermissionDenied(
+                raise NotHolder(
                     f"lease {lease_id} is held by node {lease.node_id!r} "
                     f"(incarnation {lease.node_incarnation!r}); only its holder may release it"
                 )
@@ -767,7 +774,7 @@ class Registry:
             self._require_id(conversation_id, "conversation_id")
         )
         if conversation is None:
-            raise NotFound(f"conversation {conversation_id!r} is unknown")
+            raise ConversationNotFound(f"conversation {conversation_id!r} is unknown")
         view = lease_pb2.Conversation()
         view.CopyFrom(conversation)
         return view
@@ -920,7 +927,7 @@ class Registry:
         current_epoch = conversation.epoch if conversation is not None else 0
         fenced = current_epoch > retained.epoch
         if lease is not None and lease.node_id != node.spec.node_id:
-            raise PermissionDenied(
+            raise NotHolder(
                 f"lease {lease.lease_id} is held by node {lease.node_id!r}, "
                 f"not {node.spec.node_id!r}"
             )
@@ -1340,15 +1347,15 @@ class Registry:
 def candidates(
     nodes: Iterable[_NodeRuntime], model: str
 ) -> tuple[list[_NodeRuntime], list[_NodeRuntime]]:
-    """Ready prefill and decode nodes for ``model``; Unavailable when either side is empty."""
+    """Ready prefill and decode nodes for ``model``; NoReadyNode when either side is empty."""
     ready = [n for n in nodes if routable(n, model)]
     prefills = [n for n in ready if n.prefills]
     decodes = [n for n in ready if n.decodes]
     served = f"model {model!r}" if model else "any model"
     if not prefills:
-        raise Unavailable(f"no ready prefill node serves {served}")
+        raise NoReadyNode(f"no ready prefill node serves {served}")
     if not decodes:
-        raise Unavailable(f"no ready decode node serves {served}")
+        raise NoReadyNode(f"no ready decode node serves {served}")
     return prefills, decodes
 
 
@@ -1392,11 +1399,11 @@ async def cached_hint(
     runtimes = [_NodeRuntime.of_stored(node) for node in await store.list_nodes()]
     try:
         prefills, decodes = candidates(runtimes, model)
-    except Unavailable as error:
-        # Not the leader's word, so not phrased as one: a router then uses its own node list.
-        raise Unavailable(
+    except NoReadyNode as error:
+        # Not the leader's word on the nodes: a router then routes from its own node list.
+        raise NoLeader(
             f"no registry leader reachable ({why}) and this replica's cache cannot route: "
-            + error.message.replace("no ready", "not one ready")
+            + error.message
         ) from error
     conversation = await store.get_conversation(conversation_id) if conversation_id else None
     holder = conversation.decode_node_id if conversation is not None else ""

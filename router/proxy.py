@@ -30,7 +30,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.grpc_client import (
+    RegistryCallError,
+    RegistryEndpoint,
+    open_channel,
+    registry_stub,
+)
 from kvbroker.common.handles import prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -41,6 +46,8 @@ log = structlog.get_logger("kvbroker.router")
 SESSION_HEADER = "x-session-id"
 _PREFILL_ROLES = (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH)
 _DECODE_ROLES = (node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH)
+# The registry is away (or cannot route for now) on these, unless it said no node is ready.
+_REGISTRY_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True)
@@ -113,12 +120,12 @@ class Router:
             hint = await asyncio.wait_for(self.hints.hint(request), 2 * self.config.hint_timeout_s)
         except TimeoutError:
             return self._degraded_plan(model, "the registry did not answer in time")
-        except grpc.aio.AioRpcError as error:
-            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        except RegistryCallError as error:
+            if error.code() not in _REGISTRY_AWAY:
                 raise
-            if "no ready" in (error.details() or ""):
+            if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE:
                 raise  # the registry answered: there is nowhere to send the request
-            return self._degraded_plan(model, error.details() or error.code().name)
+            return self._degraded_plan(model, error.message or error.code().name)
         decision = registry_pb2.HintDecision.Name(hint.decision).removeprefix("HINT_DECISION_")
         consistency = registry_pb2.HintConsistency.Name(hint.consistency).removeprefix(
             "HINT_CONSISTENCY_"
@@ -225,8 +232,8 @@ class Handlers:
             plan = await self.router.plan(conversation, model)
         except RegistryDown as error:
             return _error(503, f"registry unreachable and no known nodes: {error}", "unavailable")
-        except grpc.aio.AioRpcError as error:
-            return _error(503, error.details() or "no route", "unavailable")
+        except RegistryCallError as error:
+            return _error(503, error.message or "no route", "unavailable")
         self.metrics.hints.labels(plan.decision, plan.consistency).inc()
         hint_done = time.perf_counter()
         self.metrics.overhead_seconds.observe(hint_done - started)
