@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import random
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from controlplane.errors import (
 from controlplane.idle_ttl import IdleTtl
 from controlplane.metrics import NodeFigures, RegistryMetrics
 from controlplane.store import LIVE_STATES, Store
+from kvbroker.common import routing
 from kvbroker.common.clock import (
     MonotonicClock,
     from_duration,
@@ -55,6 +55,7 @@ from kvbroker.common.clock import (
     to_duration,
     to_timestamp,
 )
+from kvbroker.common.routing import DECODE_ROLES, RoutedNode, cause_name, node_state_name
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
@@ -69,9 +70,6 @@ READY = node_pb2.NODE_STATE_READY
 NOT_READY = node_pb2.NODE_STATE_NOT_READY
 DRAINING = node_pb2.NODE_STATE_DRAINING
 DOWN = node_pb2.NODE_STATE_DOWN
-
-PREFILL_ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH})
-DECODE_ROLES = frozenset({node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH})
 
 # Why leases end (the cause is what code decides on; the reason is the sentence for people).
 READ = lease_pb2.LEASE_END_CAUSE_READ
@@ -104,14 +102,6 @@ def state_name(state: int) -> str:
     return lease_pb2.LeaseState.Name(state).removeprefix("LEASE_STATE_")
 
 
-def cause_name(cause: int) -> str:
-    return lease_pb2.LeaseEndCause.Name(cause).removeprefix("LEASE_END_CAUSE_")
-
-
-def node_state_name(state: int) -> str:
-    return node_pb2.NodeState.Name(state).removeprefix("NODE_STATE_")
-
-
 def new_lease_id(now: float) -> str:
     """Milliseconds then randomness: unique, and sorts in grant order for listings and paging."""
     return f"{int(now * 1000):011x}{secrets.token_hex(5)}"
@@ -129,47 +119,25 @@ class _CommandQueue:
     pending: asyncio.Queue[registry_pb2.LeaseCommand] = field(default_factory=asyncio.Queue)
 
 
-@dataclass
-class _NodeRuntime:
-    """The routing view of one node: plain attributes, so a hint never walks proto fields
-    (reading a proto field costs ~10x a Python attribute). Kept in step with the stored
-    record by every node transition."""
+@dataclass(slots=True, eq=False)
+class _NodeRuntime(RoutedNode):
+    """One node as this registry runs it: the routing view, kept in step with the stored record
+    by every node transition, plus what only the leader knows."""
 
-    spec: node_pb2.NodeSpec
-    state: int = READY
-    queued: int = 0
-    kv_usage: float = 0.0
-    # Hints that chose this node since its last heartbeat reported load.
-    assigned_since_heartbeat: int = 0
-    applied_sequence: int = 0
-    # Derived from the node's live leases, kept by every transition.
+    # Live leases held there, derived from the leases by every lease transition.
     live_leases: int = 0
-    retained_blocks: int = 0
+    # The last retention event applied from its sidecar.
+    applied_sequence: int = 0
     # False for a node known only from the store (after a takeover) until its sidecar replays:
     # its engine may hold deadlines this registry never sent, so its leases are not offered.
     synced: bool = True
 
-    def __post_init__(self) -> None:
-        self.node_id = self.spec.node_id
-        self.model = self.spec.model
-        self.prefills = self.spec.role in PREFILL_ROLES
-        self.decodes = self.spec.role in DECODE_ROLES
-
     @classmethod
-    def of_stored(cls, node: node_pb2.Node, synced: bool = True) -> _NodeRuntime:
-        """The view of a node known from the store (a takeover, a follower's cache)."""
+    def of_stored(cls, node: node_pb2.Node, synced: bool) -> _NodeRuntime:
+        """The view of a node known from the store (a takeover)."""
         runtime = cls(node.spec, state=node.state, synced=synced)
         runtime.note_load(node.load)
         return runtime
-
-    def note_load(self, load: node_pb2.NodeLoad) -> None:
-        self.queued = load.running_requests + load.waiting_requests
-        self.kv_usage = load.kv_cache_usage
-
-    @property
-    def retained_fraction(self) -> float:
-        capacity = self.spec.capacity_blocks
-        return self.retained_blocks / capacity if capacity else 0.0
 
 
 class _Mutation:
@@ -216,8 +184,8 @@ class Registry:
         self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(self.now)
         self._commands: dict[str, _CommandQueue] = {}
         self._runtime: dict[str, _NodeRuntime] = {}
-        # model -> (ready prefill nodes, ready decode nodes), until a node's state changes
-        self._routes: dict[str, tuple[list[_NodeRuntime], list[_NodeRuntime]]] = {}
+        # model -> ready prefill and decode nodes, until a node's state changes
+        self._routes: dict[str, routing.Routes[_NodeRuntime]] = {}
         self._round_robin = itertools.count()
         self._expiry_task: asyncio.Task[None] | None = None
         # Commands of the mutation in progress, sent once it is committed.
@@ -1075,9 +1043,6 @@ class Registry:
 
     # ----------------------------------------------------------------- hints
 
-    def _pick(self, nodes: Sequence[_NodeRuntime]) -> _NodeRuntime:
-        return pick(nodes, next(self._round_robin))
-
     async def routing_hint(
         self, conversation_id: str, model: str, dry_run: bool = False
     ) -> registry_pb2.RoutingHint:
@@ -1125,105 +1090,63 @@ class Registry:
     async def _hint(
         self, conversation_id: str, model: str, dry_run: bool, hint: registry_pb2.RoutingHint
     ) -> None:
-        """Writes one hint into ``hint`` (call under the lock)."""
+        """Writes one hint into ``hint`` (call under the lock); unless ``dry_run``, claims the
+        lease it offers and counts the choice."""
         started = self.now()
         routes = self._routes.get(model)
         if routes is None:
-            routes = self._routes[model] = candidates(self._runtime.values(), model)
-        prefills, decodes = routes
-        decision, reason, lease, exact = await self._reuse_decision(
-            conversation_id, claim=not dry_run
+            try:
+                routes = self._routes[model] = routing.candidates(self._runtime.values(), model)
+            except routing.NoReadyNode as error:
+                raise NoReadyNode(error.message) from error
+        conversation = (
+            await self.store.get_conversation(conversation_id) if conversation_id else None
         )
-        holder = lease.node_id if lease is not None else ""
-        if not holder and conversation_id:
-            conversation = await self.store.get_conversation(conversation_id)
-            holder = conversation.decode_node_id if conversation else ""
-        prefill = self._pick(prefills)
-        preferred = self._runtime.get(holder) if holder else None
-        if preferred is not None and routable(preferred, model) and preferred.decodes:
-            decode = preferred
-        else:
-            decode = self._pick(decodes)
+        lease = await self._current_lease(conversation, claim=not dry_run)
+        holder = self._runtime.get(lease.node_id) if lease is not None else None
+        reuse = routing.reuse_decision(
+            conversation_id, conversation, lease, holder, holder is not None and holder.synced
+        )
+        if reuse.reuses and lease is not None and not dry_run:
+            await self._claim(lease)
+        holder_id = conversation.decode_node_id if conversation is not None else ""
+        prefill, decode = routing.choose(routes, next(self._round_robin), holder=holder_id)
         if not dry_run:
             prefill.assigned_since_heartbeat += 1
             decode.assigned_since_heartbeat += 1
             if conversation_id:
                 self._turn_started(conversation_id)
         consistency = (
-            registry_pb2.HINT_CONSISTENCY_EXACT if exact else registry_pb2.HINT_CONSISTENCY_DEGRADED
+            registry_pb2.HINT_CONSISTENCY_EXACT
+            if reuse.exact
+            else registry_pb2.HINT_CONSISTENCY_DEGRADED
         )
-        hint.decision = decision
-        hint.reason = reason
+        hint.decision = reuse.decision
+        hint.reason = reuse.reason
         hint.consistency = consistency
         hint.prefill.CopyFrom(prefill.spec)
         hint.decode.CopyFrom(decode.spec)
-        if lease is not None:
+        if reuse.reuses and lease is not None:
             self.lease_view(lease, into=hint.lease)
-        self.metrics.hint(_DECISION_LABELS[decision], "EXACT" if exact else "DEGRADED").inc()
+        label = "EXACT" if reuse.exact else "DEGRADED"
+        self.metrics.hint(_DECISION_LABELS[reuse.decision], label).inc()
         self.metrics.hint_latency.observe(self.now() - started)
 
-    async def _reuse_decision(
-        self, conversation_id: str, claim: bool
-    ) -> tuple[registry_pb2.HintDecision, str, lease_pb2.Lease | None, bool]:
-        """Decides reuse and, on REUSE, claims the lease if asked (call under the lock).
-        The last item is False when the answer rests on state this registry cannot vouch for."""
-        if not conversation_id:
-            return registry_pb2.HINT_DECISION_MISS, "no conversation id: plain P/D", None, True
-        conversation = await self.store.get_conversation(conversation_id)
+    async def _current_lease(
+        self, conversation: lease_pb2.Conversation | None, claim: bool
+    ) -> lease_pb2.Lease | None:
+        """The conversation's current lease as of now (expired if its time is up); a turn that
+        starts (``claim``) teaches the idle TTL the gap since the conversation was active."""
         if conversation is None:
-            return registry_pb2.HINT_DECISION_MISS, "first turn of this conversation", None, True
+            return None
         if claim:
-            # A turn starts: the gap since the conversation was last active teaches the idle TTL.
             self._observe_gap(conversation)
-        lease = await self.store.get_lease(conversation.lease_id) if conversation.lease_id else None
-        if lease is None:
-            return (
-                registry_pb2.HINT_DECISION_MISS,
-                "nothing retained for this conversation",
-                None,
-                True,
-            )
-        if await self._expire_if_due(lease):
-            return (
-                registry_pb2.HINT_DECISION_RECOMPUTE,
-                f"lease {lease.lease_id} ended ({cause_name(lease.end_cause)}): {lease.end_reason}",
-                None,
-                True,
-            )
-        if lease.state == CLAIMED:
-            return (
-                registry_pb2.HINT_DECISION_RECOMPUTE,
-                f"lease {lease.lease_id} is claimed by a read in flight",
-                None,
-                True,
-            )
-        holder = await self.store.get_node(lease.node_id)
-        if holder is None or holder.state not in (READY, DRAINING):
-            state = node_state_name(holder.state) if holder is not None else "gone"
-            return (
-                registry_pb2.HINT_DECISION_RECOMPUTE,
-                f"holder node {lease.node_id!r} is {state}",
-                None,
-                True,
-            )
-        runtime = self._runtime.get(lease.node_id)
-        if runtime is None or not runtime.synced:
-            return (
-                registry_pb2.HINT_DECISION_RECOMPUTE,
-                f"holder node {lease.node_id!r} has not replayed its retained blocks to this "
-                "registry since it took over",
-                None,
-                False,
-            )
-        if claim:
-            await self._claim(lease)
-        return (
-            registry_pb2.HINT_DECISION_REUSE,
-            f"lease {lease.lease_id} (epoch {lease.epoch}) on {lease.node_id} holds "
-            f"{lease.token_count} tokens",
-            lease,
-            True,
-        )
+        if not conversation.lease_id:
+            return None
+        lease = await self.store.get_lease(conversation.lease_id)
+        if lease is not None:
+            await self._expire_if_due(lease)
+        return lease
 
     def _observe_gap(self, conversation: lease_pb2.Conversation) -> None:
         if conversation.HasField("last_active_time"):
@@ -1341,65 +1264,15 @@ class Registry:
             await self.store.delete_conversation(conversation_id)
 
 
-# ----------------------------------------------------------------- routing, shared with followers
-
-
-def candidates(
-    nodes: Iterable[_NodeRuntime], model: str
-) -> tuple[list[_NodeRuntime], list[_NodeRuntime]]:
-    """Ready prefill and decode nodes for ``model``; NoReadyNode when either side is empty."""
-    ready = [n for n in nodes if routable(n, model)]
-    prefills = [n for n in ready if n.prefills]
-    decodes = [n for n in ready if n.decodes]
-    served = f"model {model!r}" if model else "any model"
-    if not prefills:
-        raise NoReadyNode(f"no ready prefill node serves {served}")
-    if not decodes:
-        raise NoReadyNode(f"no ready decode node serves {served}")
-    return prefills, decodes
-
-
-def routable(node: _NodeRuntime, model: str) -> bool:
-    return node.state == READY and (not model or node.model == model)
-
-
-def _load(node: _NodeRuntime) -> tuple[int, float]:
-    """Queued work first, then KV headroom: the cache in use as last reported, or what the
-    registry knows is retained there now, whichever is more (new conversations go where
-    retention leaves room)."""
-    return node.queued + node.assigned_since_heartbeat, max(node.kv_usage, node.retained_fraction)
-
-
-# Up to this many candidates the least loaded is found exactly; beyond, two random candidates
-# are compared (power of two choices, as Envoy's least-request balancer does): O(1) per hint
-# and within a small factor of the exact choice's balance.
-EXACT_PICK_LIMIT = 8
-
-
-def pick(nodes: Sequence[_NodeRuntime], turn: int, prefer: str = "") -> _NodeRuntime:
-    """The preferred node if eligible, else the least loaded (ties rotate with ``turn``)."""
-    if prefer:
-        for node in nodes:
-            if node.node_id == prefer:
-                return node
-    count = len(nodes)
-    if count > EXACT_PICK_LIMIT:
-        first = random.randrange(count)
-        second = (first + 1 + random.randrange(count - 1)) % count
-        return min(nodes[first], nodes[second], key=_load)
-    turn %= count
-    return min([*nodes[turn:], *nodes[:turn]], key=_load)
-
-
 async def cached_hint(
     store: Store, conversation_id: str, model: str, why: str, turn: int
 ) -> registry_pb2.RoutingHint:
     """A follower's answer while no leader can be reached: nodes from its watch-fed cache, no
     reuse (only a leader can claim a lease), the conversation's last decode node kept."""
-    runtimes = [_NodeRuntime.of_stored(node) for node in await store.list_nodes()]
+    nodes = [RoutedNode.of_node(node) for node in await store.list_nodes()]
     try:
-        prefills, decodes = candidates(runtimes, model)
-    except NoReadyNode as error:
+        routes = routing.candidates(nodes, model)
+    except routing.NoReadyNode as error:
         # Not the leader's word on the nodes: a router then routes from its own node list.
         raise NoLeader(
             f"no registry leader reachable ({why}) and this replica's cache cannot route: "
@@ -1407,12 +1280,12 @@ async def cached_hint(
         ) from error
     conversation = await store.get_conversation(conversation_id) if conversation_id else None
     holder = conversation.decode_node_id if conversation is not None else ""
+    prefill, decode = routing.choose(routes, turn, holder=holder)
+    reuse = routing.leaderless_decision(conversation is not None, why)
     return registry_pb2.RoutingHint(
-        decision=registry_pb2.HINT_DECISION_RECOMPUTE
-        if conversation is not None
-        else registry_pb2.HINT_DECISION_MISS,
-        reason=f"no registry leader reachable ({why}): recompute, from a replica's cache",
+        decision=reuse.decision,
+        reason=reuse.reason,
         consistency=registry_pb2.HINT_CONSISTENCY_DEGRADED,
-        prefill=pick(prefills, turn).spec,
-        decode=pick(decodes, turn, prefer=holder).spec,
+        prefill=prefill.spec,
+        decode=decode.spec,
     )

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvbroker.common import routing
 from kvbroker.common.grpc_client import (
     RegistryCallError,
     RegistryEndpoint,
@@ -44,8 +45,6 @@ from router.metrics import RouterMetrics
 log = structlog.get_logger("kvbroker.router")
 
 SESSION_HEADER = "x-session-id"
-_PREFILL_ROLES = (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH)
-_DECODE_ROLES = (node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH)
 # The registry is away (or cannot route for now) on these, unless it said no node is ready.
 _REGISTRY_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -140,19 +139,17 @@ class Router:
         )
 
     def _degraded_plan(self, model: str, why: str) -> Plan:
-        usable = [
-            n
-            for n in self.known_nodes
-            if n.state == node_pb2.NODE_STATE_READY and (not model or n.spec.model == model)
-        ]
-        prefills = [n.spec for n in usable if n.spec.role in _PREFILL_ROLES]
-        decodes = [n.spec for n in usable if n.spec.role in _DECODE_ROLES]
-        if not prefills or not decodes:
-            raise RegistryDown(why)
+        """Plain P/D by the registry's own routing rule, over the last node list it gave."""
+        nodes = [routing.RoutedNode.of_node(n) for n in self.known_nodes]
+        try:
+            routes = routing.candidates(nodes, model)
+        except routing.NoReadyNode as error:
+            raise RegistryDown(why) from error
         self._turn += 1
+        prefill, decode = routing.choose(routes, self._turn)
         return Plan(
-            prefill=prefills[self._turn % len(prefills)],
-            decode=decodes[self._turn % len(decodes)],
+            prefill=prefill.spec,
+            decode=decode.spec,
             lease=None,
             decision="MISS",
             consistency="DEGRADED",
@@ -160,16 +157,16 @@ class Router:
         )
 
     def other_prefill(self, failed: str, model: str) -> node_pb2.NodeSpec | None:
-        for node in self.known_nodes:
-            spec = node.spec
-            if (
-                spec.node_id != failed
-                and spec.role in _PREFILL_ROLES
-                and node.state == node_pb2.NODE_STATE_READY
-                and (not model or spec.model == model)
-            ):
-                return spec
-        return None
+        """A ready prefill node other than ``failed``, by the registry's routing rule."""
+        others = [
+            routed
+            for routed in map(routing.RoutedNode.of_node, self.known_nodes)
+            if routed.prefills and routed.node_id != failed and routing.routable(routed, model)
+        ]
+        if not others:
+            return None
+        self._turn += 1
+        return routing.pick(others, self._turn).spec
 
     # ------------------------------------------------------------ legs
 
