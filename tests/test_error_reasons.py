@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from controlplane.hints import cached_hint
 from controlplane.metrics import RegistryMetrics
-from controlplane.registry import Registry, cached_hint
+from controlplane.registry import Registry
 from controlplane.server import RunningRegistry
 from controlplane.service import RegistryServicer
 from controlplane.store import MemoryStore
