@@ -5,12 +5,16 @@ it is skipped when popped (lazy deletion), so schedule and cancel are O(log n) a
 alone, the entries left behind would pile up for as long as their times lie ahead (every turn
 cancels its previous lease's expiry, hours away), so once they outnumber the live ones the heap
 is rebuilt from the live deadlines: O(n) once per n cancellations.
+
+The registry keeps all its deadlines in one queue, keyed by ``(DeadlineKind, id)``; each kind
+has one handler, owned by the part of the registry the deadline belongs to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import heapq
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
@@ -19,6 +23,24 @@ K = TypeVar("K", bound=Hashable)
 
 # Rebuilding a small heap would cost more than the entries left behind.
 _MIN_REBUILD = 1024
+
+
+class DeadlineKind(enum.IntEnum):
+    """What falls due (an int, so keys stay orderable and small)."""
+
+    # A live lease not renewed in time expires.
+    LEASE_EXPIRY = 1
+    # A claimed lease's read is over: it is ACTIVE again.
+    CLAIM_END = 2
+    # A node that missed its heartbeats is marked DOWN.
+    NODE_SESSION = 3
+    # An ended lease is forgotten.
+    FORGET_LEASE = 4
+    # A conversation without a live lease is forgotten.
+    FORGET_CONVERSATION = 5
+
+
+DeadlineKey = tuple[DeadlineKind, str]
 
 
 class DeadlineQueue(Generic[K]):

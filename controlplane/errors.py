@@ -1,14 +1,23 @@
-"""Domain errors that carry the gRPC status they mean and a sentence for a person."""
+"""Domain errors: one type per reason a call fails, each with the gRPC status it means and a
+sentence for a person.
+
+The registry raises these types; the gRPC edge (``service``) turns one into its status with the
+reason attached (``hint_error``, ``status_metadata``), and clients turn it back into a typed
+error in one function (``kvbroker.common.grpc_client.from_grpc_error``). Code decides on the
+type or the reason, never on the sentence.
+"""
 
 from __future__ import annotations
 
 import grpc
 
+from kvbroker.common.grpc_client import ERROR_METADATA_KEY
 from kvbroker.v1 import registry_pb2
 
 
 class RegistryError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: registry_pb2.ErrorReason = registry_pb2.ERROR_REASON_UNSPECIFIED
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -17,29 +26,86 @@ class RegistryError(Exception):
 
 class InvalidArgument(RegistryError):
     code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = registry_pb2.ERROR_REASON_INVALID_ARGUMENT
 
 
 class NotFound(RegistryError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class NodeNotRegistered(NotFound):
+    reason = registry_pb2.ERROR_REASON_NODE_NOT_REGISTERED
+
+
+class LeaseNotFound(NotFound):
+    reason = registry_pb2.ERROR_REASON_LEASE_NOT_FOUND
+
+
+class ConversationNotFound(NotFound):
+    reason = registry_pb2.ERROR_REASON_CONVERSATION_NOT_FOUND
+
+
+class NoLiveLease(NotFound):
+    reason = registry_pb2.ERROR_REASON_NO_LIVE_LEASE
+
+
 class FailedPrecondition(RegistryError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class PermissionDenied(RegistryError):
+class SessionLost(FailedPrecondition):
+    reason = registry_pb2.ERROR_REASON_SESSION_LOST
+
+
+class LeaseEnded(FailedPrecondition):
+    reason = registry_pb2.ERROR_REASON_LEASE_ENDED
+
+
+class NotADecodeNode(FailedPrecondition):
+    reason = registry_pb2.ERROR_REASON_NOT_A_DECODE_NODE
+
+
+class NodeDown(FailedPrecondition):
+    reason = registry_pb2.ERROR_REASON_NODE_DOWN
+
+
+class NotHolder(RegistryError):
     code = grpc.StatusCode.PERMISSION_DENIED
+    reason = registry_pb2.ERROR_REASON_NOT_HOLDER
 
 
 class Unavailable(RegistryError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NoReadyNode(Unavailable):
+    """The registry's own word that no ready node can take the request."""
+
+    reason = registry_pb2.ERROR_REASON_NO_READY_NODE
+
+
+class NoLeader(Unavailable):
+    """No leader can be reached: not the registry's word on the nodes, so a client may route
+    on its own."""
+
+    reason = registry_pb2.ERROR_REASON_NO_LEADER
+
+
 class StoreUnavailable(Unavailable):
     """The durable store refused or could not take a write: this replica's view is now ahead of
     it, so the replica stops serving until it has reloaded."""
 
+    reason = registry_pb2.ERROR_REASON_STORE_UNAVAILABLE
+
 
 def hint_error(error: RegistryError) -> registry_pb2.HintError:
-    """One refused hint of a batch, as the status GetRoutingHint would have failed with."""
-    return registry_pb2.HintError(code=error.code.value[0], message=error.message)
+    """The error as the status record a client reads: one refused hint of a batch, or a failed
+    call's trailing metadata."""
+    return registry_pb2.HintError(
+        code=error.code.value[0], message=error.message, reason=error.reason
+    )
+
+
+def status_metadata(status: registry_pb2.HintError) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata that carries ``status`` (and so its reason) with a failed call."""
+    return ((ERROR_METADATA_KEY, status.SerializeToString()),)

@@ -1,4 +1,5 @@
-"""The registry's Prometheus metrics (names are the public contract, see DESIGN.md).
+"""The registry's Prometheus metrics (names are the public contract, listed in the README's
+"Metrics" section).
 
 Each registry instance owns its CollectorRegistry so several can run in one process (tests).
 """

@@ -24,8 +24,9 @@ from aetcd import rpc
 from controlplane.config import RegistryConfig
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd_store import ETCD_ERRORS, EtcdStore
+from controlplane.hints import cached_hint
 from controlplane.metrics import RegistryMetrics
-from controlplane.registry import Registry, cached_hint
+from controlplane.registry import Registry
 from kvbroker.common.clock import MonotonicClock
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.v1 import registry_pb2

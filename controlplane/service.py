@@ -3,6 +3,10 @@
 With replicas, a call reaches whichever replica the client's channel picked: the leader serves
 it, a follower forwards it to the leader and relays the answer. While no leader can be reached
 a follower answers hints from its cache (DEGRADED) and everything else with UNAVAILABLE.
+
+This is the one place a domain error becomes a gRPC status: its code, its sentence, and its
+reason in the trailing metadata (``errors.status_metadata``); a leader's error is relayed with
+its reason intact.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import structlog
 
-from controlplane.errors import RegistryError, Unavailable, hint_error
+from controlplane.errors import NoLeader, RegistryError, hint_error, status_metadata
 from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
 from kvbroker.common.clock import from_duration, to_duration
+from kvbroker.common.grpc_client import from_grpc_error
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 
@@ -68,12 +73,25 @@ class Standalone:
     async def cached_hint(
         self, conversation_id: str, model: str, why: str
     ) -> registry_pb2.RoutingHint:
-        raise Unavailable(why)  # unreachable: a standalone registry always leads
+        raise NoLeader(why)  # unreachable: a standalone registry always leads
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, error: RegistryError | grpc.aio.AioRpcError
+) -> None:
+    """Fails the call with ``error``'s status: a RegistryError's own, or a leader's relayed as
+    it came, reason included."""
+    if isinstance(error, RegistryError):
+        code, status = error.code, hint_error(error)
+    else:
+        relayed = from_grpc_error(error)
+        code, status = relayed.code(), relayed.status()
+    await context.abort(code, status.message, trailing_metadata=status_metadata(status))
 
 
 def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
-    """Serves on the leader or forwards to it; a RegistryError becomes its status and
-    sentence, a leader's error is relayed as it came."""
+    """Serves on the leader or forwards to it; a RegistryError becomes its status, a leader's
+    error is relayed."""
     method = handler.__name__
 
     @wraps(handler)
@@ -85,12 +103,9 @@ def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
             if registry is not None:
                 return await handler(self, registry, request, context)
             return await self._forward(method, request, context)  # type: ignore[no-any-return]
-        except RegistryError as error:
-            await context.abort(error.code, error.message)
+        except (RegistryError, grpc.aio.AioRpcError) as error:
+            await _abort(context, error)
             raise  # unreachable: abort raises
-        except grpc.aio.AioRpcError as error:
-            await context.abort(error.code(), error.details() or "")
-            raise
 
     return wrapped
 
@@ -114,9 +129,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         try:
             response = await getattr(stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as error:
-            if error.code() not in _LEADER_UNREACHABLE or method not in _HINT_METHODS:
+            failure = from_grpc_error(error)
+            # The leader's word that no node is ready is an answer, not the leader's absence.
+            leader_away = (
+                failure.code() in _LEADER_UNREACHABLE
+                and failure.reason != registry_pb2.ERROR_REASON_NO_READY_NODE
+            )
+            if not leader_away or method not in _HINT_METHODS:
                 outcomes.labels("relayed_error").inc()
-                raise
+                raise failure from error
             outcomes.labels("leader_unreachable").inc()
             return await self._leaderless(method, request, f"leader: {error.details()}")
         outcomes.labels("ok").inc()
@@ -135,7 +156,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 except RegistryError as error:
                     response.results.add().error.CopyFrom(hint_error(error))
             return response
-        raise Unavailable(f"{why}; retry shortly")
+        raise NoLeader(f"{why}; retry shortly")
 
     @_served
     async def RegisterNode(
@@ -301,13 +322,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 return
             stub = self.leadership.leader_stub()
             if stub is None:
-                raise Unavailable("no replica leads (election pending); retry shortly")
+                raise NoLeader("no replica leads (election pending); retry shortly")
             async for response in stub.WatchLeaseCommands(request):
                 yield response
-        except RegistryError as error:
-            await context.abort(error.code, error.message)
-        except grpc.aio.AioRpcError as error:
-            await context.abort(error.code(), error.details() or "")
+        except (RegistryError, grpc.aio.AioRpcError) as error:
+            await _abort(context, error)
 
     @_served
     async def GetConversation(

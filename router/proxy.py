@@ -30,7 +30,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common import routing
+from kvbroker.common.grpc_client import (
+    RegistryCallError,
+    RegistryEndpoint,
+    open_channel,
+    registry_stub,
+)
 from kvbroker.common.handles import prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.labels import label
@@ -41,8 +47,8 @@ from router.metrics import RouterMetrics
 log = structlog.get_logger("kvbroker.router")
 
 SESSION_HEADER = "x-session-id"
-_PREFILL_ROLES = (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH)
-_DECODE_ROLES = (node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH)
+# The registry is away (or cannot route for now) on these, unless it said no node is ready.
+_REGISTRY_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class UpstreamError(Exception):
@@ -107,12 +113,12 @@ class Router:
             hint = await asyncio.wait_for(self.hints.hint(request), 2 * self.config.hint_timeout_s)
         except TimeoutError:
             return self._degraded_plan(model, "the registry did not answer in time")
-        except grpc.aio.AioRpcError as error:
-            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        except RegistryCallError as error:
+            if error.code() not in _REGISTRY_AWAY:
                 raise
-            if "no ready" in (error.details() or ""):
+            if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE:
                 raise  # the registry answered: there is nowhere to send the request
-            return self._degraded_plan(model, error.details() or error.code().name)
+            return self._degraded_plan(model, error.message or error.code().name)
         return Plan(
             prefill=hint.prefill,
             decode=hint.decode,
@@ -123,19 +129,17 @@ class Router:
         )
 
     def _degraded_plan(self, model: str, why: str) -> Plan:
-        usable = [
-            n
-            for n in self.known_nodes
-            if n.state == node_pb2.NODE_STATE_READY and (not model or n.spec.model == model)
-        ]
-        prefills = [n.spec for n in usable if n.spec.role in _PREFILL_ROLES]
-        decodes = [n.spec for n in usable if n.spec.role in _DECODE_ROLES]
-        if not prefills or not decodes:
-            raise RegistryDown(why)
+        """Plain P/D by the registry's own routing rule, over the last node list it gave."""
+        nodes = [routing.RoutedNode.of_node(n) for n in self.known_nodes]
+        try:
+            routes = routing.candidates(nodes, model)
+        except routing.NoReadyNode as error:
+            raise RegistryDown(why) from error
         self._turn += 1
+        prefill, decode = routing.choose(routes, self._turn)
         return Plan(
-            prefill=prefills[self._turn % len(prefills)],
-            decode=decodes[self._turn % len(decodes)],
+            prefill=prefill.spec,
+            decode=decode.spec,
             lease=None,
             decision="MISS",
             consistency="DEGRADED",
@@ -143,16 +147,16 @@ class Router:
         )
 
     def other_prefill(self, failed: str, model: str) -> node_pb2.NodeSpec | None:
-        for node in self.known_nodes:
-            spec = node.spec
-            if (
-                spec.node_id != failed
-                and spec.role in _PREFILL_ROLES
-                and node.state == node_pb2.NODE_STATE_READY
-                and (not model or spec.model == model)
-            ):
-                return spec
-        return None
+        """A ready prefill node other than ``failed``, by the registry's routing rule."""
+        others = [
+            routed
+            for routed in map(routing.RoutedNode.of_node, self.known_nodes)
+            if routed.prefills and routed.node_id != failed and routing.routable(routed, model)
+        ]
+        if not others:
+            return None
+        self._turn += 1
+        return routing.pick(others, self._turn).spec
 
     # ------------------------------------------------------------ legs
 
@@ -215,8 +219,8 @@ class Handlers:
             plan = await self.router.plan(conversation, model)
         except RegistryDown as error:
             return _error(503, f"registry unreachable and no known nodes: {error}", "unavailable")
-        except grpc.aio.AioRpcError as error:
-            return _error(503, error.details() or "no route", "unavailable")
+        except RegistryCallError as error:
+            return _error(503, error.message or "no route", "unavailable")
         self.metrics.hints.labels(plan.decision, plan.consistency).inc()
         hint_done = time.perf_counter()
         self.metrics.overhead_seconds.observe(hint_done - started)

@@ -1,5 +1,14 @@
 """How every client (CLI, sidecar, router) opens a channel to the registry: one address or a
-list to fail over between, optional TLS, optional bearer token, deadlines on every call."""
+list to fail over between, optional TLS, optional bearer token, deadlines on every call; and
+how a failed call is read back (``from_grpc_error``).
+
+A failed call says why in a machine-readable reason (``registry_pb2.ErrorReason``) carried
+as a serialised ``HintError`` in its trailing metadata, the record a batch of hints already
+uses for each refused hint: one message and one decoder for both, a reason typed by the schema
+(buf lints it, clients compare enum values), and no dependency beyond grpcio and protobuf
+(``google.rpc.ErrorInfo`` in the status details would need googleapis-common-protos and
+grpcio-status, and its reason is a free string).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +18,12 @@ from pathlib import Path
 
 import grpc
 
-from kvbroker.v1 import registry_pb2_grpc
+from kvbroker.v1 import registry_pb2, registry_pb2_grpc
 
 AUTH_METADATA_KEY = "authorization"
+# Trailing metadata of a failed call: its HintError (code, message, reason), serialised.
+ERROR_METADATA_KEY = "kvbroker-error-bin"
+_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
 
 @dataclass(frozen=True)
@@ -83,3 +95,45 @@ def open_channel(endpoint: RegistryEndpoint) -> grpc.aio.Channel:
 
 def registry_stub(channel: grpc.aio.Channel) -> registry_pb2_grpc.RegistryServiceStub:
     return registry_pb2_grpc.RegistryServiceStub(channel)
+
+
+class RegistryCallError(grpc.aio.AioRpcError):  # type: ignore[misc]
+    """A failed registry call with the reason it failed (UNSPECIFIED when none was given, as
+    for a transport failure). Still an ``AioRpcError``: ``code()`` and ``details()`` work."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: registry_pb2.ErrorReason = registry_pb2.ERROR_REASON_UNSPECIFIED,
+        trailing_metadata: grpc.aio.Metadata | None = None,
+    ) -> None:
+        super().__init__(
+            code, grpc.aio.Metadata(), trailing_metadata or grpc.aio.Metadata(), message
+        )
+        self.reason = reason
+
+    @property
+    def message(self) -> str:
+        return str(self.details() or "")
+
+    def status(self) -> registry_pb2.HintError:
+        """The failure as the record the registry sends (to relay it unchanged)."""
+        return registry_pb2.HintError(
+            code=self.code().value[0], message=self.message, reason=self.reason
+        )
+
+
+def from_grpc_error(error: grpc.aio.AioRpcError | registry_pb2.HintError) -> RegistryCallError:
+    """The typed error for a failed call, or for one refused hint of a batch."""
+    if isinstance(error, RegistryCallError):
+        return error
+    if isinstance(error, registry_pb2.HintError):
+        code = _STATUS_BY_CODE.get(error.code, grpc.StatusCode.UNKNOWN)
+        return RegistryCallError(code, error.message, error.reason)
+    trailing = error.trailing_metadata() or ()
+    for key, value in trailing:
+        if key == ERROR_METADATA_KEY and isinstance(value, bytes):
+            status = registry_pb2.HintError.FromString(value)
+            return RegistryCallError(error.code(), error.details() or "", status.reason, trailing)
+    return RegistryCallError(error.code(), error.details() or "", trailing_metadata=trailing)

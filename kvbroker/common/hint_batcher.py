@@ -7,15 +7,9 @@ from __future__ import annotations
 import grpc
 
 from kvbroker.common.batcher import Batcher
+from kvbroker.common.grpc_client import from_grpc_error
 from kvbroker.v1 import registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-
-_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
-
-
-def _refusal(error: registry_pb2.HintError) -> grpc.aio.AioRpcError:
-    code = _STATUS_BY_CODE.get(error.code, grpc.StatusCode.UNKNOWN)
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), error.message)
 
 
 class HintBatcher:
@@ -27,16 +21,21 @@ class HintBatcher:
         )
 
     async def hint(self, request: registry_pb2.GetRoutingHintRequest) -> registry_pb2.RoutingHint:
-        """The hint for one request; raises ``grpc.aio.AioRpcError`` as GetRoutingHint would."""
+        """The hint for one request; raises ``RegistryCallError`` (an ``AioRpcError`` with a
+        reason) as GetRoutingHint would."""
         return await self._batches.submit(request)
 
     async def _send(
         self, requests: list[registry_pb2.GetRoutingHintRequest]
     ) -> list[registry_pb2.RoutingHint | BaseException]:
-        response = await self._stub.BatchGetRoutingHints(
-            registry_pb2.BatchGetRoutingHintsRequest(requests=requests), timeout=self._timeout_s
-        )
+        try:
+            response = await self._stub.BatchGetRoutingHints(
+                registry_pb2.BatchGetRoutingHintsRequest(requests=requests),
+                timeout=self._timeout_s,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise from_grpc_error(error) from error
         return [
-            result.hint if result.HasField("hint") else _refusal(result.error)
+            result.hint if result.HasField("hint") else from_grpc_error(result.error)
             for result in response.results
         ]

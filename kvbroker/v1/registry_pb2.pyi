@@ -24,6 +24,23 @@ class HintConsistency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HINT_CONSISTENCY_UNSPECIFIED: _ClassVar[HintConsistency]
     HINT_CONSISTENCY_EXACT: _ClassVar[HintConsistency]
     HINT_CONSISTENCY_DEGRADED: _ClassVar[HintConsistency]
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_ARGUMENT: _ClassVar[ErrorReason]
+    ERROR_REASON_NODE_NOT_REGISTERED: _ClassVar[ErrorReason]
+    ERROR_REASON_LEASE_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_CONVERSATION_NOT_FOUND: _ClassVar[ErrorReason]
+    ERROR_REASON_NO_LIVE_LEASE: _ClassVar[ErrorReason]
+    ERROR_REASON_SESSION_LOST: _ClassVar[ErrorReason]
+    ERROR_REASON_LEASE_ENDED: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_A_DECODE_NODE: _ClassVar[ErrorReason]
+    ERROR_REASON_NODE_DOWN: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_HOLDER: _ClassVar[ErrorReason]
+    ERROR_REASON_NO_READY_NODE: _ClassVar[ErrorReason]
+    ERROR_REASON_NO_LEADER: _ClassVar[ErrorReason]
+    ERROR_REASON_STORE_UNAVAILABLE: _ClassVar[ErrorReason]
 HINT_DECISION_UNSPECIFIED: HintDecision
 HINT_DECISION_REUSE: HintDecision
 HINT_DECISION_RECOMPUTE: HintDecision
@@ -31,6 +48,20 @@ HINT_DECISION_MISS: HintDecision
 HINT_CONSISTENCY_UNSPECIFIED: HintConsistency
 HINT_CONSISTENCY_EXACT: HintConsistency
 HINT_CONSISTENCY_DEGRADED: HintConsistency
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_INVALID_ARGUMENT: ErrorReason
+ERROR_REASON_NODE_NOT_REGISTERED: ErrorReason
+ERROR_REASON_LEASE_NOT_FOUND: ErrorReason
+ERROR_REASON_CONVERSATION_NOT_FOUND: ErrorReason
+ERROR_REASON_NO_LIVE_LEASE: ErrorReason
+ERROR_REASON_SESSION_LOST: ErrorReason
+ERROR_REASON_LEASE_ENDED: ErrorReason
+ERROR_REASON_NOT_A_DECODE_NODE: ErrorReason
+ERROR_REASON_NODE_DOWN: ErrorReason
+ERROR_REASON_NOT_HOLDER: ErrorReason
+ERROR_REASON_NO_READY_NODE: ErrorReason
+ERROR_REASON_NO_LEADER: ErrorReason
+ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("spec",)
@@ -391,9 +422,11 @@ class RoutingHintResult(_message.Message):
     def __init__(self, hint: _Optional[_Union[RoutingHint, _Mapping]] = ..., error: _Optional[_Union[HintError, _Mapping]] = ...) -> None: ...
 
 class HintError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: ErrorReason
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ...) -> None: ...

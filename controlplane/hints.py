@@ -1,0 +1,130 @@
+"""Routing hints: the routing rule (``kvbroker.common.routing``) applied to the registry's
+state, by the leader (which may claim the lease it offers) and by a follower answering from its
+cache while no leader can be reached (which may not).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from controlplane.errors import NoLeader, NoReadyNode
+from controlplane.idle_ttl import IdleTtl
+from controlplane.leases import Leases
+from controlplane.metrics import RegistryMetrics
+from controlplane.nodes import NodeSessions
+from controlplane.store import Store
+from controlplane.turns import Turns
+from kvbroker.common import routing
+from kvbroker.common.clock import from_timestamp
+from kvbroker.v1 import lease_pb2, registry_pb2
+
+_DECISION_LABELS = {
+    value: name.removeprefix("HINT_DECISION_") for name, value in registry_pb2.HintDecision.items()
+}
+EXACT = registry_pb2.HINT_CONSISTENCY_EXACT
+DEGRADED = registry_pb2.HINT_CONSISTENCY_DEGRADED
+
+
+class Hints:
+    def __init__(
+        self,
+        store: Store,
+        metrics: RegistryMetrics,
+        now: Callable[[], float],
+        nodes: NodeSessions,
+        leases: Leases,
+        turns: Turns,
+        idle_ttl: IdleTtl,
+    ) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._now = now
+        self._nodes = nodes
+        self._leases = leases
+        self._turns = turns
+        self._idle_ttl = idle_ttl
+        self._round_robin = itertools.count()
+
+    async def hint(
+        self, conversation_id: str, model: str, dry_run: bool, hint: registry_pb2.RoutingHint
+    ) -> None:
+        """Writes one hint into ``hint`` (call under the lock); unless ``dry_run``, claims the
+        lease it offers and counts the choice."""
+        started = self._now()
+        try:
+            routes = self._nodes.routes(model)
+        except routing.NoReadyNode as error:
+            raise NoReadyNode(error.message) from error
+        conversation = (
+            await self._store.get_conversation(conversation_id) if conversation_id else None
+        )
+        lease = await self._current_lease(conversation, claim=not dry_run)
+        holder = self._nodes.runtime.get(lease.node_id) if lease is not None else None
+        reuse = routing.reuse_decision(
+            conversation_id, conversation, lease, holder, holder is not None and holder.synced
+        )
+        if reuse.reuses and lease is not None and not dry_run:
+            await self._leases.claim(lease)
+        holder_id = conversation.decode_node_id if conversation is not None else ""
+        prefill, decode = routing.choose(routes, next(self._round_robin), holder=holder_id)
+        if not dry_run:
+            prefill.assigned_since_heartbeat += 1
+            decode.assigned_since_heartbeat += 1
+            if conversation_id:
+                self._turns.started(conversation_id)
+        hint.decision = reuse.decision
+        hint.reason = reuse.reason
+        hint.consistency = EXACT if reuse.exact else DEGRADED
+        hint.prefill.CopyFrom(prefill.spec)
+        hint.decode.CopyFrom(decode.spec)
+        if reuse.reuses and lease is not None:
+            self._leases.view(lease, into=hint.lease)
+        consistency = "EXACT" if reuse.exact else "DEGRADED"
+        self._metrics.hint(_DECISION_LABELS[reuse.decision], consistency).inc()
+        self._metrics.hint_latency.observe(self._now() - started)
+
+    async def _current_lease(
+        self, conversation: lease_pb2.Conversation | None, claim: bool
+    ) -> lease_pb2.Lease | None:
+        """The conversation's current lease as of now (expired if its time is up); a turn that
+        starts (``claim``) teaches the idle TTL the gap since the conversation was active."""
+        if conversation is None:
+            return None
+        if claim and conversation.HasField("last_active_time"):
+            gap = self._now() - from_timestamp(conversation.last_active_time)
+            self._idle_ttl.observe_gap(gap)
+            self._metrics.idle_ttl.set(self._idle_ttl.ttl())
+        if not conversation.lease_id:
+            return None
+        lease = await self._store.get_lease(conversation.lease_id)
+        if lease is not None:
+            await self._leases.expire_if_due(lease)
+        return lease
+
+
+async def cached_hint(
+    store: Store, conversation_id: str, model: str, why: str, turn: int
+) -> registry_pb2.RoutingHint:
+    """A follower's answer while no leader can be reached: nodes from its watch-fed cache, no
+    reuse (only a leader can claim a lease), the conversation's last decode node kept."""
+    nodes = [routing.RoutedNode.of_node(node) for node in await store.list_nodes()]
+    try:
+        routes = routing.candidates(nodes, model)
+    except routing.NoReadyNode as error:
+        # Not the leader's word on the nodes: a router then routes from its own node list.
+        raise NoLeader(
+            f"no registry leader reachable ({why}) and this replica's cache cannot route: "
+            + error.message
+        ) from error
+    conversation = await store.get_conversation(conversation_id) if conversation_id else None
+    holder = conversation.decode_node_id if conversation is not None else ""
+    prefill, decode = routing.choose(routes, turn, holder=holder)
+    reuse = routing.leaderless_decision(conversation is not None, why)
+    return registry_pb2.RoutingHint(
+        decision=reuse.decision,
+        reason=reuse.reason,
+        consistency=DEGRADED,
+        prefill=prefill.spec,
+        decode=decode.spec,
+    )

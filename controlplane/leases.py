@@ -1,0 +1,489 @@
+"""The lessor, after etcd's ``server/lease``: leases and their conversations, with the lease
+expiry and claim deadlines.
+
+A lease is granted when a decode node retains a turn's KV, raising its conversation's epoch
+and superseding the previous lease; it is renewed by keep-alives, claimed by a hint that
+offers it (a read may be in flight), and ends by release, revocation, expiry or its node's
+lost session. Every end that the holder did not cause itself sends it a command saying when
+to free the blocks (after any read a claim protects). Call everything under the registry's
+lock: changes are committed, and commands sent, by the registry's unit of work.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterable, Sequence
+
+import structlog
+
+from controlplane.config import RegistryConfig
+from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
+from controlplane.errors import (
+    ConversationNotFound,
+    InvalidArgument,
+    LeaseEnded,
+    LeaseNotFound,
+    NoLiveLease,
+    NotHolder,
+)
+from controlplane.idle_ttl import IdleTtl
+from controlplane.metrics import RegistryMetrics
+from controlplane.nodes import NodeSessions
+from controlplane.outbox import Outbox
+from controlplane.store import Store
+from controlplane.turns import Turns
+from controlplane.validation import Validation, block_count
+from kvbroker.common.clock import from_timestamp, stamp_duration, stamp_time
+from kvbroker.common.routing import LIVE_LEASE_STATES, cause_name
+from kvbroker.v1 import lease_pb2, node_pb2
+
+ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
+CLAIMED = lease_pb2.LEASE_STATE_CLAIMED
+RELEASED = lease_pb2.LEASE_STATE_RELEASED
+EXPIRED = lease_pb2.LEASE_STATE_EXPIRED
+REVOKED = lease_pb2.LEASE_STATE_REVOKED
+
+# Why leases end (the cause is what code decides on; the reason is the sentence for people).
+PRESSURE = lease_pb2.LEASE_END_CAUSE_PRESSURE
+BUDGET = lease_pb2.LEASE_END_CAUSE_BUDGET
+IDLE = lease_pb2.LEASE_END_CAUSE_IDLE
+SUPERSEDED = lease_pb2.LEASE_END_CAUSE_SUPERSEDED
+REVOKED_BY_CALLER = lease_pb2.LEASE_END_CAUSE_REVOKED
+NODE_LOST = lease_pb2.LEASE_END_CAUSE_NODE_LOST
+ENGINE = lease_pb2.LEASE_END_CAUSE_ENGINE
+FENCED = lease_pb2.LEASE_END_CAUSE_FENCED
+RECLAIM_CAUSES = frozenset({PRESSURE, BUDGET})
+
+LEASE_EXPIRY = DeadlineKind.LEASE_EXPIRY
+CLAIM_END = DeadlineKind.CLAIM_END
+FORGET_LEASE = DeadlineKind.FORGET_LEASE
+FORGET_CONVERSATION = DeadlineKind.FORGET_CONVERSATION
+
+
+def state_name(state: int) -> str:
+    return lease_pb2.LeaseState.Name(state).removeprefix("LEASE_STATE_")
+
+
+def new_lease_id(now: float) -> str:
+    """Milliseconds then randomness: unique, and sorts in grant order for listings and paging."""
+    return f"{int(now * 1000):011x}{secrets.token_hex(5)}"
+
+
+class Leases:
+    def __init__(
+        self,
+        store: Store,
+        config: RegistryConfig,
+        metrics: RegistryMetrics,
+        now: Callable[[], float],
+        deadlines: DeadlineQueue[DeadlineKey],
+        nodes: NodeSessions,
+        outbox: Outbox,
+        turns: Turns,
+        idle_ttl: IdleTtl,
+        validate: Validation,
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> None:
+        self._store = store
+        self._config = config
+        self._metrics = metrics
+        self._now = now
+        self._deadlines = deadlines
+        self._nodes = nodes
+        self._outbox = outbox
+        self._turns = turns
+        self._idle_ttl = idle_ttl
+        self._validate = validate
+        self._log = log
+        # Until then, early ends give the holder a full claim's grace: claims made by a
+        # previous leader were not written down (they are soft state) and may still be reading.
+        self.inherited_claims_until = 0.0
+
+    # ----------------------------------------------------------------- reads
+
+    async def lease(self, lease_id: str) -> lease_pb2.Lease:
+        lease = await self._store.get_lease(self._validate.id(lease_id, "lease_id"))
+        if lease is None:
+            raise LeaseNotFound(f"lease {lease_id!r} does not exist (or ended long ago)")
+        return lease
+
+    async def conversation(self, conversation_id: str) -> lease_pb2.Conversation:
+        conversation = await self._store.get_conversation(
+            self._validate.id(conversation_id, "conversation_id")
+        )
+        if conversation is None:
+            raise ConversationNotFound(f"conversation {conversation_id!r} is unknown")
+        return conversation
+
+    async def current_live(self, conversation_id: str) -> lease_pb2.Lease:
+        conversation = await self.conversation(conversation_id)
+        lease = (
+            await self._store.get_lease(conversation.lease_id) if conversation.lease_id else None
+        )
+        if lease is None or lease.state not in LIVE_LEASE_STATES:
+            raise NoLiveLease(f"conversation {conversation_id!r} has no live lease")
+        return lease
+
+    async def by_id_or_conversation(self, lease_id: str, conversation_id: str) -> lease_pb2.Lease:
+        if conversation_id:
+            return await self.current_live(conversation_id)
+        return await self.lease(lease_id)
+
+    def expires(self, lease: lease_pb2.Lease) -> float | None:
+        return self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
+
+    def view(self, lease: lease_pb2.Lease, into: lease_pb2.Lease | None = None) -> lease_pb2.Lease:
+        """A copy for a response, with the time left as of now; written into ``into`` (a
+        field of the response) when given, which saves copying a lease twice."""
+        view = into if into is not None else lease_pb2.Lease()
+        view.CopyFrom(lease)
+        if lease.state in LIVE_LEASE_STATES:
+            stamp_duration(view.time_to_live, (self.expires(lease) or 0.0) - self._now())
+        return view
+
+    def ack(self, lease: lease_pb2.Lease, ack: lease_pb2.Lease) -> None:
+        """Fills ``ack``, a retention report's answer for one lease, with what the reporter
+        lacks, no more (it has the handle and hashes; a replay of 100k leases would otherwise
+        echo them all back)."""
+        ack.lease_id = lease.lease_id
+        ack.conversation_id = lease.conversation_id
+        ack.node_id = lease.node_id
+        ack.epoch = lease.epoch
+        ack.state = lease.state
+        ack.end_reason = lease.end_reason
+        ack.handle.remote_request_id = lease.handle.remote_request_id
+        if lease.state in LIVE_LEASE_STATES:
+            stamp_duration(ack.time_to_live, (self.expires(lease) or 0.0) - self._now())
+
+    async def page(
+        self,
+        node_id: str,
+        conversation_id: str,
+        states: Sequence[int],
+        page_size: int,
+        page_token: str,
+    ) -> tuple[list[lease_pb2.Lease], str]:
+        if page_size > 1000:
+            raise InvalidArgument(f"page_size {page_size} exceeds the limit of 1000")
+        wanted = set(states) or LIVE_LEASE_STATES
+        limit = page_size or 100
+        page: list[lease_pb2.Lease] = []
+        leases: Iterable[lease_pb2.Lease]
+        if conversation_id and wanted <= LIVE_LEASE_STATES:
+            # A conversation has at most one live lease, its current one: no scan.
+            leases = await self._current_leases(conversation_id, node_id, page_token)
+        else:
+            leases = await self._store.list_leases(node_id, conversation_id, after=page_token)
+        for lease in leases:
+            if lease.state not in wanted:
+                continue
+            if len(page) == limit:
+                return page, page[-1].lease_id
+            page.append(self.view(lease))
+        return page, ""
+
+    async def _current_leases(
+        self, conversation_id: str, node_id: str, after: str
+    ) -> list[lease_pb2.Lease]:
+        conversation = await self._store.get_conversation(conversation_id)
+        if conversation is None or conversation.lease_id <= after:
+            return []
+        lease = await self._store.get_lease(conversation.lease_id)
+        return [lease] if lease is not None and node_id in ("", lease.node_id) else []
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def ttl(self, requested: float | None) -> float:
+        """A lease's time to live: the idle TTL unless the caller asks for one, bounded."""
+        if requested is None or requested == 0:
+            return self._idle_ttl.ttl()
+        if requested < 0:
+            raise InvalidArgument("time_to_live must not be negative")
+        return min(requested, self._config.max_lease_ttl_s)
+
+    async def grant(
+        self,
+        node: node_pb2.Node,
+        conversation_id: str,
+        handle: lease_pb2.KvHandle,
+        block_hashes: Sequence[bytes],
+        token_count: int,
+        ttl: float,
+        blocks: int,
+    ) -> lease_pb2.Lease:
+        existing = await self._store.find_lease(node.spec.node_id, handle.remote_request_id)
+        if existing is not None and existing.conversation_id == conversation_id:
+            return existing  # a duplicate report of the same retention
+        now = self._now()
+        conversation = await self._store.get_conversation(conversation_id)
+        if conversation is None:
+            conversation = lease_pb2.Conversation(conversation_id=conversation_id)
+        lease = lease_pb2.Lease(
+            lease_id=new_lease_id(now),
+            conversation_id=conversation_id,
+            node_id=node.spec.node_id,
+            node_incarnation=node.spec.incarnation,
+            epoch=conversation.epoch + 1,
+            handle=handle,
+            block_hashes=block_hashes,
+            token_count=token_count,
+            state=ACTIVE,
+        )
+        stamp_time(lease.grant_time, now)
+        stamp_time(lease.renew_time, now)
+        stamp_time(lease.expire_time, now + ttl)
+        await self._supersede(conversation, lease)
+        await self._store.put_lease(lease)
+        self._nodes.account(lease.node_id, blocks, +1)
+        self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
+        self._turns.settle(conversation_id)
+        self._metrics.lease_event("grant").inc()
+        self._log.debug(
+            "lease_granted",
+            lease=lease.lease_id,
+            conversation=conversation_id,
+            node=node.spec.node_id,
+            epoch=lease.epoch,
+            tokens=token_count,
+        )
+        return lease
+
+    async def revive(
+        self,
+        lease: lease_pb2.Lease,
+        incarnation: str,
+        ttl: float,
+        blocks: int,
+        conversation: lease_pb2.Conversation | None,
+    ) -> None:
+        """Makes a replayed lease live again under the holder's ``incarnation``, as its
+        conversation's current lease (its epoch is not behind: the caller checked)."""
+        now = self._now()
+        lease.node_incarnation = incarnation
+        lease.state = ACTIVE
+        lease.ClearField("end_cause")
+        lease.end_reason = ""
+        lease.ClearField("end_time")
+        stamp_time(lease.renew_time, now)
+        stamp_time(lease.expire_time, now + ttl)
+        self._deadlines.cancel((FORGET_LEASE, lease.lease_id))
+        self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
+        await self._store.put_lease(lease)
+        self._nodes.account(lease.node_id, blocks, +1)
+        if conversation is None:
+            conversation = lease_pb2.Conversation(conversation_id=lease.conversation_id)
+        await self._supersede(conversation, lease)
+        self._metrics.lease_event("restore").inc()
+
+    async def _supersede(
+        self, conversation: lease_pb2.Conversation, lease: lease_pb2.Lease
+    ) -> None:
+        """Makes ``lease`` the conversation's current one; ends the previous live lease."""
+        previous_id = conversation.lease_id
+        conversation.epoch = max(conversation.epoch, lease.epoch)
+        conversation.lease_id = lease.lease_id
+        conversation.decode_node_id = lease.node_id
+        stamp_time(conversation.last_active_time, self._now())
+        if previous_id and previous_id != lease.lease_id:
+            previous = await self._store.get_lease(previous_id)
+            if previous is not None and previous.state in LIVE_LEASE_STATES:
+                await self.end(
+                    previous,
+                    REVOKED,
+                    SUPERSEDED,
+                    f"superseded by lease {lease.lease_id} (epoch {lease.epoch})",
+                    command_ttl=self.grace_for(previous),
+                    conversation=conversation,
+                )
+        await self._store.put_conversation(conversation)
+        self._deadlines.cancel((FORGET_CONVERSATION, conversation.conversation_id))
+
+    def grace_for(self, lease: lease_pb2.Lease) -> float:
+        """How long the holder must keep blocks after an early end: covers in-flight reads."""
+        now = self._now()
+        grace = max(self._config.revoke_grace_s, self.inherited_claims_until - now)
+        if lease.state == CLAIMED:
+            claim_end = self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0.0
+            grace = max(grace, claim_end - now)
+        return grace
+
+    async def renew(self, lease: lease_pb2.Lease, ttl: float) -> None:
+        if lease.state not in LIVE_LEASE_STATES:
+            raise LeaseEnded(
+                f"lease {lease.lease_id} is {state_name(lease.state)} "
+                f"({lease.end_reason}); it cannot be renewed"
+            )
+        now = self._now()
+        expires = now + ttl
+        if lease.state == CLAIMED:
+            expires = max(expires, self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0)
+        stamp_time(lease.renew_time, now)
+        stamp_time(lease.expire_time, expires)
+        await self._store.put_lease(lease)
+        self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), expires)
+        await self._touch_conversation(lease.conversation_id)
+        self._metrics.lease_event("renew").inc()
+        self._outbox.send(lease, expires - now, "renewed")
+
+    async def release(
+        self, lease: lease_pb2.Lease, node_id: str, incarnation: str, reason: str
+    ) -> None:
+        """The holder freed the blocks; only the holder may say so."""
+        self._validate.id(node_id, "node_id")
+        if lease.node_id != node_id or lease.node_incarnation != incarnation:
+            raise NotHolder(
+                f"lease {lease.lease_id} is held by node {lease.node_id!r} "
+                f"(incarnation {lease.node_incarnation!r}); only its holder may release it"
+            )
+        if lease.state in LIVE_LEASE_STATES:
+            await self.end(lease, RELEASED, ENGINE, reason or "released by holder", None)
+
+    async def revoke(self, lease: lease_pb2.Lease, reason: str) -> None:
+        if lease.state in LIVE_LEASE_STATES:
+            await self.end(
+                lease,
+                REVOKED,
+                REVOKED_BY_CALLER,
+                reason or "revoked",
+                command_ttl=self.grace_for(lease),
+            )
+
+    async def withdraw(self, node_id: str, reason: str) -> None:
+        """Ends a node's live leases without commands: the node is not there to receive them."""
+        for lease in await self._store.live_leases_of_node(node_id):
+            await self.end(lease, REVOKED, NODE_LOST, reason, command_ttl=None)
+
+    async def _touch_conversation(self, conversation_id: str) -> None:
+        conversation = await self._store.get_conversation(conversation_id)
+        if conversation is not None:
+            stamp_time(conversation.last_active_time, self._now())
+            await self._store.put_conversation(conversation)
+
+    async def end(
+        self,
+        lease: lease_pb2.Lease,
+        state: int,
+        cause: int,
+        reason: str,
+        command_ttl: float | None,
+        conversation: lease_pb2.Conversation | None = None,
+    ) -> None:
+        """Moves a live lease to an end state for ``cause``; ``command_ttl`` tells the holder
+        when to free. ``conversation``: the lease's, when the caller holds it (saves a read)."""
+        now = self._now()
+        was_live = lease.state in LIVE_LEASE_STATES
+        lease.state = state  # type: ignore[assignment]
+        lease.end_cause = cause  # type: ignore[assignment]
+        lease.end_reason = reason
+        stamp_time(lease.end_time, now)
+        lease.ClearField("claim_expire_time")
+        await self._store.put_lease(lease)
+        self._deadlines.cancel((LEASE_EXPIRY, lease.lease_id))
+        self._deadlines.cancel((CLAIM_END, lease.lease_id))
+        self._deadlines.schedule(
+            (FORGET_LEASE, lease.lease_id), now + self._config.ended_lease_retention_s
+        )
+        if was_live:
+            self._nodes.account(lease.node_id, block_count(lease.handle), -1)
+        if conversation is None:
+            conversation = await self._store.get_conversation(lease.conversation_id)
+        if conversation is not None and conversation.lease_id == lease.lease_id:
+            self._deadlines.schedule(
+                (FORGET_CONVERSATION, lease.conversation_id),
+                now + self._config.conversation_retention_s,
+            )
+        self._metrics.lease_event(state_name(state).lower()).inc()
+        self._metrics.lease_end(cause_name(cause).lower()).inc()
+        if command_ttl is not None:
+            self._outbox.send(lease, command_ttl, reason)
+        self._log.debug("lease_ended", lease=lease.lease_id, state=state_name(state), reason=reason)
+
+    async def expire_if_due(self, lease: lease_pb2.Lease) -> None:
+        """Expires a live lease whose deadline has passed (reads check, so an expired lease is
+        never offered even while the deadline task is behind)."""
+        if lease.state not in LIVE_LEASE_STATES:
+            return
+        expires = self.expires(lease)
+        if expires is not None and expires <= self._now():
+            await self.end(lease, EXPIRED, IDLE, "not renewed in time", command_ttl=0.0)
+
+    async def claim(self, lease: lease_pb2.Lease) -> None:
+        """A hint offered the lease: a read may be in flight until the claim ends."""
+        now = self._now()
+        claim_end = now + self._config.claim_timeout_s
+        lease.state = CLAIMED
+        stamp_time(lease.claim_expire_time, claim_end)
+        expires = self.expires(lease) or now
+        extends = expires < claim_end
+        if extends:
+            stamp_time(lease.expire_time, claim_end)
+            self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), claim_end)
+            # The holder must keep the blocks for the whole claim.
+            self._outbox.send(lease, claim_end - now, "claimed by a read")
+        self._deadlines.schedule((CLAIM_END, lease.lease_id), claim_end)
+        # A claim is soft state (a successor grants inherited claims a grace instead), unless
+        # it moved the expiry: the holder was told the later time, so the store must know it.
+        await self._store.put_lease(lease, durable=extends)
+        self._metrics.lease_event("claim").inc()
+
+    # ----------------------------------------------------------------- takeover
+
+    async def restore(self) -> int:
+        """Rebuilds the lease deadlines and the holders' figures from the store (a takeover);
+        returns the number of live leases."""
+        now = self._now()
+        config = self._config
+        self.inherited_claims_until = now + config.claim_timeout_s
+        live = 0
+        live_conversations: set[str] = set()
+        for lease in await self._store.list_leases():
+            if lease.state in LIVE_LEASE_STATES:
+                self._deadlines.schedule(
+                    (LEASE_EXPIRY, lease.lease_id), from_timestamp(lease.expire_time)
+                )
+                if lease.state == CLAIMED:
+                    self._deadlines.schedule(
+                        (CLAIM_END, lease.lease_id), from_timestamp(lease.claim_expire_time)
+                    )
+                self._nodes.account(lease.node_id, block_count(lease.handle), +1)
+                live_conversations.add(lease.conversation_id)
+                live += 1
+            else:
+                self._deadlines.schedule(
+                    (FORGET_LEASE, lease.lease_id),
+                    from_timestamp(lease.end_time) + config.ended_lease_retention_s,
+                )
+        for conversation in await self._store.list_conversations():
+            if conversation.conversation_id not in live_conversations:
+                self._deadlines.schedule(
+                    (FORGET_CONVERSATION, conversation.conversation_id),
+                    from_timestamp(conversation.last_active_time) + config.conversation_retention_s,
+                )
+        return live
+
+    # ----------------------------------------------------------------- deadlines
+
+    async def on_expiry(self, lease_id: str) -> None:
+        lease = await self._store.get_lease(lease_id)
+        if lease is not None and lease.state in LIVE_LEASE_STATES:
+            await self.end(lease, EXPIRED, IDLE, "not renewed in time", 0.0)
+
+    async def on_claim_end(self, lease_id: str) -> None:
+        lease = await self._store.get_lease(lease_id)
+        if lease is not None and lease.state == CLAIMED:
+            lease.state = ACTIVE
+            lease.ClearField("claim_expire_time")
+            await self._store.put_lease(lease, durable=False)
+
+    async def forget_lease(self, lease_id: str) -> None:
+        await self._store.delete_lease(lease_id)
+
+    async def forget_conversation(self, conversation_id: str) -> None:
+        conversation = await self._store.get_conversation(conversation_id)
+        if conversation is None:
+            return
+        lease = (
+            await self._store.get_lease(conversation.lease_id) if conversation.lease_id else None
+        )
+        if lease is None or lease.state not in LIVE_LEASE_STATES:
+            await self._store.delete_conversation(conversation_id)

@@ -1,0 +1,260 @@
+"""Node sessions: registration, heartbeats and their session deadlines, readiness, draining,
+and each node's in-memory runtime (the routing view and the figures derived from its leases).
+
+A session ends when its node deregisters or misses heartbeats for the session TTL; ending it
+withdraws the node's leases, which the registry does (``Registry``) because leases are not
+this part's to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from controlplane.config import RegistryConfig
+from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
+from controlplane.errors import (
+    InvalidArgument,
+    NodeDown,
+    NodeNotRegistered,
+    NotADecodeNode,
+    SessionLost,
+)
+from controlplane.metrics import NodeFigures
+from controlplane.store import Store
+from controlplane.validation import Validation
+from kvbroker.common.clock import stamp_time, to_timestamp
+from kvbroker.common.routing import (
+    DECODE_ROLES,
+    RoutedNode,
+    Routes,
+    candidates,
+    node_state_name,
+)
+from kvbroker.v1 import node_pb2
+
+READY = node_pb2.NODE_STATE_READY
+NOT_READY = node_pb2.NODE_STATE_NOT_READY
+DRAINING = node_pb2.NODE_STATE_DRAINING
+DOWN = node_pb2.NODE_STATE_DOWN
+
+
+@dataclass(slots=True, eq=False)
+class NodeRuntime(RoutedNode):
+    """One node as this registry runs it: the routing view, kept in step with the stored record
+    by every node transition, plus what only the leader knows."""
+
+    # Live leases held there, derived from the leases by every lease transition.
+    live_leases: int = 0
+    # The last retention event applied from its sidecar.
+    applied_sequence: int = 0
+    # False for a node known only from the store (after a takeover) until its sidecar replays:
+    # its engine may hold deadlines this registry never sent, so its leases are not offered.
+    synced: bool = True
+
+
+class NodeSessions:
+    def __init__(
+        self,
+        store: Store,
+        config: RegistryConfig,
+        deadlines: DeadlineQueue[DeadlineKey],
+        now: Callable[[], float],
+        validate: Validation,
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> None:
+        self._store = store
+        self._config = config
+        self._deadlines = deadlines
+        self._now = now
+        self._validate = validate
+        self._log = log
+        self.runtime: dict[str, NodeRuntime] = {}
+        # model -> ready prefill and decode nodes, until a node's state changes
+        self._routes: dict[str, Routes[NodeRuntime]] = {}
+
+    # ----------------------------------------------------------------- reads
+
+    async def node(self, node_id: str) -> node_pb2.Node:
+        node = await self._store.get_node(self._validate.id(node_id, "node_id"))
+        if node is None:
+            raise NodeNotRegistered(f"node {node_id!r} is not registered")
+        return node
+
+    async def session(self, node_id: str, incarnation: str) -> node_pb2.Node:
+        """The node, if ``incarnation`` is its live session; the caller speaks for the node."""
+        node = await self.node(node_id)
+        self._validate.id(incarnation, "incarnation")
+        if node.spec.incarnation != incarnation:
+            raise SessionLost(
+                f"node {node_id!r} is now incarnation {node.spec.incarnation!r}, "
+                f"not {incarnation!r}; register again"
+            )
+        if node.state == DOWN:
+            raise SessionLost(
+                f"node {node_id!r} lost its session (missed heartbeats); register again"
+            )
+        return node
+
+    def view(self, node: node_pb2.Node) -> node_pb2.Node:
+        view = node_pb2.Node()
+        view.CopyFrom(node)
+        runtime = self.runtime.get(node.spec.node_id)
+        if runtime is not None:
+            view.live_leases = runtime.live_leases
+            view.retained_blocks = runtime.retained_blocks
+        return view
+
+    async def list_nodes(self, role: int = 0, model: str = "") -> list[node_pb2.Node]:
+        return [
+            self.view(n)
+            for n in await self._store.list_nodes()
+            if (not role or n.spec.role == role) and (not model or n.spec.model == model)
+        ]
+
+    def figures(self) -> list[NodeFigures]:
+        return [
+            NodeFigures(
+                node_id=r.node_id,
+                state=node_state_name(r.state),
+                live_leases=r.live_leases,
+                retained_blocks=r.retained_blocks,
+                retained_bytes=r.retained_blocks * r.spec.bytes_per_block,
+                retained_fraction=r.retained_fraction,
+            )
+            for r in list(self.runtime.values())
+        ]
+
+    def routes(self, model: str) -> Routes[NodeRuntime]:
+        """Ready nodes for ``model`` (cached until a node's state changes); raises routing's
+        ``NoReadyNode``."""
+        routes = self._routes.get(model)
+        if routes is None:
+            routes = self._routes[model] = candidates(self.runtime.values(), model)
+        return routes
+
+    @staticmethod
+    def require_holder_role(node: node_pb2.Node) -> None:
+        if node.spec.role not in DECODE_ROLES:
+            raise NotADecodeNode(
+                f"node {node.spec.node_id!r} is a prefill node; only decode nodes retain KV "
+                "under leases"
+            )
+
+    def account(self, node_id: str, blocks: int, sign: int) -> None:
+        """Counts a lease of ``blocks`` in (+1) or out (-1) of its holder's figures."""
+        runtime = self.runtime.get(node_id)
+        if runtime is not None:
+            runtime.live_leases += sign
+            runtime.retained_blocks += sign * blocks
+
+    # ----------------------------------------------------------------- transitions
+
+    def validate_spec(self, spec: node_pb2.NodeSpec) -> None:
+        self._validate.id(spec.node_id, "spec.node_id")
+        self._validate.id(spec.incarnation, "spec.incarnation")
+        if spec.role == node_pb2.NODE_ROLE_UNSPECIFIED:
+            raise InvalidArgument("spec.role is required (prefill, decode or both)")
+        if not spec.model:
+            raise InvalidArgument("spec.model is required")
+        if spec.block_size == 0:
+            raise InvalidArgument("spec.block_size must be positive")
+
+    async def register(self, spec: node_pb2.NodeSpec, old: node_pb2.Node | None) -> node_pb2.Node:
+        """Starts the session of ``spec`` (``old``: the node's record before, if any); the same
+        incarnation registering again keeps its session's start and its draining."""
+        now = self._now()
+        node = node_pb2.Node(
+            spec=spec,
+            state=READY,
+            registered_time=to_timestamp(now),
+            last_heartbeat_time=to_timestamp(now),
+        )
+        same_incarnation = old is not None and old.spec.incarnation == spec.incarnation
+        if old is not None and same_incarnation:
+            node.registered_time.CopyFrom(old.registered_time)
+            node.state = DRAINING if old.state == DRAINING else READY
+        self._set_runtime(spec, node.state, fresh=not same_incarnation)
+        await self._store.put_node(node)
+        self._deadlines.schedule((DeadlineKind.NODE_SESSION, spec.node_id), now + self._ttl())
+        self._log.info(
+            "node_registered",
+            node=spec.node_id,
+            role=node_pb2.NodeRole.Name(spec.role),
+            incarnation=spec.incarnation,
+        )
+        return node
+
+    async def heartbeat(
+        self, node_id: str, incarnation: str, engine_ready: bool, load: node_pb2.NodeLoad
+    ) -> node_pb2.Node:
+        node = await self.session(node_id, incarnation)
+        now = self._now()
+        stamp_time(node.last_heartbeat_time, now)
+        node.load.CopyFrom(load)
+        changed = False
+        if node.state != DRAINING:
+            new_state = READY if engine_ready else NOT_READY
+            if new_state != node.state:
+                self._log.info("node_readiness", node=node_id, state=node_state_name(new_state))
+                changed = True
+            node.state = new_state
+        # Load and heartbeat times are soft state; only a change of readiness is written.
+        await self._store.put_node(node, durable=changed)
+        runtime = self._set_runtime(node.spec, node.state)
+        runtime.note_load(load)
+        runtime.assigned_since_heartbeat = 0
+        self._deadlines.schedule((DeadlineKind.NODE_SESSION, node_id), now + self._ttl())
+        return node
+
+    async def drain(self, node_id: str) -> node_pb2.Node:
+        node = await self.node(node_id)
+        if node.state == DOWN:
+            raise NodeDown(f"node {node_id!r} is down; there is nothing to drain")
+        node.state = DRAINING
+        self._set_runtime(node.spec, DRAINING)
+        await self._store.put_node(node)
+        self._log.info("node_draining", node=node_id)
+        return node
+
+    async def mark_down(self, node: node_pb2.Node, why: str) -> None:
+        """Ends the node's session (its leases are withdrawn by the caller)."""
+        node.state = DOWN
+        self._set_runtime(node.spec, DOWN)
+        self._deadlines.cancel((DeadlineKind.NODE_SESSION, node.spec.node_id))
+        await self._store.put_node(node)
+        self._log.warning("node_down", node=node.spec.node_id, why=why)
+
+    def restore(self, nodes: list[node_pb2.Node]) -> None:
+        """Runtimes for the nodes in the store (a takeover): not synced until they replay, and
+        their sessions restart, as heartbeats could not reach a leader during the election."""
+        now = self._now()
+        for node in nodes:
+            runtime = NodeRuntime(node.spec, state=node.state, synced=False)
+            runtime.note_load(node.load)
+            self.runtime[node.spec.node_id] = runtime
+            if node.state != DOWN:
+                key = (DeadlineKind.NODE_SESSION, node.spec.node_id)
+                self._deadlines.schedule(key, now + self._ttl())
+        self._routes.clear()
+
+    def current(self, node: node_pb2.Node) -> NodeRuntime:
+        """The runtime of a node with a live session."""
+        return self._set_runtime(node.spec, node.state)
+
+    def _ttl(self) -> float:
+        return self._config.session_ttl_s
+
+    def _set_runtime(self, spec: node_pb2.NodeSpec, state: int, fresh: bool = False) -> NodeRuntime:
+        """The node's runtime, now in ``state``; a new one for a new incarnation. Any change of
+        who can be routed to drops the cached candidate lists."""
+        runtime = None if fresh else self.runtime.get(spec.node_id)
+        if runtime is None:
+            runtime = self.runtime[spec.node_id] = NodeRuntime(spec, state=state)
+            self._routes.clear()
+        elif runtime.state != state:
+            runtime.state = state
+            self._routes.clear()
+        return runtime

@@ -1,0 +1,231 @@
+"""Retention reports and replay: what a decode node's engine retained, freed or wants back,
+in its sidecar's ordered events, and the full snapshot it replays after a reconnect.
+
+A replayed lease is kept, revived or recreated unless a newer epoch fences it (then the engine
+is told to free it); with a full snapshot, whatever the registry thinks the node holds and the
+snapshot lacks is ended, and the node's leases may be offered again (it is synced).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from controlplane.errors import InvalidArgument, NotHolder
+from controlplane.leases import (
+    ENGINE,
+    FENCED,
+    PRESSURE,
+    RECLAIM_CAUSES,
+    RELEASED,
+    REVOKED,
+    Leases,
+)
+from controlplane.nodes import NodeSessions
+from controlplane.outbox import Outbox
+from controlplane.store import Store
+from controlplane.validation import Validation
+from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
+from kvbroker.common.routing import LIVE_LEASE_STATES
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+
+# Events with the block count of each (counted once, when checked).
+CheckedEvents = list[tuple[registry_pb2.RetentionEvent, int]]
+
+
+class RetentionReports:
+    def __init__(
+        self,
+        store: Store,
+        now: Callable[[], float],
+        nodes: NodeSessions,
+        leases: Leases,
+        outbox: Outbox,
+        validate: Validation,
+        log: structlog.typing.FilteringBoundLogger,
+    ) -> None:
+        self._store = store
+        self._now = now
+        self._nodes = nodes
+        self._leases = leases
+        self._outbox = outbox
+        self._validate = validate
+        self._log = log
+
+    def check(self, events: Sequence[registry_pb2.RetentionEvent]) -> CheckedEvents:
+        """The events in sequence order, each with its block count; refuses the whole report
+        if any event is malformed (check before taking the lock)."""
+        checked: CheckedEvents = []
+        for event in events:
+            blocks = 0
+            if event.HasField("retained"):
+                r = event.retained
+                self._validate.id(r.conversation_id, "retained.conversation_id")
+                blocks = self._validate.retention(r.handle, r.block_hashes, r.token_count)
+            elif event.HasField("released"):
+                self._validate.id(event.released.remote_request_id, "released.remote_request_id")
+            elif event.HasField("reclaim"):
+                self._validate.id(event.reclaim.remote_request_id, "reclaim.remote_request_id")
+                if event.reclaim.cause not in RECLAIM_CAUSES:
+                    raise InvalidArgument(
+                        f"event {event.sequence}: a reclaim's cause must be PRESSURE or BUDGET"
+                    )
+            else:
+                raise InvalidArgument(
+                    f"event {event.sequence} is neither retained, released nor a reclaim"
+                )
+            checked.append((event, blocks))
+        checked.sort(key=lambda item: item[0].sequence)
+        return checked
+
+    async def apply(
+        self, node: node_pb2.Node, checked: CheckedEvents, full_snapshot: bool
+    ) -> registry_pb2.ReportRetentionResponse:
+        """Applies a node's checked events (call under the lock, with the node's session)."""
+        runtime = self._nodes.current(node)
+        # Acks are built in the response itself: copying 100k of them into it afterwards
+        # costs a replay as much as building them.
+        response = registry_pb2.ReportRetentionResponse()
+        snapshot_ids: set[str] = set()
+        for event, blocks in checked:
+            stale = event.sequence <= runtime.applied_sequence and not full_snapshot
+            if event.HasField("retained"):
+                self._nodes.require_holder_role(node)
+                lease = await self._retained(node, event.retained, blocks, stale)
+                snapshot_ids.add(lease.lease_id)
+                self._leases.ack(lease, response.leases.add())
+            elif stale:
+                pass
+            elif event.HasField("released"):
+                await self._released(node, event.released)
+            else:
+                await self._reclaim(node, event.reclaim)
+            runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
+        if full_snapshot:
+            runtime.synced = True
+            for lease_id in self._store.live_lease_ids(node.spec.node_id) - snapshot_ids:
+                lease = await self._leases.lease(lease_id)
+                await self._leases.end(
+                    lease, REVOKED, FENCED, "not retained by the engine after reconnect", None
+                )
+        response.applied_sequence = runtime.applied_sequence
+        return response
+
+    async def _retained(
+        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, blocks: int, replay: bool
+    ) -> lease_pb2.Lease:
+        ttl = self._leases.ttl(from_duration(retained.time_to_live) or None)
+        if not retained.lease_id:
+            if replay:
+                existing = await self._store.find_lease(
+                    node.spec.node_id, retained.handle.remote_request_id
+                )
+                if existing is not None:
+                    return existing
+            return await self._leases.grant(
+                node,
+                retained.conversation_id,
+                retained.handle,
+                retained.block_hashes,
+                retained.token_count,
+                ttl,
+                blocks,
+            )
+        return await self._replayed(node, retained, ttl, blocks)
+
+    async def _replayed(
+        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, ttl: float, blocks: int
+    ) -> lease_pb2.Lease:
+        """A replayed lease: kept, revived or recreated, unless a newer epoch fences it."""
+        lease = await self._store.get_lease(retained.lease_id)
+        conversation = await self._store.get_conversation(retained.conversation_id)
+        current_epoch = conversation.epoch if conversation is not None else 0
+        fenced = current_epoch > retained.epoch
+        if lease is not None and lease.node_id != node.spec.node_id:
+            raise NotHolder(
+                f"lease {lease.lease_id} is held by node {lease.node_id!r}, "
+                f"not {node.spec.node_id!r}"
+            )
+        if lease is not None and lease.state in LIVE_LEASE_STATES:
+            if lease.node_incarnation != node.spec.incarnation:
+                lease.node_incarnation = node.spec.incarnation
+                await self._store.put_lease(lease)
+            return lease
+        revivable = lease is None or (
+            lease.state == REVOKED and lease.end_cause == lease_pb2.LEASE_END_CAUSE_NODE_LOST
+        )
+        if fenced or not revivable:
+            if lease is None:
+                lease = lease_pb2.Lease(
+                    lease_id=retained.lease_id,
+                    conversation_id=retained.conversation_id,
+                    node_id=node.spec.node_id,
+                    node_incarnation=node.spec.incarnation,
+                    epoch=retained.epoch,
+                    handle=retained.handle,
+                    state=REVOKED,
+                    end_cause=FENCED,
+                    end_reason=f"fenced: conversation is at epoch {current_epoch}",
+                    end_time=to_timestamp(self._now()),
+                )
+            # The engine still holds blocks the registry no longer stands behind: free them.
+            self._outbox.send(lease, 0.0, lease.end_reason)
+            return lease
+        if lease is None:
+            lease = lease_pb2.Lease(
+                lease_id=retained.lease_id,
+                conversation_id=retained.conversation_id,
+                node_id=node.spec.node_id,
+                epoch=retained.epoch,
+                handle=retained.handle,
+                block_hashes=retained.block_hashes,
+                token_count=retained.token_count,
+            )
+            stamp_time(lease.grant_time, self._now())
+        await self._leases.revive(lease, node.spec.incarnation, ttl, blocks, conversation)
+        self._log.debug(
+            "lease_restored", lease=lease.lease_id, node=node.spec.node_id, epoch=lease.epoch
+        )
+        return lease
+
+    async def _released(self, node: node_pb2.Node, released: registry_pb2.ReleasedBlocks) -> None:
+        lease = await self._store.find_lease(node.spec.node_id, released.remote_request_id)
+        if lease is not None and lease.state in LIVE_LEASE_STATES:
+            await self._leases.end(
+                lease,
+                RELEASED,
+                released.cause or ENGINE,
+                released.reason or "freed by engine",
+                None,
+            )
+
+    async def _reclaim(self, node: node_pb2.Node, reclaim: registry_pb2.ReclaimRequest) -> None:
+        """The holder's engine wants blocks back. Ended here first, freed by the command after:
+        from this moment no hint offers the lease and a prefill node's lease check declines it,
+        so the only reads that can still touch the blocks are claimed ones, which are kept."""
+        lease = await self._store.find_lease(node.spec.node_id, reclaim.remote_request_id)
+        if lease is None or lease.state not in LIVE_LEASE_STATES:
+            # Nothing the registry stands behind: the engine may free at once.
+            self._outbox.send_to_node(
+                node.spec.node_id,
+                registry_pb2.LeaseCommand(
+                    remote_request_id=reclaim.remote_request_id,
+                    lease_id=lease.lease_id if lease is not None else "",
+                    state=lease.state if lease is not None else RELEASED,
+                    cause=lease.end_cause if lease is not None else reclaim.cause,
+                    reason="no live lease: free now",
+                ),
+            )
+            return
+        leases = self._leases
+        claimed = lease.state == lease_pb2.LEASE_STATE_CLAIMED
+        if claimed or leases.inherited_claims_until > self._now():
+            # A read may be in flight (a claim of this registry's, or one a previous leader
+            # made and did not write down): the holder keeps the blocks for it.
+            self._outbox.send(lease, leases.grace_for(lease), "claimed by a read: keep for it")
+            return
+        why = "memory pressure" if reclaim.cause == PRESSURE else "over its retention budget"
+        await leases.end(
+            lease, RELEASED, reclaim.cause, f"released by {node.spec.node_id}: {why}", 0.0
+        )

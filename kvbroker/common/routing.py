@@ -1,0 +1,212 @@
+"""Where a turn goes, and whether it reuses retained KV: the one routing rule.
+
+The registry's leader, a follower answering from its cache while no leader can be reached,
+and the router's own fallback while the registry is away all route with these functions, so
+they can differ only in what they know, never in how they choose (as Dynamo keeps its KV
+router's algorithm apart from its integration). Pure: nodes and records in, a choice out; no
+store, no lock, no clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Self, TypeVar
+
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+
+PREFILL_ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH})
+DECODE_ROLES = frozenset({node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH})
+LIVE_LEASE_STATES = frozenset({lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED})
+# A holder in these states still serves reads of what it retains (a draining node takes no
+# new work but keeps its leases).
+SERVING_STATES = frozenset({node_pb2.NODE_STATE_READY, node_pb2.NODE_STATE_DRAINING})
+
+# Up to this many candidates the least loaded is found exactly; beyond, two random candidates
+# are compared (power of two choices, as Envoy's least-request balancer does): O(1) per hint
+# and within a small factor of the exact choice's balance.
+EXACT_PICK_LIMIT = 8
+
+
+def cause_name(cause: int) -> str:
+    return lease_pb2.LeaseEndCause.Name(cause).removeprefix("LEASE_END_CAUSE_")
+
+
+def node_state_name(state: int) -> str:
+    return node_pb2.NodeState.Name(state).removeprefix("NODE_STATE_")
+
+
+@dataclass(slots=True, eq=False)
+class RoutedNode:
+    """What routing knows of a node: plain attributes, so a hint never walks proto fields
+    (reading a proto field costs ~10x a Python attribute)."""
+
+    spec: node_pb2.NodeSpec
+    state: int = node_pb2.NODE_STATE_READY
+    queued: int = 0
+    kv_usage: float = 0.0
+    # Hints that chose this node since its last heartbeat reported load.
+    assigned_since_heartbeat: int = 0
+    # KV blocks retained there under live leases.
+    retained_blocks: int = 0
+    node_id: str = field(init=False)
+    model: str = field(init=False)
+    prefills: bool = field(init=False)
+    decodes: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.node_id = self.spec.node_id
+        self.model = self.spec.model
+        self.prefills = self.spec.role in PREFILL_ROLES
+        self.decodes = self.spec.role in DECODE_ROLES
+
+    @classmethod
+    def of_node(cls, node: node_pb2.Node) -> Self:
+        """A node as a listing or a replica's cache knows it."""
+        routed = cls(node.spec, state=node.state, retained_blocks=node.retained_blocks)
+        routed.note_load(node.load)
+        return routed
+
+    def note_load(self, load: node_pb2.NodeLoad) -> None:
+        self.queued = load.running_requests + load.waiting_requests
+        self.kv_usage = load.kv_cache_usage
+
+    @property
+    def retained_fraction(self) -> float:
+        capacity = self.spec.capacity_blocks
+        return self.retained_blocks / capacity if capacity else 0.0
+
+
+N = TypeVar("N", bound=RoutedNode)
+
+
+class NoReadyNode(Exception):
+    """No ready node of one role serves the model: there is nowhere to send the turn."""
+
+    def __init__(self, role: str, model: str) -> None:
+        served = f"model {model!r}" if model else "any model"
+        super().__init__(f"no ready {role} node serves {served}")
+        self.role = role
+        self.model = model
+        self.message = str(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Routes(Generic[N]):
+    """The ready prefill and decode nodes for one model, neither empty."""
+
+    prefills: Sequence[N]
+    decodes: Sequence[N]
+
+
+def routable(node: RoutedNode, model: str) -> bool:
+    return node.state == node_pb2.NODE_STATE_READY and (not model or node.model == model)
+
+
+def candidates(nodes: Iterable[N], model: str) -> Routes[N]:
+    """Ready prefill and decode nodes for ``model``; raises ``NoReadyNode`` when a side is
+    empty."""
+    ready = [n for n in nodes if routable(n, model)]
+    prefills = [n for n in ready if n.prefills]
+    decodes = [n for n in ready if n.decodes]
+    if not prefills:
+        raise NoReadyNode("prefill", model)
+    if not decodes:
+        raise NoReadyNode("decode", model)
+    return Routes(prefills, decodes)
+
+
+def load(node: RoutedNode) -> tuple[int, float]:
+    """Queued work first, then KV headroom: the cache in use as last reported, or what is known
+    to be retained there now, whichever is more (new conversations go where retention leaves
+    room)."""
+    return node.queued + node.assigned_since_heartbeat, max(node.kv_usage, node.retained_fraction)
+
+
+def pick(nodes: Sequence[N], turn: int, prefer: str = "") -> N:
+    """The preferred node if it is among ``nodes``, else the least loaded (ties rotate with
+    ``turn``)."""
+    if prefer:
+        for node in nodes:
+            if node.node_id == prefer:
+                return node
+    count = len(nodes)
+    if count > EXACT_PICK_LIMIT:
+        first = random.randrange(count)
+        second = (first + 1 + random.randrange(count - 1)) % count
+        return min(nodes[first], nodes[second], key=load)
+    turn %= count
+    return min([*nodes[turn:], *nodes[:turn]], key=load)
+
+
+def choose(routes: Routes[N], turn: int, holder: str = "") -> tuple[N, N]:
+    """The prefill and decode node for a turn: the least loaded prefill node; the decode node
+    that holds the conversation's KV (or last served it) while it is ready, else the least
+    loaded."""
+    return pick(routes.prefills, turn), pick(routes.decodes, turn, prefer=holder)
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """Whether a turn reuses retained KV, and why."""
+
+    decision: registry_pb2.HintDecision
+    reason: str
+    # False when the answer rests on state the answering registry cannot vouch for.
+    exact: bool = True
+
+    @property
+    def reuses(self) -> bool:
+        return bool(self.decision == registry_pb2.HINT_DECISION_REUSE)
+
+
+def reuse_decision(
+    conversation_id: str,
+    conversation: lease_pb2.Conversation | None,
+    lease: lease_pb2.Lease | None,
+    holder: RoutedNode | None,
+    holder_replayed: bool,
+) -> Reuse:
+    """The leader's decision for a conversation's next turn, from its current ``lease`` (as of
+    now: an expired one already ended) and that lease's ``holder``; ``holder_replayed`` is False
+    while the holder has not replayed its retention to this leader since it took over."""
+    if not conversation_id:
+        return Reuse(registry_pb2.HINT_DECISION_MISS, "no conversation id: plain P/D")
+    if conversation is None:
+        return Reuse(registry_pb2.HINT_DECISION_MISS, "first turn of this conversation")
+    if lease is None:
+        return Reuse(registry_pb2.HINT_DECISION_MISS, "nothing retained for this conversation")
+    recompute = registry_pb2.HINT_DECISION_RECOMPUTE
+    if lease.state not in LIVE_LEASE_STATES:
+        cause = cause_name(lease.end_cause)
+        return Reuse(recompute, f"lease {lease.lease_id} ended ({cause}): {lease.end_reason}")
+    if lease.state == lease_pb2.LEASE_STATE_CLAIMED:
+        return Reuse(recompute, f"lease {lease.lease_id} is claimed by a read in flight")
+    if holder is None or holder.state not in SERVING_STATES:
+        state = node_state_name(holder.state) if holder is not None else "gone"
+        return Reuse(recompute, f"holder node {lease.node_id!r} is {state}")
+    if not holder_replayed:
+        return Reuse(
+            recompute,
+            f"holder node {lease.node_id!r} has not replayed its retained blocks to this "
+            "registry since it took over",
+            exact=False,
+        )
+    return Reuse(
+        registry_pb2.HINT_DECISION_REUSE,
+        f"lease {lease.lease_id} (epoch {lease.epoch}) on {lease.node_id} holds "
+        f"{lease.token_count} tokens",
+    )
+
+
+def leaderless_decision(conversation_known: bool, why: str) -> Reuse:
+    """A follower's decision while no leader can be reached: never reuse (only a leader may
+    claim a lease)."""
+    return Reuse(
+        registry_pb2.HINT_DECISION_RECOMPUTE
+        if conversation_known
+        else registry_pb2.HINT_DECISION_MISS,
+        f"no registry leader reachable ({why}): recompute, from a replica's cache",
+        exact=False,
+    )

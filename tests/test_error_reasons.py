@@ -1,0 +1,174 @@
+"""Error reasons round trip through real gRPC servers on loopback: raised as types in the
+registry, carried with the status, relayed by a follower, read back by the one client-side
+function, and decided on by the router."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from controlplane.hints import cached_hint
+from controlplane.metrics import RegistryMetrics
+from controlplane.registry import Registry
+from controlplane.server import RunningRegistry
+from controlplane.service import RegistryServicer
+from controlplane.store import MemoryStore
+from kvbroker.common.grpc_client import (
+    RegistryCallError,
+    RegistryEndpoint,
+    from_grpc_error,
+    open_channel,
+    registry_stub,
+)
+from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.v1 import node_pb2, registry_pb2, registry_pb2_grpc
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from router.config import RouterConfig
+from router.proxy import Router
+from tests.factories import Heartbeats, hint, node_spec, register
+
+PREFILL = node_pb2.NODE_ROLE_PREFILL
+
+
+async def failure(call: object) -> RegistryCallError:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call  # type: ignore[misc]
+    return from_grpc_error(error.value)
+
+
+async def test_unary_errors_carry_their_reason(stub: RegistryServiceStub) -> None:
+    unknown = await failure(
+        stub.Heartbeat(registry_pb2.HeartbeatRequest(node_id="nope", incarnation="i"), timeout=5)
+    )
+    assert unknown.code() == grpc.StatusCode.NOT_FOUND
+    assert unknown.reason == registry_pb2.ERROR_REASON_NODE_NOT_REGISTERED
+    assert "nope" in unknown.message
+
+    spec = node_spec("decode-0")
+    await register(stub, spec)
+    replaced = node_spec("decode-0")  # a new incarnation of the same node
+    await register(stub, replaced)
+    lost = await failure(
+        stub.Heartbeat(
+            registry_pb2.HeartbeatRequest(node_id="decode-0", incarnation=spec.incarnation),
+            timeout=5,
+        )
+    )
+    assert lost.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert lost.reason == registry_pb2.ERROR_REASON_SESSION_LOST
+
+    no_route = await failure(hint(stub, "c"))
+    assert no_route.code() == grpc.StatusCode.UNAVAILABLE
+    assert no_route.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+    assert no_route.message == "no ready prefill node serves any model"
+
+
+async def test_refused_hints_of_a_batch_carry_their_reason(stub: RegistryServiceStub) -> None:
+    batcher = HintBatcher(stub, timeout_s=5)
+    async with Heartbeats(stub, node_spec("decode-0"), node_spec("prefill-0", PREFILL, port=5700)):
+        with pytest.raises(RegistryCallError) as too_long:
+            await batcher.hint(registry_pb2.GetRoutingHintRequest(conversation_id="x" * 300))
+        with pytest.raises(RegistryCallError) as no_model:
+            await batcher.hint(registry_pb2.GetRoutingHintRequest(model="other-model"))
+    assert too_long.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert too_long.value.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT
+    assert no_model.value.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+    assert "'other-model'" in no_model.value.message
+
+
+async def test_a_transport_failure_has_no_reason() -> None:
+    async with open_channel(RegistryEndpoint.parse("127.0.0.1:1")) as channel:
+        batcher = HintBatcher(registry_stub(channel), timeout_s=1)
+        with pytest.raises(RegistryCallError) as error:
+            await batcher.hint(registry_pb2.GetRoutingHintRequest())
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.value.reason == registry_pb2.ERROR_REASON_UNSPECIFIED
+
+
+@dataclass
+class Follower:
+    """A replica that leads nothing: it forwards to the leader's stub, if any, and answers
+    hints from an (empty) cache while it cannot reach one."""
+
+    leader: RegistryServiceStub | None
+    metrics: RegistryMetrics = field(default_factory=RegistryMetrics)
+    registry: Registry | None = None
+
+    def leader_stub(self) -> RegistryServiceStub | None:
+        return self.leader
+
+    async def cached_hint(
+        self, conversation_id: str, model: str, why: str
+    ) -> registry_pb2.RoutingHint:
+        return await cached_hint(MemoryStore(), conversation_id, model, why, 0)
+
+
+@pytest.fixture
+async def follower(
+    registry_server: RunningRegistry, stub: RegistryServiceStub
+) -> AsyncIterator[tuple[Follower, str]]:
+    replica = Follower(stub)
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(replica), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield replica, f"127.0.0.1:{port}"
+    await server.stop(0)
+
+
+async def test_a_follower_relays_the_leader_s_reason_and_gives_its_own(
+    follower: tuple[Follower, str], stub: RegistryServiceStub
+) -> None:
+    replica, address = follower
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        via_follower = registry_stub(channel)
+        await register(stub, node_spec("decode-0"))
+        # The leader's word: nowhere to route. Relayed, not answered from the cache.
+        relayed = await failure(hint(via_follower, "c"))
+        assert relayed.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+        lost = await failure(
+            via_follower.Heartbeat(
+                registry_pb2.HeartbeatRequest(node_id="decode-0", incarnation="old"), timeout=5
+            )
+        )
+        assert lost.reason == registry_pb2.ERROR_REASON_SESSION_LOST
+
+        replica.leader = None  # the election is pending
+        leaderless = await failure(hint(via_follower, "c"))
+        assert leaderless.code() == grpc.StatusCode.UNAVAILABLE
+        assert leaderless.reason == registry_pb2.ERROR_REASON_NO_LEADER
+        refused = await failure(
+            via_follower.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"), timeout=5)
+        )
+        assert refused.reason == registry_pb2.ERROR_REASON_NO_LEADER
+
+
+async def test_the_router_falls_back_only_when_no_leader_answers(
+    follower: tuple[Follower, str], stub: RegistryServiceStub
+) -> None:
+    replica, address = follower
+    router = Router(RegistryEndpoint.parse(address), RouterConfig(node_refresh_s=3600))
+    await router.start()
+    try:
+        await register(stub, node_spec("decode-0"))
+        await asyncio.sleep(0.3)  # the router's first (and, here, only) node refresh
+        router.known_nodes = [
+            node_pb2.Node(spec=node_spec("decode-1"), state=node_pb2.NODE_STATE_READY),
+            node_pb2.Node(
+                spec=node_spec("prefill-1", PREFILL, port=5701), state=node_pb2.NODE_STATE_READY
+            ),
+        ]
+        with pytest.raises(RegistryCallError) as error:
+            await router.plan("c", "")  # the leader says no prefill node is ready
+        assert error.value.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+
+        replica.leader = None
+        plan = await router.plan("c", "")  # no leader: plain P/D from the router's list
+        assert (plan.prefill.node_id, plan.decode.node_id) == ("prefill-1", "decode-1")
+        assert (plan.decision, plan.consistency) == ("MISS", "DEGRADED")
+    finally:
+        await router.close()

@@ -1,0 +1,220 @@
+"""The registry's parts on an injected fake clock and the memory store, without a server: lease
+expiry, claim deadlines, session deadlines, superseding, typed errors, and a takeover's
+replay. Deadlines are applied by hand as the clock moves (the deadline task is not started)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from controlplane.config import RegistryConfig
+from controlplane.errors import LeaseEnded, NoReadyNode, SessionLost
+from controlplane.registry import Registry
+from controlplane.store import MemoryStore
+from kvbroker.common.clock import from_duration
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from tests.factories import block_hashes, handle, node_spec
+
+CONFIG = RegistryConfig(
+    default_lease_ttl_s=60.0,
+    learn_idle_ttl=False,
+    claim_timeout_s=30.0,
+    revoke_grace_s=2.0,
+    heartbeat_interval_s=2.0,
+    session_ttl_s=6.0,
+)
+ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
+CLAIMED = lease_pb2.LEASE_STATE_CLAIMED
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Harness:
+    def __init__(self, store: MemoryStore | None = None) -> None:
+        self.clock = FakeClock()
+        self.store = store or MemoryStore()
+        self.registry = Registry(self.store, CONFIG, clock=self.clock)
+        self.decode = node_spec("decode-0")
+        self.prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+
+    async def fleet(self) -> None:
+        for spec in (self.decode, self.prefill):
+            await self.registry.register_node(spec)
+
+    async def advance(
+        self, seconds: float, beating: tuple[node_pb2.NodeSpec, ...] | None = None
+    ) -> None:
+        """Moves the clock in heartbeat-sized steps, applying every deadline due as the
+        deadline task would; ``beating`` nodes (default: both) heartbeat at each step."""
+        beating = (self.decode, self.prefill) if beating is None else beating
+        end = self.clock.t + seconds
+        while self.clock.t < end:
+            self.clock.t = min(self.clock.t + CONFIG.heartbeat_interval_s, end)
+            registry = self.registry
+            await registry._on_deadlines(registry._deadlines.pop_due(10_000))
+            await self.heartbeat(*beating)
+
+    async def grant(
+        self, conversation: str, request_id: str, ttl: float | None = None
+    ) -> lease_pb2.Lease:
+        return await self.registry.grant_lease(
+            conversation,
+            self.decode.node_id,
+            self.decode.incarnation,
+            handle(request_id, 64, self.decode),
+            block_hashes(64),
+            64,
+            ttl,
+        )
+
+    async def heartbeat(self, *specs: node_pb2.NodeSpec) -> None:
+        for spec in specs:
+            await self.registry.heartbeat(spec.node_id, spec.incarnation, True, node_pb2.NodeLoad())
+
+    async def next_command(self) -> registry_pb2.LeaseCommand:
+        commands = self.registry.watch_commands(self.decode.node_id, self.decode.incarnation)
+        return await asyncio.wait_for(anext(commands), 1)
+
+
+async def test_a_lease_expires_when_its_ttl_runs_out() -> None:
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1", ttl=10)
+    assert from_duration(lease.time_to_live) == pytest.approx(10)
+    await h.advance(9.9)
+    assert (await h.registry.get_lease(lease.lease_id)).state == ACTIVE
+    await h.advance(0.2)
+    ended = await h.registry.get_lease(lease.lease_id)
+    assert ended.state == lease_pb2.LEASE_STATE_EXPIRED
+    assert ended.end_cause == lease_pb2.LEASE_END_CAUSE_IDLE
+    command = await h.next_command()
+    assert command.lease_id == lease.lease_id and from_duration(command.time_to_live) == 0
+    with pytest.raises(LeaseEnded) as error:
+        await h.registry.renew_lease(lease.lease_id)
+    assert error.value.reason == registry_pb2.ERROR_REASON_LEASE_ENDED
+
+
+async def test_expiry_is_checked_on_read_even_before_the_deadline_task_runs() -> None:
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1", ttl=10)
+    h.clock.t += 11  # no deadline applied
+    hint = await h.registry.routing_hint("c", "")
+    assert hint.decision == registry_pb2.HINT_DECISION_RECOMPUTE
+    assert "not renewed in time" in hint.reason
+    assert (await h.registry.get_lease(lease.lease_id)).state == lease_pb2.LEASE_STATE_EXPIRED
+
+
+async def test_a_claim_holds_off_other_reads_until_it_ends() -> None:
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1", ttl=600)
+    first = await h.registry.routing_hint("c", "")
+    assert first.decision == registry_pb2.HINT_DECISION_REUSE
+    assert (await h.registry.get_lease(lease.lease_id)).state == CLAIMED
+    await h.advance(1)
+    second = await h.registry.routing_hint("c", "", dry_run=True)
+    assert second.decision == registry_pb2.HINT_DECISION_RECOMPUTE
+    assert "claimed" in second.reason
+    await h.advance(CONFIG.claim_timeout_s)
+    assert (await h.registry.get_lease(lease.lease_id)).state == ACTIVE
+    again = await h.registry.routing_hint("c", "", dry_run=True)
+    assert again.decision == registry_pb2.HINT_DECISION_REUSE
+
+
+async def test_a_claim_outlives_a_shorter_ttl_and_tells_the_holder() -> None:
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1", ttl=5)
+    await h.registry.routing_hint("c", "")
+    command = await h.next_command()
+    assert command.reason == "claimed by a read"
+    assert from_duration(command.time_to_live) == pytest.approx(CONFIG.claim_timeout_s)
+    await h.advance(10)  # past the TTL, within the claim
+    assert (await h.registry.get_lease(lease.lease_id)).state == CLAIMED
+    await h.advance(CONFIG.claim_timeout_s)
+    assert (await h.registry.get_lease(lease.lease_id)).state == lease_pb2.LEASE_STATE_EXPIRED
+
+
+async def test_a_new_turn_supersedes_the_lease_with_a_grace_for_reads() -> None:
+    h = Harness()
+    await h.fleet()
+    first = await h.grant("c", "req-1")
+    second = await h.grant("c", "req-2")
+    assert second.epoch == first.epoch + 1
+    old = await h.registry.get_lease(first.lease_id)
+    assert old.state == lease_pb2.LEASE_STATE_REVOKED
+    assert old.end_cause == lease_pb2.LEASE_END_CAUSE_SUPERSEDED
+    command = await h.next_command()
+    assert command.lease_id == first.lease_id
+    assert from_duration(command.time_to_live) == pytest.approx(CONFIG.revoke_grace_s)
+
+
+async def test_a_silent_node_loses_its_session_and_its_leases() -> None:
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1")
+    await h.advance(CONFIG.session_ttl_s - 1)
+    await h.advance(CONFIG.session_ttl_s + 1, beating=(h.prefill,))
+    node = await h.registry.get_node(h.decode.node_id)
+    assert node.state == node_pb2.NODE_STATE_DOWN
+    assert (await h.registry.get_node(h.prefill.node_id)).state == node_pb2.NODE_STATE_READY
+    ended = await h.registry.get_lease(lease.lease_id)
+    assert ended.end_cause == lease_pb2.LEASE_END_CAUSE_NODE_LOST
+    with pytest.raises(SessionLost) as error:
+        await h.heartbeat(h.decode)
+    assert error.value.reason == registry_pb2.ERROR_REASON_SESSION_LOST
+    with pytest.raises(NoReadyNode) as no_route:
+        await h.registry.routing_hint("c", "")
+    assert no_route.value.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+    assert no_route.value.message == "no ready decode node serves any model"
+
+
+async def test_ended_leases_and_idle_conversations_are_forgotten() -> None:
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1")
+    await h.registry.revoke_lease(lease.lease_id, reason="closed")
+    await h.advance(CONFIG.ended_lease_retention_s + 1, beating=())
+    assert await h.store.get_lease(lease.lease_id) is None
+    assert await h.store.get_conversation("c") is not None
+    await h.advance(CONFIG.conversation_retention_s, beating=())
+    assert await h.store.get_conversation("c") is None
+
+
+async def test_a_successor_offers_a_holder_s_leases_only_after_its_replay() -> None:
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1")
+    successor = Registry(h.store, CONFIG, clock=h.clock)
+    await successor.restore()
+    hint = await successor.routing_hint("c", "", dry_run=True)
+    assert hint.decision == registry_pb2.HINT_DECISION_RECOMPUTE
+    assert hint.consistency == registry_pb2.HINT_CONSISTENCY_DEGRADED
+    replay = registry_pb2.RetentionEvent(
+        sequence=1,
+        retained=registry_pb2.RetainedBlocks(
+            conversation_id="c",
+            lease_id=lease.lease_id,
+            epoch=lease.epoch,
+            handle=lease.handle,
+            block_hashes=lease.block_hashes,
+            token_count=lease.token_count,
+        ),
+    )
+    response = await successor.report_retention(
+        h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True
+    )
+    assert [ack.lease_id for ack in response.leases] == [lease.lease_id]
+    hint = await successor.routing_hint("c", "", dry_run=True)
+    assert hint.decision == registry_pb2.HINT_DECISION_REUSE
+    assert hint.consistency == registry_pb2.HINT_CONSISTENCY_EXACT
+    figures = {f.node_id: f for f in successor.nodes.figures()}
+    assert figures[h.decode.node_id].live_leases == 1
