@@ -17,11 +17,9 @@ from controlplane.store import Store
 from controlplane.turns import Turns
 from kvbroker.common import routing
 from kvbroker.common.clock import from_timestamp
+from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, registry_pb2
 
-_DECISION_LABELS = {
-    value: name.removeprefix("HINT_DECISION_") for name, value in registry_pb2.HintDecision.items()
-}
 EXACT = registry_pb2.HINT_CONSISTENCY_EXACT
 DEGRADED = registry_pb2.HINT_CONSISTENCY_DEGRADED
 
@@ -81,7 +79,7 @@ class Hints:
         if reuse.reuses and lease is not None:
             self._leases.view(lease, into=hint.lease)
         consistency = "EXACT" if reuse.exact else "DEGRADED"
-        self._metrics.hint(_DECISION_LABELS[reuse.decision], consistency).inc()
+        self._metrics.hint(label(registry_pb2.HintDecision, reuse.decision), consistency).inc()
         self._metrics.hint_latency.observe(self._now() - started)
 
     async def _current_lease(

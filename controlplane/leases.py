@@ -34,7 +34,8 @@ from controlplane.store import Store
 from controlplane.turns import Turns
 from controlplane.validation import Validation, block_count
 from kvbroker.common.clock import from_timestamp, stamp_duration, stamp_time
-from kvbroker.common.routing import LIVE_LEASE_STATES, cause_name
+from kvbroker.common.labels import label
+from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.v1 import lease_pb2, node_pb2
 
 ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
@@ -58,10 +59,6 @@ LEASE_EXPIRY = DeadlineKind.LEASE_EXPIRY
 CLAIM_END = DeadlineKind.CLAIM_END
 FORGET_LEASE = DeadlineKind.FORGET_LEASE
 FORGET_CONVERSATION = DeadlineKind.FORGET_CONVERSATION
-
-
-def state_name(state: int) -> str:
-    return lease_pb2.LeaseState.Name(state).removeprefix("LEASE_STATE_")
 
 
 def new_lease_id(now: float) -> str:
@@ -310,7 +307,7 @@ class Leases:
     async def renew(self, lease: lease_pb2.Lease, ttl: float) -> None:
         if lease.state not in LIVE_LEASE_STATES:
             raise LeaseEnded(
-                f"lease {lease.lease_id} is {state_name(lease.state)} "
+                f"lease {lease.lease_id} is {label(lease_pb2.LeaseState, lease.state)} "
                 f"({lease.end_reason}); it cannot be renewed"
             )
         now = self._now()
@@ -392,11 +389,16 @@ class Leases:
                 (FORGET_CONVERSATION, lease.conversation_id),
                 now + self._config.conversation_retention_s,
             )
-        self._metrics.lease_event(state_name(state).lower()).inc()
-        self._metrics.lease_end(cause_name(cause).lower()).inc()
+        self._metrics.lease_event(label(lease_pb2.LeaseState, state).lower()).inc()
+        self._metrics.lease_end(label(lease_pb2.LeaseEndCause, cause).lower()).inc()
         if command_ttl is not None:
             self._outbox.send(lease, command_ttl, reason)
-        self._log.debug("lease_ended", lease=lease.lease_id, state=state_name(state), reason=reason)
+        self._log.debug(
+            "lease_ended",
+            lease=lease.lease_id,
+            state=label(lease_pb2.LeaseState, state),
+            reason=reason,
+        )
 
     async def expire_if_due(self, lease: lease_pb2.Lease) -> None:
         """Expires a live lease whose deadline has passed (reads check, so an expired lease is

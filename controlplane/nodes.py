@@ -26,12 +26,12 @@ from controlplane.metrics import NodeFigures
 from controlplane.store import Store
 from controlplane.validation import Validation
 from kvbroker.common.clock import stamp_time, to_timestamp
+from kvbroker.common.labels import label
 from kvbroker.common.routing import (
     DECODE_ROLES,
     RoutedNode,
     Routes,
     candidates,
-    node_state_name,
 )
 from kvbroker.v1 import node_pb2
 
@@ -118,7 +118,7 @@ class NodeSessions:
         return [
             NodeFigures(
                 node_id=r.node_id,
-                state=node_state_name(r.state),
+                state=label(node_pb2.NodeState, r.state),
                 live_leases=r.live_leases,
                 retained_blocks=r.retained_blocks,
                 retained_bytes=r.retained_blocks * r.spec.bytes_per_block,
@@ -182,7 +182,7 @@ class NodeSessions:
         self._log.info(
             "node_registered",
             node=spec.node_id,
-            role=node_pb2.NodeRole.Name(spec.role),
+            role=label(node_pb2.NodeRole, spec.role),
             incarnation=spec.incarnation,
         )
         return node
@@ -198,7 +198,9 @@ class NodeSessions:
         if node.state != DRAINING:
             new_state = READY if engine_ready else NOT_READY
             if new_state != node.state:
-                self._log.info("node_readiness", node=node_id, state=node_state_name(new_state))
+                self._log.info(
+                    "node_readiness", node=node_id, state=label(node_pb2.NodeState, new_state)
+                )
                 changed = True
             node.state = new_state
         # Load and heartbeat times are soft state; only a change of readiness is written.

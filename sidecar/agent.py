@@ -25,7 +25,12 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.clock import from_duration
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.grpc_client import (
+    RegistryEndpoint,
+    from_grpc_error,
+    open_channel,
+    registry_stub,
+)
 from kvbroker.common.labels import label
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
@@ -35,8 +40,10 @@ from sidecar.metrics import SidecarMetrics
 
 log = structlog.get_logger("kvbroker.sidecar")
 
-# Statuses after which the session must be re-established (registered again, then replayed).
-_SESSION_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+# Reasons after which the session must be re-established (registered again, then replayed).
+_SESSION_LOST = frozenset(
+    {registry_pb2.ERROR_REASON_SESSION_LOST, registry_pb2.ERROR_REASON_NODE_NOT_REGISTERED}
+)
 _RPC_TIMEOUT_S = 5.0
 
 
@@ -307,8 +314,9 @@ class Agent:
                     timeout=_RPC_TIMEOUT_S,
                 )
             except grpc.aio.AioRpcError as error:
-                if error.code() in _SESSION_LOST:
-                    raise SessionLostError(error.details() or "session lost") from error
+                refusal = from_grpc_error(error)
+                if refusal.reason in _SESSION_LOST:
+                    raise SessionLostError(refusal.message or "session lost") from error
                 raise
             self.metrics.engine_ready.set(1 if self.engine_ready else 0)
             await asyncio.sleep(self._heartbeat_interval_s)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Self, TypeVar
 
+from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 PREFILL_ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH})
@@ -27,14 +28,6 @@ SERVING_STATES = frozenset({node_pb2.NODE_STATE_READY, node_pb2.NODE_STATE_DRAIN
 # are compared (power of two choices, as Envoy's least-request balancer does): O(1) per hint
 # and within a small factor of the exact choice's balance.
 EXACT_PICK_LIMIT = 8
-
-
-def cause_name(cause: int) -> str:
-    return lease_pb2.LeaseEndCause.Name(cause).removeprefix("LEASE_END_CAUSE_")
-
-
-def node_state_name(state: int) -> str:
-    return node_pb2.NodeState.Name(state).removeprefix("NODE_STATE_")
 
 
 @dataclass(slots=True, eq=False)
@@ -179,12 +172,12 @@ def reuse_decision(
         return Reuse(registry_pb2.HINT_DECISION_MISS, "nothing retained for this conversation")
     recompute = registry_pb2.HINT_DECISION_RECOMPUTE
     if lease.state not in LIVE_LEASE_STATES:
-        cause = cause_name(lease.end_cause)
+        cause = label(lease_pb2.LeaseEndCause, lease.end_cause)
         return Reuse(recompute, f"lease {lease.lease_id} ended ({cause}): {lease.end_reason}")
     if lease.state == lease_pb2.LEASE_STATE_CLAIMED:
         return Reuse(recompute, f"lease {lease.lease_id} is claimed by a read in flight")
     if holder is None or holder.state not in SERVING_STATES:
-        state = node_state_name(holder.state) if holder is not None else "gone"
+        state = label(node_pb2.NodeState, holder.state) if holder is not None else "gone"
         return Reuse(recompute, f"holder node {lease.node_id!r} is {state}")
     if not holder_replayed:
         return Reuse(
