@@ -190,13 +190,16 @@ class Leases:
 
     # ----------------------------------------------------------------- lifecycle
 
-    def ttl(self, requested: float | None) -> float:
-        """A lease's time to live: the idle TTL unless the caller asks for one, bounded."""
-        if requested is None or requested == 0:
-            return self._idle_ttl.ttl()
-        if requested < 0:
+    def ttl(self, requested: float | None, holder_id: str) -> float:
+        """A lease's time to live: the idle TTL unless the caller asks for one, bounded by the
+        registry's maximum and by the holder engine's hard cap. The engine frees retained
+        blocks at its cap whatever the lease says, so a lease that outlived it would be
+        offered, claimed and checked as readable for blocks already given to new work."""
+        if requested is not None and requested < 0:
             raise InvalidArgument("time_to_live must not be negative")
-        return min(requested, self._config.max_lease_ttl_s)
+        ttl = min(requested, self._config.max_lease_ttl_s) if requested else self._idle_ttl.ttl()
+        hard_cap = self._nodes.retention_hard_cap_s(holder_id)
+        return min(ttl, hard_cap) if hard_cap is not None else ttl
 
     async def grant(
         self,
@@ -303,6 +306,12 @@ class Leases:
             claim_end = self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0.0
             grace = max(grace, claim_end - now)
         return grace
+
+    def keep_for(self, lease: lease_pb2.Lease) -> float:
+        """How long the holder must keep a live lease's blocks when it asked to free them and
+        may not: to the lease's expiry (hints offer it until then, so the engine's deadline
+        must not come first) and at least the grace for reads in flight."""
+        return max((self.expires(lease) or 0.0) - self._now(), self.grace_for(lease))
 
     async def renew(self, lease: lease_pb2.Lease, ttl: float) -> None:
         if lease.state not in LIVE_LEASE_STATES:

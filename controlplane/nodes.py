@@ -25,7 +25,7 @@ from controlplane.errors import (
 from controlplane.metrics import NodeFigures
 from controlplane.store import Store
 from controlplane.validation import Validation
-from kvbroker.common.clock import stamp_time, to_timestamp
+from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
 from kvbroker.common.labels import label
 from kvbroker.common.routing import (
     DECODE_ROLES,
@@ -241,6 +241,13 @@ class NodeSessions:
                 key = (DeadlineKind.NODE_SESSION, node.spec.node_id)
                 self._deadlines.schedule(key, now + self._ttl())
         self._routes.clear()
+
+    def retention_hard_cap_s(self, node_id: str) -> float | None:
+        """The longest the node's engine keeps retained blocks after a lease command (None:
+        not reported)."""
+        runtime = self.runtime.get(node_id)
+        cap = from_duration(runtime.spec.retention_hard_cap) if runtime is not None else 0.0
+        return cap or None
 
     def current(self, node: node_pb2.Node) -> NodeRuntime:
         """The runtime of a node with a live session."""

@@ -220,10 +220,10 @@ class Registry:
     ) -> lease_pb2.Lease:
         self._validate.id(conversation_id, "conversation_id")
         blocks = self._validate.retention(handle, block_hashes, token_count)
-        lease_ttl = self.leases.ttl(ttl)
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
             self.nodes.require_holder_role(node)
+            lease_ttl = self.leases.ttl(ttl, node_id)
             lease = await self.leases.grant(
                 node, conversation_id, handle, block_hashes, token_count, lease_ttl, blocks
             )
@@ -232,10 +232,9 @@ class Registry:
     async def renew_lease(
         self, lease_id: str = "", conversation_id: str = "", ttl: float | None = None
     ) -> lease_pb2.Lease:
-        lease_ttl = self.leases.ttl(ttl)
         async with self._mutation():
             lease = await self.leases.by_id_or_conversation(lease_id, conversation_id)
-            await self.leases.renew(lease, lease_ttl)
+            await self.leases.renew(lease, self.leases.ttl(ttl, lease.node_id))
             return self.leases.view(lease)
 
     async def release_lease(

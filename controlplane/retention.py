@@ -115,7 +115,7 @@ class RetentionReports:
     async def _retained(
         self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, blocks: int, replay: bool
     ) -> lease_pb2.Lease:
-        ttl = self._leases.ttl(from_duration(retained.time_to_live) or None)
+        ttl = self._leases.ttl(from_duration(retained.time_to_live) or None, node.spec.node_id)
         if not retained.lease_id:
             if replay:
                 existing = await self._store.find_lease(
@@ -223,7 +223,7 @@ class RetentionReports:
         if claimed or leases.inherited_claims_until > self._now():
             # A read may be in flight (a claim of this registry's, or one a previous leader
             # made and did not write down): the holder keeps the blocks for it.
-            self._outbox.send(lease, leases.grace_for(lease), "claimed by a read: keep for it")
+            self._outbox.send(lease, leases.keep_for(lease), "claimed by a read: keep for it")
             return
         why = "memory pressure" if reclaim.cause == PRESSURE else "over its retention budget"
         await leases.end(

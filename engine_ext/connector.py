@@ -60,6 +60,7 @@ from engine_ext.vllm_compat import (
     local_hit_blocks_in_use,
 )
 from kvbroker.common import handles
+from kvbroker.common.clock import to_duration
 from kvbroker.common.engine_link import EngineLink, LeaseAnswer
 from kvbroker.common.retention_deadline import (
     LeaseDeadline,
@@ -173,7 +174,9 @@ class NixlConnector(NixlPullConnector):
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
             self.link = EngineLink(
                 self.settings.sidecar,
-                _engine_info(vllm_config, kv_cache_config, self._budget_blocks),
+                _engine_info(
+                    vllm_config, kv_cache_config, self._budget_blocks, self.settings.hard_cap_s
+                ),
             )
             self.link.start()
             log.info("kvbroker link to the sidecar at %s started", self.settings.sidecar)
@@ -463,7 +466,7 @@ class NixlConnector(NixlPullConnector):
 
 
 def _engine_info(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, budget_blocks: int
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, budget_blocks: int, hard_cap_s: float
 ) -> sidecar_pb2.EngineInfo:
     assert vllm_config.kv_transfer_config is not None
     host, port = vllm_compat.side_channel_address(vllm_config)
@@ -476,4 +479,5 @@ def _engine_info(
         bytes_per_block=vllm_compat.bytes_per_block(kv_cache_config),
         model=vllm_compat.served_model_name(vllm_config),
         retention_budget_blocks=budget_blocks,
+        retention_hard_cap=to_duration(hard_cap_s),
     )

@@ -173,6 +173,7 @@ class Agent:
             bytes_per_block=self.engine.bytes_per_block,
             retention_budget_blocks=self.engine.retention_budget_blocks
             or self.engine.capacity_blocks,
+            retention_hard_cap=self.engine.retention_hard_cap,
             incarnation=self.incarnation,
         )
 

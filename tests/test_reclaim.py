@@ -9,6 +9,7 @@ import asyncio
 import grpc
 import pytest
 
+from kvbroker.common.clock import from_duration
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from tests.factories import Heartbeats, hint, node_spec
@@ -76,10 +77,16 @@ async def test_reclaim_ends_an_active_lease_before_freeing_and_keeps_a_claimed_o
             assert freed.state == lease_pb2.LEASE_STATE_RELEASED
             assert freed.cause == lease_pb2.LEASE_END_CAUSE_PRESSURE
             assert freed.time_to_live.ToNanoseconds() == 0
-            # The claimed one: a read may be in flight, so the holder keeps it.
+            # The claimed one: a read may be in flight, so the holder keeps it, and for as long
+            # as the lease lives (hints offer it until then), not just for the claim.
             kept = seen["req-read"]
             assert kept.state == lease_pb2.LEASE_STATE_CLAIMED
-            assert kept.time_to_live.ToNanoseconds() > 0
+            held = await stub.GetLease(
+                registry_pb2.GetLeaseRequest(lease_id=claimed.lease.lease_id), timeout=5
+            )
+            lives = from_duration(held.lease.time_to_live)
+            assert lives > 25  # the 30 s idle TTL; the claim lasts 1 s
+            assert from_duration(kept.time_to_live) >= lives - 1
             # Nothing the registry stands behind: free now.
             assert seen["req-unknown"].time_to_live.ToNanoseconds() == 0
 

@@ -101,6 +101,25 @@ async def test_a_lease_expires_when_its_ttl_runs_out() -> None:
     assert error.value.reason == registry_pb2.ERROR_REASON_LEASE_ENDED
 
 
+async def test_no_lease_outlives_the_holder_engine_s_hard_cap() -> None:
+    """The engine frees retained blocks at its hard cap whatever the lease says: the idle TTL,
+    a turn's requested TTL and a keep-alive are all bounded by it, so no hint offers blocks
+    the engine has already given to new work."""
+    h = Harness()
+    h.decode.retention_hard_cap.FromSeconds(45)
+    await h.fleet()
+    idle = await h.grant("c", "req-1")
+    assert from_duration(idle.time_to_live) == pytest.approx(45)
+    asked = await h.grant("d", "req-2", ttl=600)
+    assert from_duration(asked.time_to_live) == pytest.approx(45)
+    kept = await h.registry.renew_lease(asked.lease_id, ttl=3600)
+    assert from_duration(kept.time_to_live) == pytest.approx(45)
+    short = await h.grant("e", "req-3", ttl=10)
+    assert from_duration(short.time_to_live) == pytest.approx(10)
+    await h.advance(45.1)
+    assert (await h.registry.get_lease(kept.lease_id)).state == lease_pb2.LEASE_STATE_EXPIRED
+
+
 async def test_expiry_is_checked_on_read_even_before_the_deadline_task_runs() -> None:
     h = Harness()
     await h.fleet()

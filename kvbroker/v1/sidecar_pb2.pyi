@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
 from kvbroker.v1 import registry_pb2 as _registry_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -8,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model", "retention_budget_blocks")
+    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model", "retention_budget_blocks", "retention_hard_cap")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_HOST_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +20,7 @@ class EngineInfo(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RETENTION_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_HARD_CAP_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     side_channel_host: str
     side_channel_port: int
@@ -25,7 +29,8 @@ class EngineInfo(_message.Message):
     bytes_per_block: int
     model: str
     retention_budget_blocks: int
-    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ...) -> None: ...
+    retention_hard_cap: _duration_pb2.Duration
+    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class AttachEngineRequest(_message.Message):
     __slots__ = ("engine", "retained")
