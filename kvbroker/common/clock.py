@@ -12,7 +12,7 @@ class MonotonicClock:
     """Wall-clock seconds that never jump: the wall time at start plus monotonic elapsed time.
 
     Deadlines are computed and compared on this clock only; other machines are sent durations,
-    never these values (DESIGN.md: compare deadlines as durations on each side).
+    never these values (docs/design.md, "Clock rules": compare deadlines as durations on each side).
     """
 
     def __init__(self) -> None:
