@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,6 +15,8 @@ import pytest
 from controlplane.config import RegistryConfig
 from controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.stack import KVBROKER
+from kvbroker.testing.processes import RegistryProcess as RegistryProcess  # noqa: PLC0414 - re-exported for test modules
 from kvbroker.v1 import registry_pb2_grpc
 
 # Short times so expiry tests finish in about a second.
@@ -28,7 +28,6 @@ FAST = RegistryConfig(
     session_ttl_s=0.8,
     turn_settle_timeout_s=0.2,
 )
-KVBROKER = str(Path(sys.executable).with_name("kvbroker"))
 
 
 @pytest.fixture
@@ -81,36 +80,11 @@ async def run_cli(*args: str, env: dict[str, str] | None = None) -> CliResult:
     return CliResult(process.returncode, out.decode(), err.decode())
 
 
-@dataclass
-class RegistryProcess:
-    process: asyncio.subprocess.Process
-    address: str
-
-    async def stop(self) -> None:
-        if self.process.returncode is None:
-            self.process.terminate()
-            await asyncio.wait_for(self.process.wait(), 10)
-
-
-async def spawn_registry(*extra: str, listen: str = "127.0.0.1:0") -> RegistryProcess:
+async def spawn_registry(*flags: str, listen: str = "") -> RegistryProcess:
     """``kvbroker registry serve`` in its own process; returns once it announced its address."""
-    process = await asyncio.create_subprocess_exec(
-        KVBROKER,
-        "registry",
-        "serve",
-        "--listen",
-        listen,
-        "--log-format",
-        "json",
-        *extra,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert process.stdout is not None
-    line = await asyncio.wait_for(process.stdout.readline(), 30)
-    if not line:
-        raise RuntimeError(f"registry exited with {await process.wait()} before serving")
-    return RegistryProcess(process, json.loads(line)["registry"])
+    registry = RegistryProcess(*flags, listen=listen)
+    await registry.start()
+    return registry
 
 
 @pytest.fixture

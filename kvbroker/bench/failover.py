@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import statistics
 import tempfile
 import time
@@ -48,8 +47,9 @@ from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry
 from kvbroker.common.handles import EPOCH_KEY, LEASE_ID_KEY
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
-from kvbroker.common.tasks import poll_until
-from kvbroker.stack import KVBROKER
+from kvbroker.common.supervisor import Answers, ChildProcess, stop_all
+from kvbroker.stack import router_command
+from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
 MODEL = "sim-model"
@@ -63,76 +63,15 @@ LIVE = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 # ---------------------------------------------------------------------- processes
 
 
-@dataclass
-class Child:
-    """One child process of the harness, restartable on the same ports."""
-
-    name: str
-    argv: list[str]
-    process: asyncio.subprocess.Process | None = None
-    log: Path | None = None
-
-    async def start(self, ready: Callable[[], Any] | None = None) -> None:
-        assert self.log is not None
-        stream = self.log.open("ab")
-        self.process = await asyncio.create_subprocess_exec(
-            *self.argv, stdout=asyncio.subprocess.PIPE, stderr=stream
-        )
-        stream.close()
-        if ready is None:
-            assert self.process.stdout is not None
-            line = await asyncio.wait_for(self.process.stdout.readline(), 60)
-            if not line:
-                raise RuntimeError(f"{self.name} exited before it was ready (see {self.log})")
-        else:
-            await ready()
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.send_signal(sig)
-
-    async def stop(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.terminate()
-            try:
-                await asyncio.wait_for(self.process.wait(), 10)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None
+# `kvbroker bench registry --etcd` starts its etcd under this name.
+EtcdServer = LocalEtcd
 
 
-class EtcdServer:
-    """A local etcd run as a restartable child of the harness."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.local = LocalEtcd(workdir / "etcd")
-        self.client_port = self.local.client_port
-        self.url = self.local.url
-        self.child = Child("etcd", self.local.argv(), log=workdir / "etcd.log")
-
-    async def start(self) -> None:
-        await self.child.start(ready=self.local.wait_ready)
-
-    async def leader(self) -> str:
-        return await self.local.leader()
-
-
-def registry_replica(workdir: Path, index: int, store: str, flags: list[str]) -> Child:
-    port = free_port()
-    return Child(
-        f"registry-{index}",
-        [KVBROKER, "registry", "serve", "--listen", f"127.0.0.1:{port}", "--store", store,
-         "--log-format", "json", *flags],
-        log=workdir / f"registry-{index}.log",
-    )  # fmt: skip
-
-
-def replica_address(child: Child) -> str:
-    return child.argv[child.argv.index("--listen") + 1]
+def registry_replica(workdir: Path, index: int, store: str, flags: list[str]) -> RegistryProcess:
+    """A registry replica on ``store``, restartable on the same port."""
+    return RegistryProcess(
+        "--store", store, *flags, name=f"registry-{index}", log=workdir / f"registry-{index}.log"
+    )
 
 
 # ---------------------------------------------------------------------- simulated engines
@@ -361,14 +300,14 @@ class Fleet:
 
     def __init__(self, workdir: Path, config: SoakConfig, registry_flags: list[str]) -> None:
         self.workdir, self.config = workdir, config
-        self.etcd = EtcdServer(workdir)
+        self.etcd = LocalEtcd(workdir)
         self.replicas = [
             registry_replica(workdir, i, self.etcd.url, registry_flags)
             for i in range(config.replicas)
         ]
-        self.addresses = ",".join(replica_address(r) for r in self.replicas)
+        self.addresses = ",".join(r.address for r in self.replicas)
         self.engines: list[SimEngine] = []
-        self.sidecars: list[Child] = []
+        self.sidecars: list[ChildProcess] = []
         roles = ["decode"] * config.decode_engines + ["prefill"] * config.prefill_engines
         for i, role in enumerate(roles):
             node_id = f"{role}-{i}"
@@ -376,35 +315,22 @@ class Fleet:
             engine = SimEngine(node_id, role, socket, self)
             self.engines.append(engine)
             self.sidecars.append(
-                Child(
-                    f"sidecar-{node_id}",
-                    [
-                        KVBROKER,
-                        "sidecar",
-                        "run",
-                        "--registry",
-                        self.addresses,
-                        "--engine-url",
-                        engine.url,
-                        "--role",
-                        role,
-                        "--node-id",
-                        node_id,
-                        "--listen",
-                        f"unix:{socket}",
-                        "--log-format",
-                        "json",
-                    ],
+                sidecar_process(
+                    self.addresses,
+                    engine.url,
+                    node_id,
+                    socket,
+                    role,
                     log=workdir / f"sidecar-{node_id}.log",
                 )
             )
         self.router_port = free_port()
-        self.router = Child(
+        self.router = ChildProcess(
             "router",
-            [KVBROKER, "router", "run", "--registry", self.addresses, "--listen",
-             f"127.0.0.1:{self.router_port}", "--log-format", "json"],
-            log=workdir / "router.log",
-        )  # fmt: skip
+            router_command(self.addresses, f"127.0.0.1:{self.router_port}"),
+            workdir / "router.log",
+            ready=[Answers(self._routable, "router routing", within_s=60)],
+        )
         self.tally = Tally()
         # conversation -> (engine id, request id) of each retention, in the order made
         self.retentions: dict[str, list[tuple[str, str]]] = {}
@@ -425,7 +351,7 @@ class Fleet:
             await engine.start()
             await sidecar.start()
             engine.link.start()
-        await self.router.start(ready=lambda: poll_until(self._routable, 60, "router routing"))
+        await self.router.start()
 
     async def _routable(self) -> bool:
         response = await self.http.get(f"{self.router_url}/v1/models")
@@ -436,9 +362,7 @@ class Fleet:
         await self.router.stop()
         for engine in self.engines:
             await engine.stop()
-        for child in [*self.sidecars, *self.replicas]:
-            await child.stop()
-        await self.etcd.child.stop()
+        await stop_all([self.etcd.child, *self.replicas, *self.sidecars])
 
     # ------------------------------------------------------------ load
 
@@ -500,13 +424,13 @@ class Fleet:
             await asyncio.sleep(config.kill_every_s)
             if etcd_due and time.monotonic() >= etcd_due:
                 etcd_due = 0
-                await self.etcd.child.stop()
+                await self.etcd.stop()
                 await asyncio.sleep(config.restart_after_s)
                 await self.etcd.start()
                 events.append((time.monotonic(), "etcd"))
                 continue
             leader = await self.etcd.leader()
-            leading = [r for r in self.replicas if replica_address(r) == leader]
+            leading = [r for r in self.replicas if r.address == leader]
             hit_leader = bool(leading) and rng.random() < config.leader_kill_share
             victim = leading[0] if hit_leader else rng.choice(self.replicas)
             victim.kill()
