@@ -23,8 +23,8 @@ from kvbroker.bench.failover import SoakConfig, fleet_for_tests, registry_replic
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
+from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-from tests.factories import Heartbeats, grant, node_spec
 
 pytestmark = pytest.mark.etcd
 

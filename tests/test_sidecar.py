@@ -15,12 +15,12 @@ from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import ChildProcess
 from kvbroker.common.tasks import poll_until
+from kvbroker.testing.engine import FakeEngine
+from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, node_spec
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from tests.conftest import run_cli, spawn_registry
-from tests.engine_http import EngineHttp
-from tests.factories import Heartbeats, block_hashes, handle, hint, node_spec
 
 SESSION_FLAGS = ("--heartbeat-interval", "0.2", "--session-ttl", "1.0", "--revoke-grace", "0.5")
 
@@ -82,7 +82,7 @@ async def node_state(stub: RegistryServiceStub, node_id: str) -> int:
 class Stack:
     registry: RegistryProcess
     stub: RegistryServiceStub
-    engine: EngineHttp
+    engine: FakeEngine
     sidecar: ChildProcess
     link: EngineLink
     port: int
@@ -95,7 +95,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{port}")
     socket_path = tmp_path / "s.sock"
     async with (
-        EngineHttp() as engine,
+        FakeEngine("decode-0") as engine,
         open_channel(RegistryEndpoint.parse(registry.address)) as channel,
     ):
         sidecar = await spawn_sidecar(registry.address, engine.url, "decode-0", socket_path)

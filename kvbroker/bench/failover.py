@@ -35,11 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
 
 from kvbroker.common.clock import to_duration
 from kvbroker.common.engine_link import EngineLink
@@ -49,6 +44,7 @@ from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Answers, ChildProcess, stop_all
 from kvbroker.stack import router_command
+from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
@@ -100,12 +96,13 @@ class Tally:
     leases: set[str] = field(default_factory=set)
 
 
-class SimEngine:
-    """An engine's HTTP face (health, metrics, models, completions) and its EngineLink."""
+class SimEngine(FakeEngine):
+    """A fake engine whose KV is simulated: a decode leg retains the conversation so far and
+    reports it through the real EngineLink; the registry's deadlines free it."""
 
     def __init__(self, node_id: str, role: str, socket: Path, fleet: Fleet) -> None:
+        super().__init__(node_id, model=MODEL)
         self.node_id, self.role, self.fleet = node_id, role, fleet
-        self.port = free_port()
         self.engine_id = f"engine-{node_id}"
         self.held: dict[str, Held] = {}
         self.link = EngineLink(
@@ -120,59 +117,27 @@ class SimEngine:
                 model=MODEL,
             ),
         )
-        self._server: uvicorn.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     async def start(self) -> None:
-        app = Starlette(
-            routes=[
-                Route("/health", lambda r: JSONResponse({})),
-                Route("/metrics", self._metrics),
-                Route("/v1/models", lambda r: JSONResponse({"data": [{"id": MODEL}]})),
-                Route("/v1/chat/completions", self._completions, methods=["POST"]),
-            ]
-        )
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
-        self._server = uvicorn.Server(config)
-        self._tasks.append(asyncio.create_task(self._server.serve()))
+        await super().start()
         self._tasks.append(asyncio.create_task(self._apply_deadlines()))
-        while not self._server.started:  # noqa: ASYNC110 - uvicorn has no "started" event
-            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        for task in self._tasks[1:]:
+        for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await super().stop()
         await asyncio.to_thread(self.link.close)
 
-    async def _metrics(self, request: Request) -> Response:
-        return PlainTextResponse(
-            f'vllm:num_requests_running{{model_name="{MODEL}"}} 0\n'
-            f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {len(self.held) / 65536}\n'
-        )
+    def kv_cache_usage(self) -> float:
+        return len(self.held) / 65536
 
-    async def _completions(self, request: Request) -> Response:
-        body = await request.json()
+    async def kv_transfer_params(self, body: dict[str, Any]) -> dict[str, Any]:
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
-            return JSONResponse(self._reply(await self._prefill(params)))
-        return JSONResponse(self._reply(self._decode(str(body.get("session_id") or ""))))
-
-    @staticmethod
-    def _reply(params: dict[str, Any]) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "ok"}
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:8]}",
-            "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "kv_transfer_params": params,
-        }
+            return await self._prefill(params)
+        return self._decode(str(body.get("session_id") or ""))
 
     async def _prefill(self, params: dict[str, Any]) -> dict[str, Any]:
         """A prefill leg; with a handle, the connector's fence, then the read."""
