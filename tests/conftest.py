@@ -1,4 +1,6 @@
-"""Fixtures that start real registry servers on loopback and talk to them over gRPC."""
+"""The layer of every test module, and fixtures that start real registry servers on loopback
+and talk to them over gRPC. The harness itself (fake engine, message builders, kvbroker's
+servers as processes) is kvbroker.testing, which the benchmarks use too."""
 
 from __future__ import annotations
 
@@ -28,6 +30,46 @@ FAST = RegistryConfig(
     session_ttl_s=0.8,
     turn_settle_timeout_s=0.2,
 )
+
+# Each test module's layer, as a marker (`pytest -m unit` runs one layer):
+# - unit: pure code in one process, time from a clock the test moves;
+# - conformance: one suite run against every implementation of an interface;
+# - integration: gRPC servers, HTTP servers and processes on loopback;
+# - e2e: real vLLM engines (slow);
+# - soak: what the `soak` marker marks, whatever its module (slow).
+# CI runs everything but e2e and soak first, in parallel, then those two on their own.
+LAYERS = {
+    "test_agentic_bench": "unit",
+    "test_batcher": "unit",
+    "test_deadlines": "unit",
+    "test_retention_policy": "unit",
+    "test_retention_sim": "unit",
+    "test_testmodel": "unit",
+    "test_cli": "integration",
+    "test_reclaim": "integration",
+    "test_registry_bench": "integration",
+    "test_registry_grpc": "integration",
+    "test_replicas": "integration",
+    "test_retention_reports": "integration",
+    "test_router": "integration",
+    "test_sidecar": "integration",
+    "test_supervisor": "integration",
+    "test_e2e": "e2e",
+    "test_e2e_pressure": "e2e",
+    "test_e2e_replicas": "e2e",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("soak") is not None:
+            continue
+        layer = LAYERS.get(item.path.stem)
+        if layer is None:
+            raise pytest.UsageError(
+                f"{item.path.name} has no layer: add it to LAYERS in tests/conftest.py"
+            )
+        item.add_marker(layer)
 
 
 @pytest.fixture
