@@ -224,6 +224,18 @@ class Stack:
         self.progress("engines up; waiting for their sidecars to register")
         await self._wait_registered()
 
+    async def __aenter__(self) -> Stack:
+        """Starts the stack; a start that fails stops what it had started."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     async def _wait_registered(self, timeout_s: float = 60) -> None:
         async with open_channel(RegistryEndpoint.parse(self.registry_address)) as channel:
             stub = registry_stub(channel)

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import httpx
 import pytest
+import pytest_asyncio
 
 from controlplane.config import RegistryConfig
 from controlplane.server import RunningRegistry, ServerOptions, start_registry
@@ -70,6 +72,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 f"{item.path.name} has no layer: add it to LAYERS in tests/conftest.py"
             )
         item.add_marker(layer)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    """One HTTP client for a module's tests (the e2e modules send their turns with it)."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        yield client
 
 
 @pytest.fixture

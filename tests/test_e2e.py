@@ -46,24 +46,12 @@ def user_message(turn: int, lines: int = 14) -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    workdir: Path = tmp_path_factory.mktemp("stack")
-    running = Stack(
-        StackConfig(
-            workdir=workdir,
-            registry_flags=("--revoke-grace", "0.5", "--claim-timeout", "5"),
-        )
+    config = StackConfig(
+        workdir=tmp_path_factory.mktemp("stack"),
+        registry_flags=("--revoke-grace", "0.5", "--claim-timeout", "5"),
     )
-    try:
-        await running.start()
+    async with Stack(config) as running:
         yield running
-    finally:
-        await running.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=300) as client:
-        yield client
 
 
 async def metric(client: httpx.AsyncClient, base_url: str, name: str) -> float:
