@@ -99,6 +99,7 @@ class Stack:
         self.registry_address = ",".join(self.registry_addresses)
         self.etcd = LocalEtcd(config.workdir) if replicas > 1 else None
         self._registries: dict[str, ChildProcess] = {}
+        self._engines: dict[str, ChildProcess] = {}
         self.router_url = f"http://127.0.0.1:{free_port()}"
         self.prefill = EngineSpec("prefill", config.prefill_cpus)
         self.decode = EngineSpec("decode", config.decode_cpus)
@@ -213,6 +214,7 @@ class Stack:
             )
             for e in (self.prefill, self.decode)
         ]
+        self._engines = {child.name: child for child in engines}
         router = ChildProcess(
             "router",
             router_command(self.registry_address, self.router_url.removeprefix("http://")),
@@ -257,6 +259,12 @@ class Stack:
         registry.kill()
         await registry.wait()
         return leader
+
+    async def kill_engine(self, engine: EngineSpec) -> None:
+        """SIGKILLs a vLLM server and its engine core (failure tests)."""
+        child = self._engines[f"vllm-{engine.role}"]
+        child.kill()
+        await child.wait()
 
     async def stop(self) -> None:
         await stop_all(self.children, grace_s=15)

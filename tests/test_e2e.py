@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -327,17 +326,6 @@ async def test_up_prints_its_addresses_and_stops_everything(tmp_path: Path) -> N
     assert [pid for pid, _, group in _processes() if group in groups] == []
 
 
-def _kill_engine(url: str) -> None:
-    """SIGKILL the vLLM server behind ``url`` and its engine process (its whole group)."""
-    port = url.rsplit(":", 1)[1]
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                cmdline = (entry / "cmdline").read_bytes()
-                if b"api_server" in cmdline and f"--port\0{port}\0".encode() in cmdline:
-                    os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
-
-
 async def test_back_to_back_turns_of_concurrent_conversations_find_the_latest_kv(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:
@@ -372,7 +360,7 @@ async def test_a_decode_node_vanishing_before_the_read_means_recompute(
     await asyncio.sleep(0.3)
     held = await current_lease(stack, "conv-vanish")
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "so?"}]
-    _kill_engine(stack.url(stack.decode))
+    await stack.kill_engine(stack.decode)
     # Within the node's session TTL the lease still checks out, so P tries to read from a
     # node that is gone; the failed read must turn into a recompute, not a failed request.
     body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}
