@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import ChildProcess, http_ok, stop_all
+from kvbroker.common.supervisor import Answers, ChildProcess, http_ok, stop_all
 from kvbroker.common.tasks import poll_until
 from kvbroker.v1.node_pb2 import NODE_STATE_READY
 from kvbroker.v1.registry_pb2 import ListNodesRequest, ListNodesResponse
@@ -57,6 +59,18 @@ def router_command(registry: str, listen: str) -> list[str]:
     """`kvbroker router run` on ``listen`` (host:port)."""
     return [KVBROKER, "router", "run", "--registry", registry, "--listen", listen,
             "--log-format", "json"]  # fmt: skip
+
+
+def router_routing(router_url: str, model: str, within_s: float = 60.0) -> Answers:
+    """Ready once the router lists ``model``: it has learned of nodes serving it, which it
+    reads from the registry every few seconds, so its health route alone does not say it."""
+
+    async def check() -> bool:
+        async with httpx.AsyncClient(timeout=2) as client:
+            listed = (await client.get(f"{router_url}/v1/models")).json()
+        return model in {entry["id"] for entry in listed["data"]}
+
+    return Answers(check, f"the router routing {model}", within_s, every_s=0.25)
 
 
 @dataclass(frozen=True)
@@ -219,7 +233,7 @@ class Stack:
             "router",
             router_command(self.registry_address, self.router_url.removeprefix("http://")),
             self._log("router"),
-            ready=[http_ok(f"{self.router_url}/health")],
+            ready=[router_routing(self.router_url, self.config.served_model, within_s=600)],
         )
         # Started in this order, ready in any.
         await asyncio.gather(*(self._child(child).start() for child in (*engines, router)))

@@ -42,8 +42,8 @@ from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry
 from kvbroker.common.handles import EPOCH_KEY, LEASE_ID_KEY
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Answers, ChildProcess, stop_all
-from kvbroker.stack import router_command
+from kvbroker.common.supervisor import ChildProcess, stop_all
+from kvbroker.stack import router_command, router_routing
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
@@ -294,7 +294,7 @@ class Fleet:
             "router",
             router_command(self.addresses, f"127.0.0.1:{self.router_port}"),
             workdir / "router.log",
-            ready=[Answers(self._routable, "router routing", within_s=60)],
+            ready=[router_routing(self.router_url, MODEL)],
         )
         self.tally = Tally()
         # conversation -> (engine id, request id) of each retention, in the order made
@@ -317,10 +317,6 @@ class Fleet:
             await sidecar.start()
             engine.link.start()
         await self.router.start()
-
-    async def _routable(self) -> bool:
-        response = await self.http.get(f"{self.router_url}/v1/models")
-        return bool(response.json()["data"])
 
     async def stop(self) -> None:
         await self.http.aclose()
