@@ -40,9 +40,7 @@ async def run_demo(stack: Stack, console: Console, tool_tokens: int = 700) -> No
                 with console.status(f"reuse {label}: turn {number}/{len(TASKS)}"):
                     answer, measured = await measured_turn(
                         client,
-                        stack.router_url,
-                        stack.url(stack.prefill),
-                        stack.config.served_model,
+                        stack,
                         messages,
                         "demo-agent" if reuse else None,
                         max_tokens=24,

@@ -8,23 +8,22 @@ Nothing here imports vLLM: engines run as ``python -m vllm.entrypoints.openai.ap
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import httpx
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
+from kvbroker.common.supervisor import Answers, ChildProcess, http_ok, stop_all
+from kvbroker.common.tasks import poll_until
 from kvbroker.v1.node_pb2 import NODE_STATE_READY
-from kvbroker.v1.registry_pb2 import ListNodesRequest
+from kvbroker.v1.registry_pb2 import ListNodesRequest, ListNodesResponse
 
 PYTHON = sys.executable
 KVBROKER = str(Path(sys.executable).with_name("kvbroker"))
@@ -39,6 +38,39 @@ def make_test_model() -> Path:
         [PYTHON, "-m", "engine_ext.testmodel"], check=True, capture_output=True, text=True
     )
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def registry_command(listen: str, *flags: str) -> list[str]:
+    """`kvbroker registry serve` on ``listen``, logging JSON."""
+    return [KVBROKER, "registry", "serve", "--listen", listen, "--log-format", "json", *flags]
+
+
+def sidecar_command(
+    registry: str, engine_url: str, role: str, node_id: str, socket: Path
+) -> list[str]:
+    """`kvbroker sidecar run` for one engine, serving its engine on a unix socket."""
+    return [
+        KVBROKER, "sidecar", "run", "--registry", registry, "--engine-url", engine_url,
+        "--role", role, "--node-id", node_id, "--listen", f"unix:{socket}", "--log-format", "json",
+    ]  # fmt: skip
+
+
+def router_command(registry: str, listen: str) -> list[str]:
+    """`kvbroker router run` on ``listen`` (host:port)."""
+    return [KVBROKER, "router", "run", "--registry", registry, "--listen", listen,
+            "--log-format", "json"]  # fmt: skip
+
+
+def router_routing(router_url: str, model: str, within_s: float = 60.0) -> Answers:
+    """Ready once the router lists ``model``: it has learned of nodes serving it, which it
+    reads from the registry every few seconds, so its health route alone does not say it."""
+
+    async def check() -> bool:
+        async with httpx.AsyncClient(timeout=2) as client:
+            listed = (await client.get(f"{router_url}/v1/models")).json()
+        return model in {entry["id"] for entry in listed["data"]}
+
+    return Answers(check, f"the router routing {model}", within_s, every_s=0.25)
 
 
 @dataclass(frozen=True)
@@ -70,23 +102,18 @@ class StackConfig:
     decode_cpus: str = "1" if (os.cpu_count() or 1) > 1 else "0"
 
 
-@dataclass
-class Process:
-    name: str
-    process: asyncio.subprocess.Process
-    log: Path
-
-
 class Stack:
     def __init__(self, config: StackConfig, progress: Callable[[str], None] | None = None):
         self.config = config
         self.progress = progress or (lambda message: None)
-        self.processes: list[Process] = []
+        # Every child started so far, in the order started.
+        self.children: list[ChildProcess] = []
         replicas = max(config.registry_replicas, 1)
         self.registry_addresses = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
         self.registry_address = ",".join(self.registry_addresses)
-        self.etcd = LocalEtcd(config.workdir / "etcd") if replicas > 1 else None
-        self._registries: dict[str, Process] = {}
+        self.etcd = LocalEtcd(config.workdir) if replicas > 1 else None
+        self._registries: dict[str, ChildProcess] = {}
+        self._engines: dict[str, ChildProcess] = {}
         self.router_url = f"http://127.0.0.1:{free_port()}"
         self.prefill = EngineSpec("prefill", config.prefill_cpus)
         self.decode = EngineSpec("decode", config.decode_cpus)
@@ -98,22 +125,12 @@ class Stack:
     def socket_path(self, engine: EngineSpec) -> Path:
         return self.config.workdir / f"{engine.role}.sock"
 
-    async def _spawn(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None
-    ) -> Process:
-        log = self.config.workdir / f"{name}.log"
-        handle = log.open("wb")
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=handle,
-            stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,  # its own group: stop() ends vLLM's children too
-        )
-        handle.close()
-        entry = Process(name, process, log)
-        self.processes.append(entry)
-        return entry
+    def _child(self, child: ChildProcess) -> ChildProcess:
+        self.children.append(child)
+        return child
+
+    def _log(self, name: str) -> Path:
+        return self.config.workdir / f"{name}.log"
 
     def _kv_transfer_config(self, engine: EngineSpec) -> str:
         extra: dict[str, object] = {
@@ -181,98 +198,91 @@ class Stack:
         store: list[str] = []
         if self.etcd is not None:
             self.progress(f"starting etcd on {self.etcd.url}")
-            await self._spawn("etcd", self.etcd.argv())
-            await self.etcd.wait_ready()
+            await self._child(self.etcd.child).start()
             store = ["--store", self.etcd.url, "--election-ttl", "2"]
         self.progress(f"starting the registry on {self.registry_address}")
         for index, address in enumerate(self.registry_addresses):
             name = "registry" if len(self.registry_addresses) == 1 else f"registry-{index}"
-            self._registries[address] = await self._spawn(
+            registry = ChildProcess(
                 name,
-                [KVBROKER, "registry", "serve", "--listen", address, "--log-format", "json",
-                 *store, *self.config.registry_flags],
-            )  # fmt: skip
+                registry_command(address, *store, *self.config.registry_flags),
+                self._log(name),
+            )
+            self._registries[address] = registry
+            await self._child(registry).start()
         for engine in (self.prefill, self.decode):
-            await self._spawn(
-                f"sidecar-{engine.role}",
-                [KVBROKER, "sidecar", "run", "--registry", self.registry_address,
-                 "--engine-url", self.url(engine), "--role", engine.role,
-                 "--node-id", f"{engine.role}-0", "--listen", f"unix:{self.socket_path(engine)}",
-                 "--log-format", "json"],
+            name = f"sidecar-{engine.role}"
+            argv = sidecar_command(
+                self.registry_address, self.url(engine), engine.role, f"{engine.role}-0",
+                self.socket_path(engine),
             )  # fmt: skip
+            await self._child(ChildProcess(name, argv, self._log(name))).start()
         self.progress("starting the prefill and decode vLLM servers (about a minute)")
         engines = [
-            await self._spawn(f"vllm-{e.role}", self.engine_argv(e), self.engine_env(e))
+            ChildProcess(
+                f"vllm-{e.role}",
+                self.engine_argv(e),
+                self._log(f"vllm-{e.role}"),
+                ready=[http_ok(f"{self.url(e)}/health")],
+                env=self.engine_env(e),
+            )
             for e in (self.prefill, self.decode)
         ]
-        await self._spawn(
+        self._engines = {child.name: child for child in engines}
+        router = ChildProcess(
             "router",
-            [KVBROKER, "router", "run", "--registry", self.registry_address,
-             "--listen", self.router_url.removeprefix("http://"), "--log-format", "json"],
-        )  # fmt: skip
-        await asyncio.gather(
-            *(
-                self._wait_healthy(p, self.url(e))
-                for p, e in zip(engines, (self.prefill, self.decode), strict=True)
-            ),
-            self._wait_healthy(self.processes[-1], self.router_url),
+            router_command(self.registry_address, self.router_url.removeprefix("http://")),
+            self._log("router"),
+            ready=[router_routing(self.router_url, self.config.served_model, within_s=600)],
         )
+        # Started in this order, ready in any.
+        await asyncio.gather(*(self._child(child).start() for child in (*engines, router)))
         self.progress("engines up; waiting for their sidecars to register")
         await self._wait_registered()
 
-    async def _wait_healthy(self, process: Process, url: str, timeout_s: float = 600) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        async with httpx.AsyncClient(timeout=2) as client:
-            while True:
-                if process.process.returncode is not None:
-                    tail = process.log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{process.name} exited early:\n{tail}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{url}/health")).status_code == 200:
-                        return
-                if asyncio.get_running_loop().time() > deadline:
-                    raise TimeoutError(f"{process.name} not healthy after {timeout_s} s")
-                await asyncio.sleep(0.5)
+    async def __aenter__(self) -> Stack:
+        """Starts the stack; a start that fails stops what it had started."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     async def _wait_registered(self, timeout_s: float = 60) -> None:
-        endpoint = RegistryEndpoint.parse(self.registry_address)
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        async with open_channel(endpoint) as channel:
+        async with open_channel(RegistryEndpoint.parse(self.registry_address)) as channel:
             stub = registry_stub(channel)
-            while True:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    nodes = (await stub.ListNodes(ListNodesRequest(), timeout=2)).nodes
-                    if sum(n.state == NODE_STATE_READY for n in nodes) >= 2:
-                        return
-                if asyncio.get_running_loop().time() > deadline:
-                    raise TimeoutError("the engines' sidecars did not register in time")
-                await asyncio.sleep(0.25)
+
+            async def both_ready() -> bool:
+                listed: ListNodesResponse = await stub.ListNodes(ListNodesRequest(), timeout=2)
+                return sum(n.state == NODE_STATE_READY for n in listed.nodes) >= 2
+
+            await poll_until(
+                both_ready, timeout_s, "both engines' sidecars registered", every_s=0.25
+            )
 
     async def kill_registry_leader(self) -> str:
         """SIGKILLs the registry replica that leads now (failure tests); returns its address."""
         if self.etcd is None:
             raise RuntimeError("this stack runs one registry; there is no leader to kill")
         leader = await self.etcd.leader()
-        process = self._registries[leader].process
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        await process.wait()
+        registry = self._registries[leader]
+        registry.kill()
+        await registry.wait()
         return leader
 
+    async def kill_engine(self, engine: EngineSpec) -> None:
+        """SIGKILLs a vLLM server and its engine core (failure tests)."""
+        child = self._engines[f"vllm-{engine.role}"]
+        child.kill()
+        await child.wait()
+
     async def stop(self) -> None:
-        for entry in reversed(self.processes):
-            if entry.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(entry.process.pid, signal.SIGTERM)
-        for entry in reversed(self.processes):
-            try:
-                await asyncio.wait_for(entry.process.wait(), 15)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(entry.process.pid, signal.SIGKILL)
-                await entry.process.wait()
-            await _reap_group(entry.process.pid)
-        self.processes.clear()
+        await stop_all(self.children, grace_s=15)
+        self.children.clear()
 
     def describe(self) -> dict[str, object]:
         return {
@@ -286,18 +296,3 @@ class Stack:
             "reuse": self.config.reuse,
             "logs": str(self.config.workdir),
         }
-
-
-async def _reap_group(group: int, grace_s: float = 10.0) -> None:
-    """Waits until every process of a group is gone (vLLM's engine core outlives its API
-    server for a moment), killing what is left after the grace."""
-    deadline = asyncio.get_running_loop().time() + grace_s
-    while True:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-        await asyncio.sleep(0.1)

@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from controlplane.server import ServerOptions, start_registry
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
+from kvbroker.testing.engine import FakeEngine, serving
+from kvbroker.testing.factories import Heartbeats, node_spec
 from kvbroker.v1 import node_pb2
 from router.config import RouterConfig
 from router.proxy import Router, build_app
-from tests.factories import Heartbeats, node_spec
-from tests.fake_engine import FakeEngine, serving
 
 REQUESTS = 500
 BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}

@@ -1,22 +1,26 @@
-"""Fixtures that start real registry servers on loopback and talk to them over gRPC."""
+"""The layer of every test module, and fixtures that start real registry servers on loopback
+and talk to them over gRPC. The harness itself (fake engine, message builders, kvbroker's
+servers as processes) is kvbroker.testing, which the benchmarks use too."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
+import pytest_asyncio
 
 from controlplane.config import RegistryConfig
 from controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.stack import KVBROKER
+from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import registry_pb2_grpc
 
 # Short times so expiry tests finish in about a second.
@@ -28,7 +32,61 @@ FAST = RegistryConfig(
     session_ttl_s=0.8,
     turn_settle_timeout_s=0.2,
 )
-KVBROKER = str(Path(sys.executable).with_name("kvbroker"))
+
+# Each test module's layer, as a marker (`pytest -m unit` runs one layer):
+# - unit: pure code in one process, time from a clock the test moves;
+# - conformance: one suite run against every implementation of an interface;
+# - integration: gRPC servers, HTTP servers and processes on loopback;
+# - e2e: real vLLM engines (slow);
+# - soak: what the `soak` marker marks, whatever its module (slow).
+# CI runs everything but e2e and soak first, in parallel, then those two on their own.
+LAYERS = {
+    "test_admission_blocks": "unit",
+    "test_agentic_bench": "unit",
+    "test_batcher": "unit",
+    "test_connector_scheduler": "unit",
+    "test_deadlines": "unit",
+    "test_engine_rules": "unit",
+    "test_labels": "unit",
+    "test_registry_unit": "unit",
+    "test_retention_policy": "unit",
+    "test_retention_sim": "unit",
+    "test_routing": "unit",
+    "test_testmodel": "unit",
+    "test_vllm_compat": "unit",
+    "test_cli": "integration",
+    "test_error_reasons": "integration",
+    "test_reclaim": "integration",
+    "test_registry_bench": "integration",
+    "test_registry_grpc": "integration",
+    "test_replicas": "integration",
+    "test_retention_reports": "integration",
+    "test_router": "integration",
+    "test_sidecar": "integration",
+    "test_supervisor": "integration",
+    "test_e2e": "e2e",
+    "test_e2e_pressure": "e2e",
+    "test_e2e_replicas": "e2e",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("soak") is not None:
+            continue
+        layer = LAYERS.get(item.path.stem)
+        if layer is None:
+            raise pytest.UsageError(
+                f"{item.path.name} has no layer: add it to LAYERS in tests/conftest.py"
+            )
+        item.add_marker(layer)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    """One HTTP client for a module's tests (the e2e modules send their turns with it)."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        yield client
 
 
 @pytest.fixture
@@ -81,36 +139,11 @@ async def run_cli(*args: str, env: dict[str, str] | None = None) -> CliResult:
     return CliResult(process.returncode, out.decode(), err.decode())
 
 
-@dataclass
-class RegistryProcess:
-    process: asyncio.subprocess.Process
-    address: str
-
-    async def stop(self) -> None:
-        if self.process.returncode is None:
-            self.process.terminate()
-            await asyncio.wait_for(self.process.wait(), 10)
-
-
-async def spawn_registry(*extra: str, listen: str = "127.0.0.1:0") -> RegistryProcess:
+async def spawn_registry(*flags: str, listen: str = "") -> RegistryProcess:
     """``kvbroker registry serve`` in its own process; returns once it announced its address."""
-    process = await asyncio.create_subprocess_exec(
-        KVBROKER,
-        "registry",
-        "serve",
-        "--listen",
-        listen,
-        "--log-format",
-        "json",
-        *extra,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert process.stdout is not None
-    line = await asyncio.wait_for(process.stdout.readline(), 30)
-    if not line:
-        raise RuntimeError(f"registry exited with {await process.wait()} before serving")
-    return RegistryProcess(process, json.loads(line)["registry"])
+    registry = RegistryProcess(*flags, listen=listen)
+    await registry.start()
+    return registry
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ import grpc
 from kvbroker.cli.sidecar import Role
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.labels import by_lower_label
+from kvbroker.testing.factories import Heartbeats, grant, node_spec
+from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import node_pb2
-from tests.conftest import RegistryProcess, run_cli, spawn_registry
-from tests.factories import Heartbeats, grant, node_spec
+from tests.conftest import run_cli, spawn_registry
 
 
 async def test_operator_session(registry_process: RegistryProcess) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +25,8 @@ from engine_ext.testmodel import corpus
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import prefill_params
 from kvbroker.common.ports import free_port
-from kvbroker.stack import KVBROKER, Stack, StackConfig
+from kvbroker.common.supervisor import Announces, ChildProcess, http_ok
+from kvbroker.stack import KVBROKER, Stack, StackConfig, router_command
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 pytestmark = [
@@ -45,24 +45,12 @@ def user_message(turn: int, lines: int = 14) -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    workdir: Path = tmp_path_factory.mktemp("stack")
-    running = Stack(
-        StackConfig(
-            workdir=workdir,
-            registry_flags=("--revoke-grace", "0.5", "--claim-timeout", "5"),
-        )
+    config = StackConfig(
+        workdir=tmp_path_factory.mktemp("stack"),
+        registry_flags=("--revoke-grace", "0.5", "--claim-timeout", "5"),
     )
-    try:
-        await running.start()
+    async with Stack(config) as running:
         yield running
-    finally:
-        await running.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=300) as client:
-        yield client
 
 
 async def metric(client: httpx.AsyncClient, base_url: str, name: str) -> float:
@@ -165,18 +153,15 @@ async def test_two_router_replicas_serve_alternate_turns_with_reuse(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:
     port = free_port()
-    replica = await asyncio.create_subprocess_exec(
-        KVBROKER, "router", "run", "--registry", stack.registry_address,
-        "--listen", f"127.0.0.1:{port}", "--log-format", "json",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
     second = f"http://127.0.0.1:{port}"
+    replica = ChildProcess(
+        "router-2",
+        router_command(stack.registry_address, f"127.0.0.1:{port}"),
+        stack.config.workdir / "router-2.log",
+        ready=[http_ok(f"{second}/health", within_s=10, every_s=0.1)],
+    )
     try:
-        for _ in range(100):
-            with contextlib.suppress(httpx.HTTPError):
-                if (await http.get(f"{second}/health")).status_code == 200:
-                    break
-            await asyncio.sleep(0.1)
+        await replica.start()
         messages = [{"role": "system", "content": user_message(60, lines=10)}]
         reads = [await reads_by_prefill(stack, http)]
         for turn in range(4):
@@ -189,8 +174,7 @@ async def test_two_router_replicas_serve_alternate_turns_with_reuse(
             await asyncio.sleep(0.3)
         assert [b - a for a, b in itertools.pairwise(reads)] == [0, 1, 1, 1]
     finally:
-        replica.terminate()
-        await replica.wait()
+        await replica.stop()
 
 
 async def test_streaming_turns_are_retained_and_reused(
@@ -323,35 +307,23 @@ def _processes() -> list[tuple[int, int, int]]:
 
 async def test_up_prints_its_addresses_and_stops_everything(tmp_path: Path) -> None:
     """`kvbroker up` as a user runs it: ready line, a working router, SIGTERM, nothing left."""
-    process = await asyncio.create_subprocess_exec(
-        KVBROKER, "up", "--workdir", str(tmp_path / "up"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    up = ChildProcess(
+        "up", [KVBROKER, "up", "--workdir", str(tmp_path / "up")], None,
+        ready=[Announces(within_s=600)],
     )  # fmt: skip
-    assert process.stdout is not None
     try:
-        line = await asyncio.wait_for(process.stdout.readline(), 600)
-        ready = json.loads(line)
+        await up.start()
+        ready = up.announced
         async with httpx.AsyncClient(timeout=60) as client:
             models = (await client.get(f"{ready['router']}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [MODEL]
         # Each part runs in its own process group, led by a child of `kvbroker up`.
-        groups = {pid for pid, parent, _ in _processes() if parent == process.pid}
+        groups = {pid for pid, parent, _ in _processes() if parent == up.pid}
         assert len(groups) == 6  # registry, 2 sidecars, 2 vLLM servers, router
     finally:
-        process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 60) == 0
+        up.kill(signal.SIGTERM)
+        assert await asyncio.wait_for(up.wait(), 60) == 0
     assert [pid for pid, _, group in _processes() if group in groups] == []
-
-
-def _kill_engine(url: str) -> None:
-    """SIGKILL the vLLM server behind ``url`` and its engine process (its whole group)."""
-    port = url.rsplit(":", 1)[1]
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                cmdline = (entry / "cmdline").read_bytes()
-                if b"api_server" in cmdline and f"--port\0{port}\0".encode() in cmdline:
-                    os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
 
 
 async def test_back_to_back_turns_of_concurrent_conversations_find_the_latest_kv(
@@ -388,7 +360,7 @@ async def test_a_decode_node_vanishing_before_the_read_means_recompute(
     await asyncio.sleep(0.3)
     held = await current_lease(stack, "conv-vanish")
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "so?"}]
-    _kill_engine(stack.url(stack.decode))
+    await stack.kill_engine(stack.decode)
     # Within the node's session TTL the lease still checks out, so P tries to read from a
     # node that is gone; the failed read must turn into a recompute, not a failed request.
     body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}

@@ -13,7 +13,6 @@ import asyncio
 import statistics
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -38,26 +37,14 @@ CONVERSATIONS = 7
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    workdir: Path = tmp_path_factory.mktemp("pressure")
-    running = Stack(
-        StackConfig(
-            workdir=workdir,
-            engine_args=("--num-gpu-blocks-override", "70"),
-            registry_flags=("--lease-ttl", str(IDLE_TTL_S), "--no-learn-idle-ttl"),
-            connector_extra={"kvbroker_retention_max_fraction": 1.0},
-        )
+    config = StackConfig(
+        workdir=tmp_path_factory.mktemp("pressure"),
+        engine_args=("--num-gpu-blocks-override", "70"),
+        registry_flags=("--lease-ttl", str(IDLE_TTL_S), "--no-learn-idle-ttl"),
+        connector_extra={"kvbroker_retention_max_fraction": 1.0},
     )
-    try:
-        await running.start()
+    async with Stack(config) as running:
         yield running
-    finally:
-        await running.stop()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=300) as client:
-        yield client
 
 
 def opening(index: int) -> list[dict[str, str]]:

@@ -25,11 +25,11 @@ from kvbroker.common.grpc_client import (
     registry_stub,
 )
 from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.testing.factories import Heartbeats, hint, node_spec, register
 from kvbroker.v1 import node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from router.config import RouterConfig
 from router.proxy import Router
-from tests.factories import Heartbeats, hint, node_spec, register
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL
 

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from kvbroker.common.clock import from_duration
+from kvbroker.testing.factories import Heartbeats, hint, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.factories import Heartbeats, hint, node_spec
 from tests.test_retention_reports import report, retained
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL

@@ -11,9 +11,17 @@ import pytest
 from controlplane.server import RunningRegistry
 from kvbroker.common.clock import from_duration, from_timestamp
 from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.testing.factories import (
+    Heartbeats,
+    block_hashes,
+    grant,
+    handle,
+    hint,
+    node_spec,
+    register,
+)
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.factories import Heartbeats, block_hashes, grant, handle, hint, node_spec, register
 
 DECODE = node_pb2.NODE_ROLE_DECODE
 PREFILL = node_pb2.NODE_ROLE_PREFILL

@@ -13,8 +13,8 @@ from controlplane.errors import LeaseEnded, NoReadyNode, SessionLost
 from controlplane.registry import Registry
 from controlplane.store import MemoryStore
 from kvbroker.common.clock import from_duration
+from kvbroker.testing.factories import block_hashes, handle, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-from tests.factories import block_hashes, handle, node_spec
 
 CONFIG = RegistryConfig(
     default_lease_ttl_s=60.0,

@@ -19,18 +19,12 @@ import pytest
 
 from controlplane.errors import StoreUnavailable
 from controlplane.etcd_store import EtcdEndpoints, EtcdStore
-from kvbroker.bench.failover import (
-    EtcdServer,
-    SoakConfig,
-    fleet_for_tests,
-    registry_replica,
-    replica_address,
-    run_soak,
-)
+from kvbroker.bench.failover import SoakConfig, fleet_for_tests, registry_replica, run_soak
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
+from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-from tests.factories import Heartbeats, grant, node_spec
 
 pytestmark = pytest.mark.etcd
 
@@ -38,14 +32,14 @@ FLAGS = ["--election-ttl", "2", "--heartbeat-interval", "0.3", "--session-ttl", 
 
 
 @pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    server = EtcdServer(tmp_path)
+async def etcd(tmp_path: Path) -> AsyncIterator[LocalEtcd]:
+    server = LocalEtcd(tmp_path)
     await server.start()
     yield server
-    await server.child.stop()
+    await server.stop()
 
 
-async def test_a_deposed_leader_cannot_write(etcd: EtcdServer) -> None:
+async def test_a_deposed_leader_cannot_write(etcd: LocalEtcd) -> None:
     """The fence: once the leader key is someone else's, the old leader's commit fails and
     nothing of it reaches etcd."""
     store = EtcdStore(EtcdEndpoints.parse(etcd.url))
@@ -67,7 +61,7 @@ async def test_a_deposed_leader_cannot_write(etcd: EtcdServer) -> None:
 
 
 async def test_racing_renew_and_revoke_on_two_replicas_agree(
-    etcd: EtcdServer, tmp_path: Path
+    etcd: LocalEtcd, tmp_path: Path
 ) -> None:
     """Renew through one replica and revoke through the other, at once, for 20 leases: every
     lease ends REVOKED, both replicas and etcd say the same, and each renewal either happened
@@ -76,7 +70,7 @@ async def test_racing_renew_and_revoke_on_two_replicas_agree(
     for replica in replicas:
         await replica.start()
     try:
-        first, second = (RegistryEndpoint.parse(replica_address(r)) for r in replicas)
+        first, second = (RegistryEndpoint.parse(r.address) for r in replicas)
         async with open_channel(first) as a, open_channel(second) as b:
             stub_a, stub_b = registry_stub(a), registry_stub(b)
             spec = node_spec("decode-0")
@@ -125,7 +119,7 @@ async def test_racing_renew_and_revoke_on_two_replicas_agree(
             await replica.stop()
 
 
-async def test_expiry_happens_once_across_replicas(etcd: EtcdServer, tmp_path: Path) -> None:
+async def test_expiry_happens_once_across_replicas(etcd: LocalEtcd, tmp_path: Path) -> None:
     """Short leases granted through one replica expire exactly once in all: only the leader
     expires, and its successor would find them already EXPIRED in etcd."""
     metrics = [free_port() for _ in range(2)]
@@ -136,7 +130,7 @@ async def test_expiry_happens_once_across_replicas(etcd: EtcdServer, tmp_path: P
     for replica in replicas:
         await replica.start()
     try:
-        endpoint = RegistryEndpoint.parse(",".join(replica_address(r) for r in replicas))
+        endpoint = RegistryEndpoint.parse(",".join(r.address for r in replicas))
         async with open_channel(endpoint) as channel, httpx.AsyncClient() as http:
             stub = registry_stub(channel)
             spec = node_spec("decode-0")

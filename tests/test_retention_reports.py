@@ -9,10 +9,10 @@ from controlplane.config import RegistryConfig
 from controlplane.server import ServerOptions, start_registry
 from kvbroker.common.clock import to_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.testing.factories import block_hashes, handle, hint, node_spec, register
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from tests.conftest import FAST
-from tests.factories import block_hashes, handle, hint, node_spec, register
 
 
 def retained(

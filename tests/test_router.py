@@ -13,12 +13,12 @@ import pytest
 from controlplane.server import RunningRegistry
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.ports import free_port
+from kvbroker.testing.engine import FakeEngine, serving
+from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import node_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from router.config import RouterConfig
 from router.proxy import Router, build_app
-from tests.factories import Heartbeats, grant, node_spec
-from tests.fake_engine import FakeEngine, serving
 
 MODEL = "tiny-qwen3"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}

@@ -3,68 +3,35 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from kvbroker.common.engine_link import Deadline, EngineLink
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
+from kvbroker.common.supervisor import ChildProcess
+from kvbroker.common.tasks import poll_until
+from kvbroker.testing.engine import FakeEngine
+from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, node_spec
+from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.conftest import KVBROKER, RegistryProcess, run_cli, spawn_registry
-from tests.engine_http import EngineHttp
-from tests.factories import Heartbeats, block_hashes, handle, hint, node_spec
+from tests.conftest import run_cli, spawn_registry
 
 SESSION_FLAGS = ("--heartbeat-interval", "0.2", "--session-ttl", "1.0", "--revoke-grace", "0.5")
 
 
-@dataclass
-class SidecarProcess:
-    process: asyncio.subprocess.Process
-    socket_path: Path
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-
-    async def stop(self) -> None:
-        if self.process.returncode is None:
-            self.process.terminate()
-            await asyncio.wait_for(self.process.wait(), 10)
-
-
 async def spawn_sidecar(
-    registry: str, engine_url: str, node_id: str, socket_path: Path, role: str = "decode"
-) -> SidecarProcess:
-    process = await asyncio.create_subprocess_exec(
-        KVBROKER,
-        "sidecar",
-        "run",
-        "--registry",
-        registry,
-        "--engine-url",
-        engine_url,
-        "--role",
-        role,
-        "--node-id",
-        node_id,
-        "--listen",
-        f"unix:{socket_path}",
-        "--log-format",
-        "json",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ},
-    )
-    assert process.stdout is not None
-    line = await asyncio.wait_for(process.stdout.readline(), 30)
-    assert json.loads(line)["node"] == node_id
-    return SidecarProcess(process, socket_path)
+    registry: str, engine_url: str, node_id: str, socket_path: Path
+) -> ChildProcess:
+    sidecar = sidecar_process(registry, engine_url, node_id, socket_path)
+    await sidecar.start()
+    assert sidecar.announced["node"] == node_id
+    return sidecar
 
 
 def engine_info(node_id: str, port: int = 5601) -> sidecar_pb2.EngineInfo:
@@ -91,15 +58,13 @@ def retained_blocks(
     )
 
 
-async def eventually(check, within: float = 10.0, every: float = 0.05):  # type: ignore[no-untyped-def]
-    """Polls an async check until it returns something truthy; returns that."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(every)
+T = TypeVar("T")
+
+
+async def eventually(check: Callable[[], Awaitable[T]], within: float = 10.0) -> T:
+    """Polls an async check until it returns something truthy; returns that. An error of the
+    check (a failed assertion in it) fails the test at once."""
+    return await poll_until(check, within, "the condition", every_s=0.05, retrying=())
 
 
 async def live_leases(stub: RegistryServiceStub, node_id: str = "") -> list[lease_pb2.Lease]:
@@ -117,25 +82,27 @@ async def node_state(stub: RegistryServiceStub, node_id: str) -> int:
 class Stack:
     registry: RegistryProcess
     stub: RegistryServiceStub
-    engine: EngineHttp
-    sidecar: SidecarProcess
+    engine: FakeEngine
+    sidecar: ChildProcess
     link: EngineLink
     port: int
+    socket_path: Path
 
 
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     port = free_port()
     registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{port}")
+    socket_path = tmp_path / "s.sock"
     async with (
-        EngineHttp() as engine,
+        FakeEngine("decode-0") as engine,
         open_channel(RegistryEndpoint.parse(registry.address)) as channel,
     ):
-        sidecar = await spawn_sidecar(registry.address, engine.url, "decode-0", tmp_path / "s.sock")
-        link = EngineLink(f"unix:{sidecar.socket_path}", engine_info("decode-0"))
+        sidecar = await spawn_sidecar(registry.address, engine.url, "decode-0", socket_path)
+        link = EngineLink(f"unix:{socket_path}", engine_info("decode-0"))
         link.start()
         stub = registry_stub(channel)
-        stack = Stack(registry, stub, engine, sidecar, link, port)
+        stack = Stack(registry, stub, engine, sidecar, link, port, socket_path)
         try:
             await eventually(lambda: asyncio.to_thread(link.attached.wait, 0.1))
             yield stack
@@ -191,8 +158,8 @@ async def test_registry_restart_loses_nothing(stack: Stack) -> None:
     for i in range(40):
         stack.link.retained(retained_blocks("decode-0", f"conv-{i}", f"req-{i}"))
     before = await eventually(lambda: _when_count(stack.stub, 40))
-    stack.registry.process.send_signal(signal.SIGKILL)
-    await stack.registry.process.wait()
+    stack.registry.kill()
+    await stack.registry.wait()
     # While the registry is away the engine keeps working: frees some, retains more.
     for i in range(5):
         stack.link.released(f"req-{i}", "read completed", lease_pb2.LEASE_END_CAUSE_READ)
@@ -256,7 +223,7 @@ async def test_sidecar_restart_replays_from_the_engine(stack: Stack, tmp_path: P
     stack.sidecar.kill()
     await eventually(lambda: _no_live(stack.stub), within=5)
     stack.sidecar = await spawn_sidecar(
-        stack.registry.address, stack.engine.url, "decode-0", stack.sidecar.socket_path
+        stack.registry.address, stack.engine.url, "decode-0", stack.socket_path
     )
     after = await eventually(lambda: _when_count(stack.stub, 3, exact=True), within=10)
     assert {(x.lease_id, x.epoch) for x in after} == {(x.lease_id, x.epoch) for x in before}

@@ -244,9 +244,7 @@ async def _warm_up(stack: Stack) -> None:
     async with httpx.AsyncClient(timeout=600) as client:
         await measured_turn(
             client,
-            stack.router_url,
-            stack.url(stack.prefill),
-            stack.config.served_model,
+            stack,
             [{"role": "user", "content": ContextBuilder(-1).text(200)}],
             None,
             4,
@@ -320,9 +318,7 @@ async def _session(
         try:
             answer, measured = await measured_turn(
                 client,
-                stack.router_url,
-                stack.url(stack.prefill),
-                stack.config.served_model,
+                stack,
                 messages,
                 session,
                 config.max_tokens,

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import statistics
 import tempfile
 import time
@@ -36,11 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
 
 from kvbroker.common.clock import to_duration
 from kvbroker.common.engine_link import EngineLink
@@ -54,8 +48,10 @@ from kvbroker.common.retention_deadline import (
     first_deadline,
     next_deadline,
 )
-from kvbroker.common.tasks import poll_until
-from kvbroker.stack import KVBROKER
+from kvbroker.common.supervisor import ChildProcess, stop_all
+from kvbroker.stack import router_command, router_routing
+from kvbroker.testing.engine import FakeEngine
+from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
 MODEL = "sim-model"
@@ -69,76 +65,11 @@ LIVE = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 # ---------------------------------------------------------------------- processes
 
 
-@dataclass
-class Child:
-    """One child process of the harness, restartable on the same ports."""
-
-    name: str
-    argv: list[str]
-    process: asyncio.subprocess.Process | None = None
-    log: Path | None = None
-
-    async def start(self, ready: Callable[[], Any] | None = None) -> None:
-        assert self.log is not None
-        stream = self.log.open("ab")
-        self.process = await asyncio.create_subprocess_exec(
-            *self.argv, stdout=asyncio.subprocess.PIPE, stderr=stream
-        )
-        stream.close()
-        if ready is None:
-            assert self.process.stdout is not None
-            line = await asyncio.wait_for(self.process.stdout.readline(), 60)
-            if not line:
-                raise RuntimeError(f"{self.name} exited before it was ready (see {self.log})")
-        else:
-            await ready()
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.send_signal(sig)
-
-    async def stop(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.terminate()
-            try:
-                await asyncio.wait_for(self.process.wait(), 10)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.returncode is None
-
-
-class EtcdServer:
-    """A local etcd run as a restartable child of the harness."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.local = LocalEtcd(workdir / "etcd")
-        self.client_port = self.local.client_port
-        self.url = self.local.url
-        self.child = Child("etcd", self.local.argv(), log=workdir / "etcd.log")
-
-    async def start(self) -> None:
-        await self.child.start(ready=self.local.wait_ready)
-
-    async def leader(self) -> str:
-        return await self.local.leader()
-
-
-def registry_replica(workdir: Path, index: int, store: str, flags: list[str]) -> Child:
-    port = free_port()
-    return Child(
-        f"registry-{index}",
-        [KVBROKER, "registry", "serve", "--listen", f"127.0.0.1:{port}", "--store", store,
-         "--log-format", "json", *flags],
-        log=workdir / f"registry-{index}.log",
-    )  # fmt: skip
-
-
-def replica_address(child: Child) -> str:
-    return child.argv[child.argv.index("--listen") + 1]
+def registry_replica(workdir: Path, index: int, store: str, flags: list[str]) -> RegistryProcess:
+    """A registry replica on ``store``, restartable on the same port."""
+    return RegistryProcess(
+        "--store", store, *flags, name=f"registry-{index}", log=workdir / f"registry-{index}.log"
+    )
 
 
 # ---------------------------------------------------------------------- simulated engines
@@ -167,12 +98,13 @@ class Tally:
     leases: set[str] = field(default_factory=set)
 
 
-class SimEngine:
-    """An engine's HTTP face (health, metrics, models, completions) and its EngineLink."""
+class SimEngine(FakeEngine):
+    """A fake engine whose KV is simulated: a decode leg retains the conversation so far and
+    reports it through the real EngineLink; the registry's deadlines free it."""
 
     def __init__(self, node_id: str, role: str, socket: Path, fleet: Fleet) -> None:
+        super().__init__(node_id, model=MODEL)
         self.node_id, self.role, self.fleet = node_id, role, fleet
-        self.port = free_port()
         self.engine_id = f"engine-{node_id}"
         self.held: dict[str, Held] = {}
         self.link = EngineLink(
@@ -187,59 +119,27 @@ class SimEngine:
                 model=MODEL,
             ),
         )
-        self._server: uvicorn.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     async def start(self) -> None:
-        app = Starlette(
-            routes=[
-                Route("/health", lambda r: JSONResponse({})),
-                Route("/metrics", self._metrics),
-                Route("/v1/models", lambda r: JSONResponse({"data": [{"id": MODEL}]})),
-                Route("/v1/chat/completions", self._completions, methods=["POST"]),
-            ]
-        )
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
-        self._server = uvicorn.Server(config)
-        self._tasks.append(asyncio.create_task(self._server.serve()))
+        await super().start()
         self._tasks.append(asyncio.create_task(self._apply_deadlines()))
-        while not self._server.started:  # noqa: ASYNC110 - uvicorn has no "started" event
-            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        for task in self._tasks[1:]:
+        for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await super().stop()
         await asyncio.to_thread(self.link.close)
 
-    async def _metrics(self, request: Request) -> Response:
-        return PlainTextResponse(
-            f'vllm:num_requests_running{{model_name="{MODEL}"}} 0\n'
-            f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {len(self.held) / 65536}\n'
-        )
+    def kv_cache_usage(self) -> float:
+        return len(self.held) / 65536
 
-    async def _completions(self, request: Request) -> Response:
-        body = await request.json()
+    async def kv_transfer_params(self, body: dict[str, Any]) -> dict[str, Any]:
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
-            return JSONResponse(self._reply(await self._prefill(params)))
-        return JSONResponse(self._reply(self._decode(str(body.get("session_id") or ""))))
-
-    @staticmethod
-    def _reply(params: dict[str, Any]) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "ok"}
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:8]}",
-            "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "kv_transfer_params": params,
-        }
+            return await self._prefill(params)
+        return self._decode(str(body.get("session_id") or ""))
 
     async def _prefill(self, params: dict[str, Any]) -> dict[str, Any]:
         """A prefill leg; with a handle, the connector's fence, then the read."""
@@ -366,14 +266,14 @@ class Fleet:
 
     def __init__(self, workdir: Path, config: SoakConfig, registry_flags: list[str]) -> None:
         self.workdir, self.config = workdir, config
-        self.etcd = EtcdServer(workdir)
+        self.etcd = LocalEtcd(workdir)
         self.replicas = [
             registry_replica(workdir, i, self.etcd.url, registry_flags)
             for i in range(config.replicas)
         ]
-        self.addresses = ",".join(replica_address(r) for r in self.replicas)
+        self.addresses = ",".join(r.address for r in self.replicas)
         self.engines: list[SimEngine] = []
-        self.sidecars: list[Child] = []
+        self.sidecars: list[ChildProcess] = []
         roles = ["decode"] * config.decode_engines + ["prefill"] * config.prefill_engines
         for i, role in enumerate(roles):
             node_id = f"{role}-{i}"
@@ -381,35 +281,22 @@ class Fleet:
             engine = SimEngine(node_id, role, socket, self)
             self.engines.append(engine)
             self.sidecars.append(
-                Child(
-                    f"sidecar-{node_id}",
-                    [
-                        KVBROKER,
-                        "sidecar",
-                        "run",
-                        "--registry",
-                        self.addresses,
-                        "--engine-url",
-                        engine.url,
-                        "--role",
-                        role,
-                        "--node-id",
-                        node_id,
-                        "--listen",
-                        f"unix:{socket}",
-                        "--log-format",
-                        "json",
-                    ],
+                sidecar_process(
+                    self.addresses,
+                    engine.url,
+                    node_id,
+                    socket,
+                    role,
                     log=workdir / f"sidecar-{node_id}.log",
                 )
             )
         self.router_port = free_port()
-        self.router = Child(
+        self.router = ChildProcess(
             "router",
-            [KVBROKER, "router", "run", "--registry", self.addresses, "--listen",
-             f"127.0.0.1:{self.router_port}", "--log-format", "json"],
-            log=workdir / "router.log",
-        )  # fmt: skip
+            router_command(self.addresses, f"127.0.0.1:{self.router_port}"),
+            workdir / "router.log",
+            ready=[router_routing(self.router_url, MODEL)],
+        )
         self.tally = Tally()
         # conversation -> (engine id, request id) of each retention, in the order made
         self.retentions: dict[str, list[tuple[str, str]]] = {}
@@ -430,20 +317,14 @@ class Fleet:
             await engine.start()
             await sidecar.start()
             engine.link.start()
-        await self.router.start(ready=lambda: poll_until(self._routable, 60, "router routing"))
-
-    async def _routable(self) -> bool:
-        response = await self.http.get(f"{self.router_url}/v1/models")
-        return bool(response.json()["data"])
+        await self.router.start()
 
     async def stop(self) -> None:
         await self.http.aclose()
         await self.router.stop()
         for engine in self.engines:
             await engine.stop()
-        for child in [*self.sidecars, *self.replicas]:
-            await child.stop()
-        await self.etcd.child.stop()
+        await stop_all([self.etcd.child, *self.replicas, *self.sidecars])
 
     # ------------------------------------------------------------ load
 
@@ -505,13 +386,13 @@ class Fleet:
             await asyncio.sleep(config.kill_every_s)
             if etcd_due and time.monotonic() >= etcd_due:
                 etcd_due = 0
-                await self.etcd.child.stop()
+                await self.etcd.stop()
                 await asyncio.sleep(config.restart_after_s)
                 await self.etcd.start()
                 events.append((time.monotonic(), "etcd"))
                 continue
             leader = await self.etcd.leader()
-            leading = [r for r in self.replicas if replica_address(r) == leader]
+            leading = [r for r in self.replicas if r.address == leader]
             hit_leader = bool(leading) and rng.random() < config.leader_kill_share
             victim = leading[0] if hit_leader else rng.choice(self.replicas)
             victim.kill()

@@ -110,9 +110,7 @@ async def _conversation(
             messages.append({"role": "user", "content": content})
             answer, measured = await measured_turn(
                 client,
-                stack.router_url,
-                stack.url(stack.prefill),
-                stack.config.served_model,
+                stack,
                 messages,
                 conversation_id if reuse else None,
                 max_tokens,

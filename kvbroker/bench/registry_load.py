@@ -22,7 +22,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import signal
 import statistics
 import time
 import uuid
@@ -36,9 +35,8 @@ import uvloop
 from kvbroker.common.batcher import Batcher
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.hint_batcher import HintBatcher
-from kvbroker.common.ports import free_port
 from kvbroker.common.tasks import poll_until
-from kvbroker.stack import KVBROKER
+from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 BLOCK_SIZE = 128  # vLLM's CPU default; a 4k-token conversation has 32 blocks
@@ -256,23 +254,21 @@ def _run_workers(target: Any, args_per_worker: list[tuple[Any, ...]]) -> list[di
 # ---------------------------------------------------------------- the registry process
 
 
-class RegistryProcess:
-    def __init__(self, port: int, store: str = "memory") -> None:
-        self.address = f"127.0.0.1:{port}"
+class MeasuredRegistry:
+    """The registry under test, in its own process, and what that process uses."""
+
+    def __init__(self, store: str = "memory") -> None:
         self.store = store
-        self.process: asyncio.subprocess.Process | None = None
+        self.process = RegistryProcess(
+            "--log-level", "warning", "--session-ttl", "3600", "--heartbeat-interval", "60",
+            "--lease-ttl", "3600", "--no-learn-idle-ttl", "--store", store,
+        )  # fmt: skip
+        self.address = self.process.address
 
     async def start(self) -> float:
         """Starts it; returns the seconds until it answered its first call."""
         started = time.perf_counter()
-        self.process = await asyncio.create_subprocess_exec(
-            KVBROKER, "registry", "serve", "--listen", self.address, "--log-level", "warning",
-            "--session-ttl", "3600", "--heartbeat-interval", "60",
-            "--lease-ttl", "3600", "--no-learn-idle-ttl", "--store", self.store,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        assert self.process.stdout is not None
-        await self.process.stdout.readline()
+        await self.process.start()
         if self.store != "memory":
             await self._until_leading()
         return time.perf_counter() - started
@@ -290,7 +286,6 @@ class RegistryProcess:
 
     def _cpu_seconds(self) -> float:
         """User and system CPU the process has used so far."""
-        assert self.process is not None
         fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -300,15 +295,13 @@ class RegistryProcess:
         return lambda: (self._cpu_seconds() - cpu) / (time.perf_counter() - started)
 
     def rss_mib(self) -> float:
-        assert self.process is not None
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
 
     async def kill(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
+        self.process.kill()
         await self.process.wait()
 
 
@@ -410,7 +403,7 @@ async def run_registry_bench(
 ) -> dict[str, Any]:
     """With ``store`` an etcd URL the registry runs as a (lone) replica on it; leave out
     ``memory_points`` and set ``restart_leases`` to 0 there (every lease is an etcd write)."""
-    registry = RegistryProcess(free_port(), store)
+    registry = MeasuredRegistry(store)
     await registry.start()
     fleet = Fleet(
         decodes=[_spec(i, node_pb2.NODE_ROLE_DECODE) for i in range(nodes)],
@@ -471,8 +464,7 @@ async def run_registry_bench(
             progress(f"restart: kill the registry, replay {restart_leases:,} leases")
             restart = await _restart(registry, fleet, restart_leases)
     finally:
-        if registry.process is not None and registry.process.returncode is None:
-            await registry.kill()
+        await registry.process.stop()
     return {
         "idle": idle,
         "load": [asdict(r) for r in results],
@@ -484,7 +476,7 @@ async def run_registry_bench(
     }
 
 
-async def _restart(registry: RegistryProcess, fleet: Fleet, leases: int) -> dict[str, float]:
+async def _restart(registry: MeasuredRegistry, fleet: Fleet, leases: int) -> dict[str, float]:
     # Keep `leases` of what the nodes hold (all, if they hold fewer), as evenly as what each
     # holds allows: nodes holding least take their share first, the rest split what is left.
     kept = 0

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvbroker.stack import Stack
+
 NIXL_METRICS = {
     "reads": "vllm:nixl_xfer_time_seconds_count",
     "read_seconds": "vllm:nixl_xfer_time_seconds_sum",
@@ -57,16 +59,16 @@ async def nixl_counters(client: httpx.AsyncClient, prefill_url: str) -> dict[str
 
 async def measured_turn(
     client: httpx.AsyncClient,
-    router_url: str,
-    prefill_url: str,
-    model: str,
+    stack: Stack,
     messages: list[dict[str, str]],
     session: str | None,
     max_tokens: int,
 ) -> tuple[str, dict[str, Any]]:
-    """Streams one chat completion; returns the answer and its measurements."""
+    """Streams one chat completion through the stack's router; returns the answer and its
+    measurements."""
+    router_url, prefill_url = stack.router_url, stack.url(stack.prefill)
     body: dict[str, Any] = {
-        "model": model,
+        "model": stack.config.served_model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,

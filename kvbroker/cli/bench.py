@@ -109,17 +109,17 @@ def bench_registry(
             return await run_registry_bench(
                 rate_list, live_leases, points, restart_leases, seconds, progress=say
             )
-        from kvbroker.bench.failover import EtcdServer
+        from kvbroker.common.local_etcd import LocalEtcd
 
         with tempfile.TemporaryDirectory(prefix="kvbroker-bench-etcd-") as workdir:
-            server = EtcdServer(Path(workdir))
+            server = LocalEtcd(Path(workdir))
             await server.start()
             try:
                 return await run_registry_bench(
                     rate_list, live_leases, [], 0, seconds, progress=say, store=server.url
                 )
             finally:
-                await server.child.stop()
+                await server.stop()
 
     result = asyncio.run(bench())
     table = Table(title="registry under load", title_justify="left")

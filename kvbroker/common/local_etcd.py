@@ -1,33 +1,45 @@
 """A single-member etcd on loopback, for the one-machine stack, the tests and the benchmarks
-(the binary from Debian's etcd-server). The caller runs the process; this knows its command
-line, when it answers, and which registry replica leads on it."""
+(the binary from Debian's etcd-server), run as a child process: ready when it answers, and able
+to say which registry replica leads on it."""
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aetcd
 
 from kvbroker.common.ports import free_port
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.supervisor import Answers, ChildProcess
 
 LEADER_KEY = b"/kvbroker/leader"
 
 
-@dataclass
 class LocalEtcd:
-    data_dir: Path
-    client_port: int = field(default_factory=free_port)
-    peer_port: int = field(default_factory=free_port)
+    def __init__(self, workdir: Path) -> None:
+        """Its data goes to ``workdir/etcd``, its log to ``workdir/etcd.log``."""
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.child = ChildProcess(
+            "etcd",
+            self._argv(workdir / "etcd"),
+            workdir / "etcd.log",
+            ready=[Answers(self._answers, f"etcd serving on {self.url}", within_s=30)],
+        )
 
     @property
     def url(self) -> str:
         """What ``kvbroker registry serve --store`` takes."""
         return f"etcd://127.0.0.1:{self.client_port}"
 
-    def argv(self) -> list[str]:
+    async def start(self) -> None:
+        """Starts it (again, after a stop: same ports, same data) and waits until it answers."""
+        await self.child.start()
+
+    async def stop(self) -> None:
+        await self.child.stop()
+
+    def _argv(self, data_dir: Path) -> list[str]:
         binary = shutil.which("etcd")
         if binary is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
@@ -36,16 +48,13 @@ class LocalEtcd:
         return [
             binary,
             "--name=kvbroker",
-            f"--data-dir={self.data_dir}",
+            f"--data-dir={data_dir}",
             f"--listen-client-urls={client}",
             f"--advertise-client-urls={client}",
             f"--listen-peer-urls={peer}",
             f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=kvbroker={peer}",
         ]
-
-    async def wait_ready(self, within_s: float = 30.0) -> None:
-        await poll_until(self._answers, within_s, f"etcd serving on {self.url}")
 
     async def _answers(self) -> bool:
         await self.leader()

@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def until_first_exits(*loops: Coroutine[Any, Any, None]) -> None:
@@ -24,14 +26,20 @@ async def until_first_exits(*loops: Coroutine[Any, Any, None]) -> None:
 
 
 async def poll_until(
-    check: Callable[[], Awaitable[Any]], within_s: float, what: str, every_s: float = 0.1
-) -> None:
-    """Calls ``check`` until it returns something truthy; its errors count as "not yet".
-    Raises TimeoutError naming ``what`` when ``within_s`` has passed."""
+    check: Callable[[], Awaitable[T]],
+    within_s: float,
+    what: str,
+    every_s: float = 0.1,
+    retrying: tuple[type[BaseException], ...] = (Exception,),
+) -> T:
+    """Calls ``check`` until it returns something truthy, and returns that. Its errors of the
+    ``retrying`` kinds count as "not yet" (by default all: a server that is still starting
+    refuses calls); any other error ends the wait. Raises TimeoutError naming ``what`` when
+    ``within_s`` has passed."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if await check():
-                return
+        with contextlib.suppress(*retrying):
+            if result := await check():
+                return result
         await asyncio.sleep(every_s)
     raise TimeoutError(f"{what} not reached within {within_s:.0f} s")

@@ -1,4 +1,5 @@
-"""Builders for the proto messages that sidecars and engines send."""
+"""Builders for the proto messages that sidecars and engines send, and a stand-in for their
+heartbeats."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def handle(request_id: str, tokens: int, spec: node_pb2.NodeSpec) -> lease_pb2.K
 async def register(
     stub: registry_pb2_grpc.RegistryServiceStub, spec: node_pb2.NodeSpec
 ) -> node_pb2.Node:
-    response = await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=5)
+    request = registry_pb2.RegisterNodeRequest(spec=spec)
+    response: registry_pb2.RegisterNodeResponse = await stub.RegisterNode(request, timeout=5)
     return response.node
 
 
@@ -72,14 +74,16 @@ async def grant(
     )
     if ttl_s is not None:
         request.time_to_live.FromNanoseconds(int(ttl_s * 1e9))
-    return (await stub.GrantLease(request, timeout=5)).lease
+    response: registry_pb2.GrantLeaseResponse = await stub.GrantLease(request, timeout=5)
+    return response.lease
 
 
 async def hint(
     stub: registry_pb2_grpc.RegistryServiceStub, conversation: str, dry_run: bool = False
 ) -> registry_pb2.RoutingHint:
     request = registry_pb2.GetRoutingHintRequest(conversation_id=conversation, dry_run=dry_run)
-    return (await stub.GetRoutingHint(request, timeout=5)).hint
+    response: registry_pb2.GetRoutingHintResponse = await stub.GetRoutingHint(request, timeout=5)
+    return response.hint
 
 
 class Heartbeats:

@@ -1,0 +1,231 @@
+"""Child processes of the one-machine stack, the benchmarks and the tests: the one place that
+starts a process, waits until it is ready, stops it and keeps its output.
+
+Each child runs in a process group of its own, so that signals reach what it starts in turn
+(vLLM's API server runs its engine core as a child) and so that a Ctrl-C meant for the parent
+does not reach it first. When a child is ready is a probe's answer: its announcement line (every
+kvbroker server prints one JSON line with its addresses once it serves) or a polled check (an
+HTTP health route, a gRPC call). A child that exits while a probe waits fails the start at once,
+with the end of its log. A child can be started again after it stopped or was killed, on the
+same command line (and so the same ports); its log then grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from kvbroker.common.tasks import poll_until
+
+# Bytes of stdout a child may print on one line before its announcement is cut.
+_LINE_LIMIT = 1 << 20
+
+
+class Probe(Protocol):
+    """Says when a started child is ready to be used."""
+
+    async def wait(self, child: ChildProcess) -> None: ...
+
+
+@dataclass(frozen=True)
+class Announces:
+    """Ready once the child printed its announcement: one JSON line on stdout."""
+
+    within_s: float = 60.0
+
+    async def wait(self, child: ChildProcess) -> None:
+        line = await asyncio.wait_for(child.first_line(), self.within_s)
+        if not line:
+            tail = child.log_tail()
+            raise RuntimeError(f"{child.name} exited before it announced itself:\n{tail}")
+        child.announced = json.loads(line)
+
+
+@dataclass(frozen=True)
+class Answers:
+    """Ready once ``check`` returns something truthy (its errors mean "not yet")."""
+
+    check: Callable[[], Awaitable[object]]
+    what: str
+    within_s: float = 60.0
+    every_s: float = 0.1
+
+    async def wait(self, child: ChildProcess) -> None:
+        await poll_until(self.check, self.within_s, self.what, self.every_s)
+
+
+def http_ok(url: str, within_s: float = 600.0, every_s: float = 0.5) -> Answers:
+    """Ready once ``url`` answers 200 (a server's health route)."""
+
+    async def check() -> bool:
+        async with httpx.AsyncClient(timeout=2) as client:
+            return (await client.get(url)).status_code == 200
+
+    return Answers(check, f"{url} answering 200", within_s, every_s)
+
+
+class ChildProcess:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log: Path | None,
+        ready: Sequence[Probe] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``log`` takes stdout and stderr (None: both are dropped); ``ready`` are the probes
+        ``start`` waits for, in order; ``env`` is added to this process's environment."""
+        self.name = name
+        self.argv = list(argv)
+        self.log = log
+        self.ready = tuple(ready)
+        self.env = dict(env or {})
+        # What the child printed in its announcement (see Announces).
+        self.announced: dict[str, Any] = {}
+        self.process: asyncio.subprocess.Process | None = None
+        self._first_line: asyncio.Future[bytes] | None = None
+        self._output: asyncio.Task[None] | None = None
+        self._starts = 0
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"{self.name} was never started"
+        return self.process.pid
+
+    async def start(self) -> None:
+        """Starts the child and returns once every probe says it is ready."""
+        if self.running:
+            raise RuntimeError(f"{self.name} is already running")
+        stderr: Any = asyncio.subprocess.DEVNULL
+        if self.log is not None:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            stderr = self.log.open("ab" if self._starts else "wb")
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                env={**os.environ, **self.env} if self.env else None,
+                start_new_session=True,
+                limit=_LINE_LIMIT,
+            )
+        finally:
+            if stderr is not asyncio.subprocess.DEVNULL:
+                stderr.close()
+        self._starts += 1
+        self.announced = {}
+        self._first_line = asyncio.get_running_loop().create_future()
+        assert self.process.stdout is not None
+        self._output = asyncio.create_task(self._keep_output(self.process.stdout, self._first_line))
+        for probe in self.ready:
+            await self._until(probe)
+
+    async def first_line(self) -> bytes:
+        """The first line the child printed on stdout (empty if it printed none)."""
+        assert self._first_line is not None, f"{self.name} was never started"
+        return await asyncio.shield(self._first_line)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to the child's process group (SIGKILL unless said otherwise)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    async def wait(self) -> int:
+        assert self.process is not None, f"{self.name} was never started"
+        return await self.process.wait()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if the child has not exited after ``grace_s``; returns once
+        nothing of its process group is left (what it started may outlive it a moment)."""
+        if self.process is None:
+            return
+        if self.process.returncode is None:
+            self.kill(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.process.wait(), grace_s)
+        except TimeoutError:
+            self.kill(signal.SIGKILL)
+            await self.process.wait()
+        await self._reap_group(grace_s)
+        if self._output is not None:
+            # Its output ends with the last process that held it; nothing is left to hold it.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._output, grace_s)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self.log is None or not self.log.exists():
+            return "(no log)"
+        return self.log.read_text(errors="replace")[-chars:]
+
+    async def _until(self, probe: Probe) -> None:
+        assert self.process is not None
+        ready = asyncio.ensure_future(probe.wait(self))
+        exited = asyncio.ensure_future(self.process.wait())
+        try:
+            await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+            if not ready.done():
+                ready.cancel()
+            await asyncio.gather(ready, exited, return_exceptions=True)
+        if ready.cancelled():
+            raise RuntimeError(
+                f"{self.name} exited with {self.process.returncode} before it was ready:\n"
+                f"{self.log_tail()}"
+            )
+        ready.result()
+
+    async def _keep_output(
+        self, stdout: asyncio.StreamReader, first_line: asyncio.Future[bytes]
+    ) -> None:
+        """Copies the child's stdout into its log, keeping the first line for the probes."""
+        line = b""
+        try:
+            line = await stdout.readline()
+        finally:
+            if not first_line.done():
+                first_line.set_result(line)
+        sink = self.log.open("ab") if self.log is not None else None
+        try:
+            chunk = line
+            while chunk:
+                if sink is not None:
+                    sink.write(chunk)
+                    sink.flush()
+                chunk = await stdout.read(1 << 16)
+        finally:
+            if sink is not None:
+                sink.close()
+
+    async def _reap_group(self, grace_s: float) -> None:
+        """Waits until every process of the child's group is gone, killing what is left after
+        the grace."""
+        assert self.process is not None
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while True:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                self.kill(signal.SIGKILL)
+            await asyncio.sleep(0.1)
+
+
+async def stop_all(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
+    """Stops children together, the last started first."""
+    await asyncio.gather(*(child.stop(grace_s) for child in reversed(children)))

@@ -1,0 +1,149 @@
+"""A stand-in for a vLLM OpenAI server, for tests and benchmarks whose subject is not vLLM: the
+router's routing, pass-through and failures; a sidecar's view of its engine; the registry
+replicas' failover soak. The behaviour that does depend on vLLM is tested against real vLLM
+servers in tests/test_e2e.py.
+
+It serves the routes kvbroker reads: ``/health`` (healthy or not, at will), ``/metrics`` (the
+two gauges a sidecar reports as load), ``/v1/models`` and the completion routes. A completion
+is recorded, can be made to fail or to drop its stream, and answers with the
+``kv_transfer_params`` that ``kv_transfer_params()`` returns; a subclass that simulates an
+engine's KV (the soak's) overrides that and ``kv_cache_usage()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvbroker.common.ports import free_port
+
+
+class FakeEngine:
+    def __init__(self, name: str, model: str = "tiny-qwen3", port: int | None = None) -> None:
+        self.name = name
+        self.model = model
+        self.port = port if port is not None else free_port()
+        # Every completion request body, in the order received.
+        self.received: list[dict[str, Any]] = []
+        # When set, answers every completion with this status and body.
+        self.fail_with: tuple[int, dict[str, Any]] | None = None
+        # When set, a stream stops (the connection drops) after this many chunks.
+        self.die_after_chunks: int | None = None
+        # What /health says (503 when not) and /metrics reports as requests running.
+        self.healthy = True
+        self.running = 0
+        self._serving: contextlib.AsyncExitStack | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def kv_transfer_params(self, body: dict[str, Any]) -> dict[str, Any]:
+        """What a completion answers in ``kv_transfer_params``: a prefill leg (the request asks
+        for remote decode) returns a handle to its blocks, any other request its own."""
+        params = dict(body.get("kv_transfer_params") or {})
+        if params.get("do_remote_decode"):
+            params = {"do_remote_prefill": True, "remote_engine_id": f"engine-{self.name}",
+                      "remote_request_id": "p-req", "remote_block_ids": [[0, 1]]}  # fmt: skip
+        return params
+
+    def kv_cache_usage(self) -> float:
+        """What /metrics reports as the KV cache's usage, 0 to 1."""
+        return 0.25
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._completions, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/health", self._health),
+                Route("/metrics", self._metrics),
+                Route("/v1/models", self._models),
+            ]
+        )
+
+    async def start(self) -> None:
+        """Serves on its port until ``stop``."""
+        self._serving = contextlib.AsyncExitStack()
+        await self._serving.enter_async_context(serving(self.app(), self.port))
+
+    async def stop(self) -> None:
+        if self._serving is not None:
+            await self._serving.aclose()
+
+    async def __aenter__(self) -> FakeEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _completions(self, request: Request) -> Response:
+        body = await request.json()
+        self.received.append(body)
+        if self.fail_with is not None:
+            return JSONResponse(self.fail_with[1], self.fail_with[0])
+        params = await self.kv_transfer_params(body)
+        if body.get("stream"):
+            return StreamingResponse(self._stream(), media_type="text/event-stream")
+        return JSONResponse(
+            {
+                "id": "cmpl-1",
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant",
+                                                     "content": f"from {self.name}"},
+                             "finish_reason": "stop"}],
+                "kv_transfer_params": params,
+            }
+        )  # fmt: skip
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        for i in range(5):
+            if self.die_after_chunks is not None and i >= self.die_after_chunks:
+                raise ConnectionResetError("engine died")
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(0)
+        yield b"data: [DONE]\n\n"
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({}, 200 if self.healthy else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        labels = f'{{model_name="{self.model}"}}'
+        return PlainTextResponse(
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{labels} {self.running}\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{labels} {self.kv_cache_usage()}\n"
+        )
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.model}]})
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any, port: int) -> AsyncIterator[None]:
+    """Serves an ASGI app with uvicorn on loopback for the duration of the block."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        await task
