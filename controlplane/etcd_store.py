@@ -11,7 +11,8 @@ leader knows when its cache has seen its own election (``CachedStore.catch_up``)
 
 A transaction holds at most ``--max-txn-ops`` operations and ``--max-request-bytes`` bytes, both
 settings of the etcd deployment; ``ETCD_DEFAULT_LIMITS`` are etcd's defaults, and a store told
-of raised ones (``limits``) packs more. A commit beyond them is refused whole, never split.
+of raised ones (``limits``) takes larger commits in one transaction. A commit beyond them goes
+in several, in order (``controlplane.store`` says why that is safe).
 """
 
 from __future__ import annotations

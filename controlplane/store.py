@@ -8,10 +8,15 @@ to start); the etcd backend (``controlplane.etcd_store``) spans machines.
 
 Records are the proto messages and every read returns a fresh one: a change exists once it is
 put back. The registry serialises its mutations and ends each with ``commit()``: the writes
-since the previous commit are one unit of work that becomes durable all or none, in one write
-of the backend. Commits may share that write (group commit: the next mutation runs while the
-previous one's write is in flight), but a unit is never split across writes; one that does
-not fit a single write is refused and undone in the cache.
+since the previous commit are one unit of work, sealed at once and written in order. Units
+share a write while one is in flight (group commit) but are never split to fill one, so a unit
+that fits one write of the backend is durable all or none; the mutations of a turn (a grant,
+a claim, a renewal, a release) always fit. A unit larger than one write (the many independent
+records of a takeover's replay, a batch of expiries, a node's withdrawal) goes in several, in
+order, each fenced: a leader lost between them leaves a written prefix of independent records,
+which its successor takes over like any other state (sessions restart, holders replay).
+Nothing is dropped silently: a write refused (fenced off, or a record larger than any write)
+undoes the cache to what is durable.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ class Deposed(StoreUnavailable):
 
 
 class CommitTooLarge(StoreUnavailable):
-    """A unit of work exceeds what the backend takes in one write; nothing was written and the
-    cache was undone to the last durable state."""
+    """A unit holds a record larger than the backend takes in one write; nothing of the unit
+    was written and the cache was undone to the last durable state."""
 
 
 class Store(Protocol):
@@ -92,7 +97,8 @@ class Store(Protocol):
         ...
 
     async def commit(self) -> None:
-        """Makes the changes since the last commit durable, all or none; raises
+        """Makes the changes since the last commit durable: all or none when they fit one
+        write of the backend, in order otherwise (see the module docstring); raises
         ``StoreUnavailable`` when it cannot (the caller's view is then ahead of the store)."""
         ...
 
@@ -194,6 +200,8 @@ class _Unit:
     changes: dict[tuple[RecordKind, str], Change] = field(default_factory=dict)
     before: dict[tuple[RecordKind, str], bytes | None] = field(default_factory=dict)
     sequence: int = 0
+    # Writes that took part of it, when it does not fit one.
+    parts_written: int = 0
 
 
 class CachedStore:
@@ -312,23 +320,29 @@ class CachedStore:
             await asyncio.shield(self._flushing)
 
     async def _flush(self) -> None:
-        """One write of the sealed units from the first: as many whole ones as fit."""
+        """One write of the sealed units from the first: as many whole ones as fit, or, where
+        the first alone does not, as much of it as fits (the rest goes in the next)."""
         count = _units_per_write(self._sealed, self.backend)
-        if count == 0:
-            changes = len(self._sealed[0].changes)
-            self._refuse(
-                CommitTooLarge(
-                    f"a commit of {changes} writes exceeds one write of the store "
-                    f"({self.backend.limits}); nothing of it was written"
-                )
-            )
-            return
-        batch = self._sealed[:count]
-        merged: dict[tuple[RecordKind, str], Change] = {}
-        for unit in batch:
-            merged.update(unit.changes)  # a record written by several units: the last
+        if count:
+            merged: dict[tuple[RecordKind, str], Change] = {}
+            for unit in self._sealed[:count]:
+                merged.update(unit.changes)  # a record written by several units: the last
+            changes = list(merged.values())
+        else:
+            unit = self._sealed[0]
+            if not unit.parts_written:
+                if not all(_fits_alone(change, self.backend) for change in unit.changes.values()):
+                    self._refuse(
+                        CommitTooLarge(
+                            f"a record exceeds one write of the store ({self.backend.limits}); "
+                            "nothing of its commit was written"
+                        )
+                    )
+                    return
+                log.warning("store_commit_split", writes=len(unit.changes))
+            changes = _part_that_fits(unit, self.backend)
         try:
-            revision = await self.backend.write(list(merged.values()), self.fence)
+            revision = await self.backend.write(changes, self.fence)
         except Deposed as error:
             self._refuse(error)
             return
@@ -338,9 +352,15 @@ class CachedStore:
             self._broken = error
             log.error("store_commit_failed", error=error.message)
             return
-        del self._sealed[:count]
-        self._durable_sequence = batch[-1].sequence
         self.revision = max(self.revision, revision)
+        if count:
+            self._durable_sequence = self._sealed[count - 1].sequence
+            del self._sealed[:count]
+            return
+        unit.parts_written += 1
+        for change in changes:  # durable now: nothing of it to write or undo
+            del unit.changes[change.kind, change.ident]
+            unit.before.pop((change.kind, change.ident), None)
 
     def _refuse(self, error: StoreUnavailable) -> None:
         """Nothing of the sealed units was written: the cache goes back to the last durable
@@ -415,6 +435,26 @@ class MemoryStore(CachedStore):
 
     def __init__(self) -> None:
         super().__init__(MemoryBackend())
+
+
+def _fits_alone(change: Change, backend: Backend) -> bool:
+    limits = backend.limits
+    return limits is None or backend.size(change) <= limits.size_bytes
+
+
+def _part_that_fits(unit: _Unit, backend: Backend) -> list[Change]:
+    """The first of a unit's changes that fit one write together (at least one, when each
+    fits alone)."""
+    limits = backend.limits
+    assert limits is not None  # without limits every unit fits whole
+    part: list[Change] = []
+    size = 0
+    for change in unit.changes.values():
+        size += backend.size(change)
+        if len(part) == limits.operations or size > limits.size_bytes:
+            break
+        part.append(change)
+    return part
 
 
 def _units_per_write(units: Sequence[_Unit], backend: Backend) -> int:

@@ -301,38 +301,54 @@ async def test_commits_share_a_transaction_but_are_never_split(backing: Backing)
     assert large_a != large_b
 
 
-async def test_an_oversized_commit_is_refused_whole_and_undone(backing: Backing) -> None:
-    """A unit beyond one transaction writes nothing, and the cache is back where etcd is:
-    changed, new and deleted records alike. The store then writes nothing until a reload."""
+async def test_a_commit_beyond_one_transaction_goes_in_order_in_several(
+    backing: Backing,
+) -> None:
+    """A unit of 130 records where etcd takes 128 a transaction: two transactions, the first
+    full, the second the rest, and everything written."""
     backing.skip_unless_durable()
     store = await backing.leader()
-    await store.put_lease(lease("lease-000"))
-    await store.put_lease(lease("lease-001"))
+    count = ETCD_DEFAULT_LIMITS.operations + 2
+    for index in range(count):
+        await store.put_lease(lease(f"lease-{index:03}"))
+    await store.commit()
+    revisions = await etcd_revisions(backing)
+    assert len(revisions) == count
+    first, second = sorted(set(revisions.values()))
+    assert list(revisions.values()).count(first) == ETCD_DEFAULT_LIMITS.operations
+    assert second == store.revision
+
+
+async def test_a_record_beyond_any_transaction_is_refused_and_undone(backing: Backing) -> None:
+    """Nothing of its commit is written and the cache is back where etcd is: changed, new and
+    deleted records alike. The store then writes nothing until a reload."""
+    backing.skip_unless_durable()
+    store = await backing.leader(WriteLimits(operations=128, size_bytes=4096))
+    await store.put_lease(lease("lease-0"))
+    await store.put_lease(lease("lease-1"))
     await store.commit()
     before = await etcd_revisions(backing)
 
-    await store.put_lease(lease("lease-000", state=EXPIRED))
-    await store.delete_lease("lease-001")
-    for index in range(2, ETCD_DEFAULT_LIMITS.operations + 2):
-        await store.put_lease(lease(f"lease-{index:03}"))
+    await store.put_lease(lease("lease-0", state=EXPIRED))
+    await store.delete_lease("lease-1")
+    await store.put_lease(lease("lease-2"))
+    huge = lease("lease-3")
+    huge.block_hashes.extend(block_hashes(16 * 128))  # 4 KiB of hashes
+    await store.put_lease(huge)
     with pytest.raises(CommitTooLarge):
         await store.commit()
     assert await etcd_revisions(backing) == before
-    assert await lease_ids(store) == ["lease-000", "lease-001"]
-    assert store.live_lease_ids("decode-0") == {"lease-000", "lease-001"}
-    assert await store.find_lease("decode-0", "req-lease-002") is None
+    assert await lease_ids(store) == ["lease-0", "lease-1"]
+    assert store.live_lease_ids("decode-0") == {"lease-0", "lease-1"}
+    assert await store.find_lease("decode-0", "req-lease-2") is None
 
-    await store.put_lease(lease("lease-900"))
+    await store.put_lease(lease("lease-9"))
     with pytest.raises(CommitTooLarge):
         await store.commit()
     await store.load()
-    await store.put_lease(lease("lease-900"))
+    await store.put_lease(lease("lease-9"))
     await store.commit()
-    assert set(await etcd_revisions(backing)) == {
-        "lease/lease-000",
-        "lease/lease-001",
-        "lease/lease-900",
-    }
+    assert set(await etcd_revisions(backing)) == {"lease/lease-0", "lease/lease-1", "lease/lease-9"}
 
 
 async def test_a_deposed_leaders_commit_is_refused_and_undone(backing: Backing) -> None:
