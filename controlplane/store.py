@@ -363,7 +363,8 @@ class CachedStore:
             unit.before.pop((change.kind, change.ident), None)
 
     def _refuse(self, error: StoreUnavailable) -> None:
-        """Nothing of the sealed units was written: the cache goes back to the last durable
+        """The sealed units' writes were refused (of a unit written in parts, the parts before
+        stay: they are durable and no longer in it): the cache goes back to the last durable
         state (undoing the unit being built too, which may have read theirs), and the store
         takes no write until a reload, since its caller's own state has moved on with them."""
         for unit in [*self._sealed, self._open][::-1]:
