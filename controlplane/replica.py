@@ -1,29 +1,27 @@
 """A registry replica over etcd: one replica leads, the others forward to it.
 
-Leadership is etcd's election recipe: the leader key is created in a transaction that succeeds
-only if it does not exist, attached to an etcd lease that the leader keeps alive. Its create
-revision is the fence every write compares against (``EtcdStore.commit``), so a replica that
-lost the key can never write again, and expiry, grants and revocations happen exactly once.
-A new leader reloads the store and rebuilds its deadlines before it serves (``takeover``); a
-follower keeps a watch-fed cache, forwards calls to the leader, and answers hints from its
-cache as DEGRADED while no leader can be reached.
+Who leads is an ``Election``; the term a replica wins is the fence its store writes under, so
+a replica that lost the leader key can never write again, and expiry, grants and revocations
+happen exactly once. A new leader reloads the store (unless its followed cache has already
+seen its own election) and rebuilds its deadlines before it serves (``_lead``); a follower
+keeps a watch-fed cache, forwards calls to the leader, and answers hints from its cache as
+DEGRADED while no leader can be reached.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from dataclasses import dataclass
 
 import grpc
 import structlog
-from aetcd import rpc
 
 from controlplane.config import RegistryConfig
+from controlplane.election import Election, Term
 from controlplane.errors import StoreUnavailable
-from controlplane.etcd_store import ETCD_ERRORS, EtcdStore
+from controlplane.etcd_store import EtcdStore
 from controlplane.hints import cached_hint
 from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
@@ -56,6 +54,7 @@ class Replica:
     ) -> None:
         self.store = store
         self.options = options
+        self.election = Election(store.connection, store.leader_key, options.election_ttl_s)
         self.config = config or RegistryConfig()
         self.metrics = metrics or RegistryMetrics()
         self.clock = MonotonicClock().now
@@ -87,23 +86,29 @@ class Replica:
         try:
             while True:
                 try:
-                    leader, fence, lease_id = await self._campaign()
-                except Exception as error:  # the election loop must outlive anything
-                    if isinstance(error, (StoreUnavailable, *ETCD_ERRORS)):
-                        log.warning("election_failed", error=str(error))
-                    else:
-                        log.exception("election_error")
-                    await self.store.reconnect()
+                    leader = await self.election.observe()
+                    term = (
+                        await self.election.campaign(self.options.advertise)
+                        if leader is None
+                        else None
+                    )
+                except StoreUnavailable as error:
+                    log.warning("election_failed", error=error.message)
                     await asyncio.sleep(poll_s)
                     continue
-                if fence is not None and lease_id is not None:
+                except Exception:  # the election loop must outlive anything
+                    log.exception("election_error")
+                    await self.store.connection.reconnect()
+                    await asyncio.sleep(poll_s)
+                    continue
+                if term is not None:
                     # A follower's cache that has seen its own election is complete: no reload.
-                    current = await self.store.catch_up(fence, self.options.election_ttl_s)
+                    current = await self.store.catch_up(term.revision, self.options.election_ttl_s)
                     if follower is not None:
                         follower.cancel()
                         await asyncio.gather(follower, return_exceptions=True)
                         follower = None
-                    await self._lead(fence, lease_id, reload=not current)
+                    await self._lead(term, reload=not current)
                     continue
                 self._follow_leader(leader)
                 if follower is None or follower.done():
@@ -114,37 +119,10 @@ class Replica:
                 follower.cancel()
             self._follow_leader(None)
 
-    async def _campaign(self) -> tuple[str | None, int | None, int | None]:
-        """(leader address, fence, etcd lease) — the last two only if this replica won."""
-        client = await self.store.client()
-        current = await client.get(self.store.leader_key)
-        if current is not None:
-            return current.value.decode(), None, None
-        lease = await client.lease(self.options.election_ttl_s)
-        response = await client.kvstub.Txn(
-            rpc.TxnRequest(
-                compare=[self.store.leader_key_created_at(0)],
-                success=[
-                    rpc.RequestOp(
-                        request_put=rpc.PutRequest(
-                            key=self.store.leader_key,
-                            value=self.options.advertise.encode(),
-                            lease=lease.id,
-                        )
-                    )
-                ],
-            ),
-            timeout=self.store.timeout_s,
-        )
-        if not response.succeeded:
-            await client.revoke_lease(lease.id)
-            return None, None, None
-        return self.options.advertise, response.header.revision, lease.id
-
-    async def _lead(self, fence: int, lease_id: int, reload: bool) -> None:
-        """Takes over, serves until the leader key's lease cannot be kept, then steps down."""
+    async def _lead(self, term: Term, reload: bool) -> None:
+        """Takes over, serves until the term cannot be kept, then steps down."""
         started = time.perf_counter()
-        self.store.fence = fence
+        self.store.fence = term.revision
         self._deposed.clear()
         registry: Registry | None = None
         try:
@@ -165,10 +143,15 @@ class Replica:
             self.metrics.leader.set(1)
             self.metrics.takeovers.inc()
             self.metrics.takeover_seconds.observe(took)
-            log.info("registry_leading", fence=fence, reloaded=reload, takeover_s=round(took, 3))
-            await self._keep_alive(lease_id)
-        except (StoreUnavailable, *ETCD_ERRORS) as error:
-            log.warning("registry_leadership_failed", error=str(error))
+            log.info(
+                "registry_leading",
+                fence=term.revision,
+                reloaded=reload,
+                takeover_s=round(took, 3),
+            )
+            await self.election.keep_alive(term, self._deposed)
+        except StoreUnavailable as error:
+            log.warning("registry_leadership_failed", error=error.message)
         except Exception:  # step down and campaign again rather than die leading
             log.exception("registry_leadership_error")
         finally:
@@ -177,33 +160,9 @@ class Replica:
             self.metrics.leader.set(0)
             if registry is not None:
                 await registry.stop()
-            log.warning("registry_stepped_down", fence=fence)
-            with contextlib.suppress(*ETCD_ERRORS):
-                # Lets another replica take over at once rather than after the TTL.
-                client = await self.store.client()
-                await asyncio.wait_for(client.revoke_lease(lease_id), self.store.timeout_s)
-            await self.store.reconnect()
-
-    async def _keep_alive(self, lease_id: int) -> None:
-        """Refreshes the leader key's lease; returns when it is lost or may be: a leader that
-        has not refreshed for half the TTL stops serving before anyone else can take over."""
-        ttl = self.options.election_ttl_s
-        last_refresh = time.monotonic()
-        while time.monotonic() - last_refresh < ttl / 2:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._deposed.wait(), ttl / 6)
-            if self._deposed.is_set():
-                return
-            try:
-                client = await self.store.client()
-                reply = await asyncio.wait_for(client.refresh_lease(lease_id), ttl / 4)
-            except (*ETCD_ERRORS, TimeoutError) as error:
-                log.warning("leader_keepalive_failed", error=str(error))
-                await self.store.reconnect()
-                continue
-            if reply is None or reply.TTL <= 0:
-                return  # the lease is gone: someone else may lead already
-            last_refresh = time.monotonic()
+            log.warning("registry_stepped_down", fence=term.revision)
+            await self.election.resign(term)
+            await self.store.connection.reconnect()
 
     def _follow_leader(self, address: str | None) -> None:
         """Points forwarding at the leader (or at nobody)."""

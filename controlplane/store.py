@@ -1,29 +1,71 @@
 """Where the registry keeps nodes, conversations and leases.
 
-One interface; the in-memory store is the default (nothing else to start), the etcd store
-(``controlplane.etcd_store``) spans machines. Records are the proto messages, so any store can
-serialise them as they are. Every store hands out copies: callers put a record back after
-changing it. The registry serialises its mutations and ends each with ``commit()``, which makes
-the puts since the last commit durable as one unit (a no-op in memory).
+The registry talks to one interface, ``Store``. Its one implementation, ``CachedStore``, is
+composed of a ``StateCache`` (every record in memory, with indexes, so no read waits on I/O)
+and a ``Backend`` that makes the cache durable: it loads a cache, takes fenced writes, and
+watches for the writes of others. The memory backend keeps nothing (one process, nothing else
+to start); the etcd backend (``controlplane.etcd_store``) spans machines.
+
+Records are the proto messages and every read returns a fresh one: a change exists once it is
+put back. The registry serialises its mutations and ends each with ``commit()``: the writes
+since the previous commit are one unit of work, sealed at once and written in order. Units
+share a write while one is in flight (group commit) but are never split to fill one, so a unit
+that fits one write of the backend is durable all or none; the mutations of a turn (a grant,
+a claim, a renewal, a release) always fit. A unit larger than one write (the many independent
+records of a takeover's replay, a batch of expiries, a node's withdrawal) goes in several, in
+order, each fenced: a leader lost between them leaves a written prefix of independent records,
+which its successor takes over like any other state (sessions restart, holders replay).
+Nothing is dropped silently: a write refused (fenced off, or a record larger than any write)
+undoes the cache to what is durable.
 """
 
 from __future__ import annotations
 
-import sys
-from collections import defaultdict
-from collections.abc import Iterable, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from sortedcontainers import SortedList
+import structlog
 
+from controlplane.errors import StoreUnavailable
+from controlplane.state_cache import RecordKind, StateCache
 from kvbroker.v1 import lease_pb2, node_pb2
 
-LIVE_STATES = frozenset({lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED})
+__all__ = [
+    "Backend",
+    "CachedStore",
+    "Change",
+    "CommitTooLarge",
+    "Deposed",
+    "MemoryBackend",
+    "MemoryStore",
+    "RecordKind",
+    "Store",
+    "WatchEvent",
+    "WriteLimits",
+]
+
+log = structlog.get_logger("kvbroker.registry")
+
+
+class Deposed(StoreUnavailable):
+    """The write's fence no longer holds: another replica leads, and nothing was written."""
+
+
+class CommitTooLarge(StoreUnavailable):
+    """A unit holds a record larger than the backend takes in one write; nothing of the unit
+    was written and the cache was undone to the last durable state."""
 
 
 class Store(Protocol):
+    """Reads hand out copies; a change exists once put back and is durable after ``commit``."""
+
     async def get_node(self, node_id: str) -> node_pb2.Node | None: ...
-    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None: ...
+    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
+        """``durable=False``: soft state (load, heartbeat times) a successor may lose."""
+        ...
+
     async def list_nodes(self) -> list[node_pb2.Node]: ...
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation | None: ...
@@ -54,130 +96,380 @@ class Store(Protocol):
         ...
 
     async def commit(self) -> None:
-        """Makes the changes since the last commit durable, all or none; raises
+        """Makes the changes since the last commit durable: all or none when they fit one
+        write of the backend, in order otherwise (see the module docstring); raises
         ``StoreUnavailable`` when it cannot (the caller's view is then ahead of the store)."""
         ...
 
 
-class MemoryStore:
-    """Dicts with the indexes the registry's hot paths need; no scans on hint or report.
+# ---------------------------------------------------------------- backends
 
-    Leases and conversations are kept serialised: a parsed Lease costs ~3 KB of Python and upb
-    objects, its bytes ~0.8 KB, and parsing one on access takes a few microseconds. Like any
-    durable store, it hands out copies: a change exists once it is put back.
-    """
 
-    def __init__(self) -> None:
-        self._nodes: dict[str, node_pb2.Node] = {}
-        self._conversations: dict[str, bytes] = {}
-        self._leases: dict[str, bytes] = {}
-        # Lease ids in order, for listings that page (ids sort in grant order): ~8 bytes a
-        # lease, where a per-lease key tuple cost ~170.
-        self._lease_order: SortedList[str] = SortedList()
-        # node id -> remote request id -> lease id (all the node's leases, live or ended)
-        self._by_node: defaultdict[str, dict[str, str]] = defaultdict(dict)
-        self._live_by_node: defaultdict[str, set[str]] = defaultdict(set)
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One record's new bytes, or None where it was deleted."""
 
-    def adopt(self, other: MemoryStore) -> None:
-        """Takes over another memory store's records and indexes (a reload's result)."""
-        self._nodes, self._conversations, self._leases = (
-            other._nodes,
-            other._conversations,
-            other._leases,
-        )
-        self._lease_order, self._by_node, self._live_by_node = (
-            other._lease_order,
-            other._by_node,
-            other._live_by_node,
-        )
+    kind: RecordKind
+    ident: str
+    raw: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """The backend reached ``revision``; ``change`` is None for writes that are not records
+    (an election), which still advance the revision a follower has seen."""
+
+    revision: int
+    change: Change | None
+
+
+@dataclass(frozen=True)
+class WriteLimits:
+    """The most one write of a backend takes: operations, and bytes as ``Backend.size``
+    counts them."""
+
+    operations: int
+    size_bytes: int
+
+
+class Backend(Protocol):
+    @property
+    def durable(self) -> bool:
+        """False: nothing is kept, so there is nothing to load, write or watch."""
+        ...
+
+    @property
+    def limits(self) -> WriteLimits | None:
+        """The most one write takes; None: any write fits."""
+        ...
+
+    async def load(self, into: StateCache) -> int:
+        """Fills an empty cache with every record at one revision, which it returns."""
+        ...
+
+    def size(self, change: Change) -> int:
+        """What one change counts against ``limits.size_bytes``."""
+        ...
+
+    async def write(self, changes: Sequence[Change], fence: int | None) -> int:
+        """Writes all of the changes or none, only while ``fence`` (the election's revision)
+        still holds; returns the revision written at. Raises ``Deposed`` when the fence has
+        moved or is None (nothing written), ``StoreUnavailable`` when the outcome is unknown.
+        A backend reconnects by itself after a failure."""
+        ...
+
+    def watch(self, after: int) -> AsyncIterator[WatchEvent]:
+        """Every write after revision ``after``, in order, until the watch breaks (raises)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryBackend:
+    """No durability: the cache is all there is, and its one process is the only writer."""
+
+    durable = False
+    limits = None
+
+    async def load(self, into: StateCache) -> int:
+        return 0
+
+    def size(self, change: Change) -> int:
+        return 0
+
+    async def write(self, changes: Sequence[Change], fence: int | None) -> int:
+        return 0
+
+    async def watch(self, after: int) -> AsyncIterator[WatchEvent]:
+        # Nobody else writes: the watch never breaks and nothing ever arrives.
+        await asyncio.Event().wait()
+        yield WatchEvent(after, None)
+
+    async def close(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------- the store
+
+
+@dataclass
+class _Unit:
+    """One commit's writes, and what the cache held before each (to undo a refused unit)."""
+
+    changes: dict[tuple[RecordKind, str], Change] = field(default_factory=dict)
+    before: dict[tuple[RecordKind, str], bytes | None] = field(default_factory=dict)
+    sequence: int = 0
+    # Writes that took part of it, when it does not fit one.
+    parts_written: int = 0
+
+
+class CachedStore:
+    """A ``StateCache`` made durable by a ``Backend``; implements ``Store``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.cache = StateCache()
+        # The election revision this store writes under (``Backend.write``); None: it does not
+        # lead and cannot write.
+        self.fence: int | None = None
+        # The backend revision the cache reflects.
+        self.revision = 0
+        # True while a watch keeps the cache current (``follow``).
+        self.following = False
+        self._advanced = asyncio.Event()
+        self._open = _Unit()
+        self._sealed: list[_Unit] = []
+        self._sequence = 0
+        self._durable_sequence = 0
+        self._flushing: asyncio.Task[None] | None = None
+        self._broken: StoreUnavailable | None = None
+        self._loads = 0
+
+    # ------------------------------------------------------------ reads
 
     async def get_node(self, node_id: str) -> node_pb2.Node | None:
-        return self._nodes.get(node_id)
-
-    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
-        self._nodes[node.spec.node_id] = node
+        return self.cache.node(node_id)
 
     async def list_nodes(self) -> list[node_pb2.Node]:
-        return [self._nodes[k] for k in sorted(self._nodes)]
+        return self.cache.nodes()
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation | None:
-        raw = self._conversations.get(conversation_id)
-        return lease_pb2.Conversation.FromString(raw) if raw is not None else None
-
-    async def put_conversation(self, conversation: lease_pb2.Conversation) -> None:
-        self._conversations[conversation.conversation_id] = conversation.SerializeToString()
-
-    async def delete_conversation(self, conversation_id: str) -> None:
-        self._conversations.pop(conversation_id, None)
+        return self.cache.conversation(conversation_id)
 
     async def list_conversations(self) -> Iterable[lease_pb2.Conversation]:
-        return (lease_pb2.Conversation.FromString(raw) for raw in self._conversations.values())
+        return self.cache.conversations()
 
     async def get_lease(self, lease_id: str) -> lease_pb2.Lease | None:
-        raw = self._leases.get(lease_id)
-        return lease_pb2.Lease.FromString(raw) if raw is not None else None
-
-    async def put_lease(self, lease: lease_pb2.Lease, durable: bool = True) -> None:
-        self._keep_lease(lease, lease.SerializeToString())
-
-    def _keep_lease(self, lease: lease_pb2.Lease, raw: bytes) -> None:
-        lease_id = lease.lease_id
-        node_id = sys.intern(lease.node_id)  # one string per node, not one per lease
-        if lease_id not in self._leases:
-            # Indexed once, with one string object for the id everywhere: an update (a claim,
-            # a renewal) leaves the indexes' strings as they are instead of adding copies.
-            self._lease_order.add(lease_id)
-            self._by_node[node_id][lease.handle.remote_request_id] = lease_id
-        self._leases[lease_id] = raw
-        live = self._live_by_node[node_id]
-        if lease.state in LIVE_STATES:
-            live.add(lease_id)
-        else:
-            live.discard(lease_id)
-
-    async def delete_lease(self, lease_id: str) -> None:
-        self._forget_lease(lease_id)
-
-    def _forget_lease(self, lease_id: str) -> None:
-        raw = self._leases.pop(lease_id, None)
-        if raw is None:
-            return
-        self._lease_order.discard(lease_id)
-        lease = lease_pb2.Lease.FromString(raw)  # once per lease: cheaper than keeping keys
-        requests = self._by_node[lease.node_id]
-        if requests.get(lease.handle.remote_request_id) == lease_id:
-            del requests[lease.handle.remote_request_id]
-        self._live_by_node[lease.node_id].discard(lease_id)
+        return self.cache.lease(lease_id)
 
     async def find_lease(self, node_id: str, remote_request_id: str) -> lease_pb2.Lease | None:
-        requests = self._by_node.get(node_id)
-        lease_id = requests.get(remote_request_id) if requests is not None else None
-        return await self.get_lease(lease_id) if lease_id is not None else None
+        return self.cache.find_lease(node_id, remote_request_id)
 
     async def live_leases_of_node(self, node_id: str) -> list[lease_pb2.Lease]:
-        return [
-            lease_pb2.Lease.FromString(self._leases[i])
-            for i in sorted(self._live_by_node.get(node_id, ()))
-        ]
+        return self.cache.live_leases_of_node(node_id)
 
     def live_lease_ids(self, node_id: str) -> set[str]:
-        return set(self._live_by_node.get(node_id, ()))
+        return self.cache.live_lease_ids(node_id)
 
     async def list_leases(
         self, node_id: str = "", conversation_id: str = "", after: str = ""
     ) -> Iterable[lease_pb2.Lease]:
-        ids: Iterable[str]
-        if node_id:
-            ids = sorted(i for i in self._by_node.get(node_id, {}).values() if i > after)
-        else:
-            ids = self._lease_order.irange(minimum=after, inclusive=(False, True))
-        return self._parsed(ids, conversation_id)
+        return self.cache.leases(node_id, conversation_id, after)
 
-    def _parsed(self, ids: Iterable[str], conversation_id: str) -> Iterator[lease_pb2.Lease]:
-        for lease_id in ids:
-            lease = lease_pb2.Lease.FromString(self._leases[lease_id])
-            if not conversation_id or lease.conversation_id == conversation_id:
-                yield lease
+    # ------------------------------------------------------------ writes
+
+    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
+        self._write(RecordKind.NODE, node.spec.node_id, node.SerializeToString(), durable)
+
+    async def put_conversation(self, conversation: lease_pb2.Conversation) -> None:
+        raw = conversation.SerializeToString()
+        self._write(RecordKind.CONVERSATION, conversation.conversation_id, raw, True)
+
+    async def delete_conversation(self, conversation_id: str) -> None:
+        self._write(RecordKind.CONVERSATION, conversation_id, None, True)
+
+    async def put_lease(self, lease: lease_pb2.Lease, durable: bool = True) -> None:
+        if self.backend.durable:
+            self._note(RecordKind.LEASE, lease.lease_id)
+        raw = self.cache.keep_lease(lease)
+        if durable and self.backend.durable:
+            self._open.changes[RecordKind.LEASE, lease.lease_id] = Change(
+                RecordKind.LEASE, lease.lease_id, raw
+            )
+
+    async def delete_lease(self, lease_id: str) -> None:
+        self._write(RecordKind.LEASE, lease_id, None, True)
+
+    def _write(self, kind: RecordKind, ident: str, raw: bytes | None, durable: bool) -> None:
+        if self.backend.durable:
+            self._note(kind, ident)
+            if durable:
+                self._open.changes[kind, ident] = Change(kind, ident, raw)
+        self.cache.apply(kind, ident, raw)
+
+    def _note(self, kind: RecordKind, ident: str) -> None:
+        """Remembers what the cache held before this unit's first write of a record."""
+        before = self._open.before
+        if (kind, ident) not in before:
+            before[kind, ident] = self.cache.raw(kind, ident)
+
+    # ------------------------------------------------------------ commit
 
     async def commit(self) -> None:
-        return None  # every change is already all there is
+        """Group commit: returns once this unit and every unit before it are durable. The unit
+        is sealed at once (the caller's mutation has ended), so later mutations' writes never
+        join it; while one write is in flight, the units sealed meanwhile share the next."""
+        if not self.backend.durable:
+            return
+        if self._broken is not None:
+            raise self._broken
+        unit, self._open = self._open, _Unit()
+        if unit.changes:  # a unit of soft writes only has nothing to write or undo
+            self._sequence += 1
+            unit.sequence = self._sequence
+            self._sealed.append(unit)
+        awaited, loads = self._sequence, self._loads
+        while self._durable_sequence < awaited:
+            if self._broken is not None:
+                raise self._broken
+            if self._loads != loads:
+                raise StoreUnavailable("the store was reloaded before this commit was written")
+            if self._flushing is None or self._flushing.done():
+                self._flushing = asyncio.create_task(self._flush(), name="kvbroker-store-flush")
+            await asyncio.shield(self._flushing)
+
+    async def _flush(self) -> None:
+        """One write of the sealed units from the first: as many whole ones as fit, or, where
+        the first alone does not, as much of it as fits (the rest goes in the next)."""
+        count = _units_per_write(self._sealed, self.backend)
+        if count:
+            merged: dict[tuple[RecordKind, str], Change] = {}
+            for unit in self._sealed[:count]:
+                merged.update(unit.changes)  # a record written by several units: the last
+            changes = list(merged.values())
+        else:
+            unit = self._sealed[0]
+            if not unit.parts_written:
+                if not all(_fits_alone(change, self.backend) for change in unit.changes.values()):
+                    self._refuse(
+                        CommitTooLarge(
+                            f"a record exceeds one write of the store ({self.backend.limits}); "
+                            "nothing of its commit was written"
+                        )
+                    )
+                    return
+                log.warning("store_commit_split", writes=len(unit.changes))
+            changes = _part_that_fits(unit, self.backend)
+        try:
+            revision = await self.backend.write(changes, self.fence)
+        except Deposed as error:
+            self._refuse(error)
+            return
+        except StoreUnavailable as error:
+            # Whether it was written is unknown: the cache may be ahead of the backend, so no
+            # write may follow until a reload.
+            self._broken = error
+            log.error("store_commit_failed", error=error.message)
+            return
+        self.revision = max(self.revision, revision)
+        if count:
+            self._durable_sequence = self._sealed[count - 1].sequence
+            del self._sealed[:count]
+            return
+        unit.parts_written += 1
+        for change in changes:  # durable now: nothing of it to write or undo
+            del unit.changes[change.kind, change.ident]
+            unit.before.pop((change.kind, change.ident), None)
+
+    def _refuse(self, error: StoreUnavailable) -> None:
+        """The sealed units' writes were refused (of a unit written in parts, the parts before
+        stay: they are durable and no longer in it): the cache goes back to the last durable
+        state (undoing the unit being built too, which may have read theirs), and the store
+        takes no write until a reload, since its caller's own state has moved on with them."""
+        for unit in [*self._sealed, self._open][::-1]:
+            for (kind, ident), raw in unit.before.items():
+                self.cache.apply(kind, ident, raw)
+        self._sealed.clear()
+        self._open = _Unit()
+        self._broken = error
+        log.error("store_commit_refused", error=error.message)
+
+    # ------------------------------------------------------------ load and follow
+
+    async def load(self) -> int:
+        """Replaces the cache with the backend's contents at one revision (the cache in use
+        stays whole until the load has succeeded) and forgets unwritten changes."""
+        fresh = StateCache()
+        revision = await self.backend.load(fresh)
+        self.cache = fresh
+        self._open = _Unit()
+        self._sealed.clear()
+        self._durable_sequence = self._sequence
+        self._loads += 1
+        self._broken = None
+        self.revision = revision
+        log.info("store_loaded", revision=revision, **fresh.counts())
+        return revision
+
+    async def follow(self) -> None:
+        """Keeps the cache current from the backend's watch, reloading when the watch breaks;
+        until cancelled (a replica cancels it when it becomes the leader)."""
+        try:
+            while True:
+                self.following = False
+                try:
+                    await self.load()
+                    events = self.backend.watch(self.revision)
+                    self.following = True
+                    async for event in events:
+                        if event.change is not None:
+                            change = event.change
+                            self.cache.apply(change.kind, change.ident, change.raw)
+                        self.revision = max(self.revision, event.revision)
+                        self._advanced.set()
+                except StoreUnavailable as error:
+                    log.warning("store_watch_broken", error=error.message)
+                    await asyncio.sleep(0.5)
+        finally:
+            self.following = False
+
+    async def catch_up(self, revision: int, within_s: float) -> bool:
+        """True once the followed cache has applied every write up to ``revision``; False if
+        the watch is not running or does not get there in time (then: ``load``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while self.following and self.revision < revision:
+            self._advanced.clear()
+            try:
+                await asyncio.wait_for(self._advanced.wait(), deadline - loop.time())
+            except TimeoutError:
+                return False
+        return self.following and self.revision >= revision
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+class MemoryStore(CachedStore):
+    """The store of a standalone registry: a cache and nothing behind it."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryBackend())
+
+
+def _fits_alone(change: Change, backend: Backend) -> bool:
+    limits = backend.limits
+    return limits is None or backend.size(change) <= limits.size_bytes
+
+
+def _part_that_fits(unit: _Unit, backend: Backend) -> list[Change]:
+    """The first of a unit's changes that fit one write together (at least one, when each
+    fits alone)."""
+    limits = backend.limits
+    assert limits is not None  # without limits every unit fits whole
+    part: list[Change] = []
+    size = 0
+    for change in unit.changes.values():
+        size += backend.size(change)
+        if len(part) == limits.operations or size > limits.size_bytes:
+            break
+        part.append(change)
+    return part
+
+
+def _units_per_write(units: Sequence[_Unit], backend: Backend) -> int:
+    """How many units from the first go in one write within the backend's limits (0: not even
+    the first). Exact for one unit; for several, a record they share is counted once as an
+    operation but its bytes each time (a little under the limit, never over it)."""
+    limits = backend.limits
+    if limits is None:
+        return len(units)
+    records: set[tuple[RecordKind, str]] = set()
+    size = 0
+    for count, unit in enumerate(units):
+        operations = len(records) + sum(1 for key in unit.changes if key not in records)
+        size += sum(backend.size(change) for change in unit.changes.values())
+        if operations > limits.operations or size > limits.size_bytes:
+            return count
+        records.update(unit.changes)
+    return len(units)

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import grpc
 
 from kvbroker.common.clock import from_duration
+from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 log = logging.getLogger("kvbroker.engine_link")
-
-LIVE_STATES = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class Deadline:
 
     @property
     def lease_live(self) -> bool:
-        return self.state in LIVE_STATES
+        return self.state in LIVE_LEASE_STATES
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +216,7 @@ class EngineLink:
     async def _receive(self, watch: grpc.aio.UnaryStreamCall) -> None:
         async for item in watch:
             command = item.command
-            if command.state in LIVE_STATES:
+            if command.state in LIVE_LEASE_STATES:
                 self._note_lease(command)
             self._deadlines.put(
                 Deadline(
