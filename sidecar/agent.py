@@ -32,6 +32,7 @@ from kvbroker.common.grpc_client import (
     registry_stub,
 )
 from kvbroker.common.labels import label
+from kvbroker.common.routing import read_refusal
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
@@ -131,9 +132,8 @@ class Agent:
             self._subscribers.discard(queue)
 
     async def check_lease(self, lease_id: str, epoch: int) -> tuple[bool, str]:
-        """The fence before a read: claimed for a read (a hint handed it out and the claim
-        still protects it), and not superseded by a newer turn. An ACTIVE lease is not enough:
-        its holder may be reclaiming its blocks for new work right now."""
+        """The fence before a read (``routing.read_refusal``), on the registry's current
+        record of the lease."""
         stub = self._stub
         if stub is None:
             return False, "the sidecar has no registry session"
@@ -143,13 +143,8 @@ class Agent:
             )
         except grpc.aio.AioRpcError as error:
             return False, f"registry could not confirm lease {lease_id}: {error.details()}"
-        lease = response.lease
-        if lease.epoch != epoch:
-            return False, f"stale epoch {epoch}: lease {lease_id} is at epoch {lease.epoch}"
-        if lease.state != lease_pb2.LEASE_STATE_CLAIMED:
-            why = f" ({lease.end_reason})" if lease.end_reason else ": its claim ended"
-            return False, f"lease {lease_id} is {label(lease_pb2.LeaseState, lease.state)}{why}"
-        return True, ""
+        refusal = read_refusal(response.lease, epoch)
+        return refusal is None, refusal or ""
 
     def _to_engine(self, command: registry_pb2.LeaseCommand) -> None:
         for queue in self._subscribers:

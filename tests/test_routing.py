@@ -195,3 +195,15 @@ def test_without_a_leader_nothing_is_reused() -> None:
     assert known.decision == RECOMPUTE and not known.exact
     assert "election pending" in known.reason
     assert routing.leaderless_decision(False, "x").decision == MISS
+
+
+def test_only_a_claimed_lease_at_the_handle_s_epoch_may_be_read() -> None:
+    claimed = lease_pb2.Lease(lease_id="l-1", epoch=3, state=lease_pb2.LEASE_STATE_CLAIMED)
+    assert routing.read_refusal(claimed, 3) is None
+    assert "stale epoch 2" in (routing.read_refusal(claimed, 2) or "")
+    active = lease_pb2.Lease(lease_id="l-1", epoch=3, state=lease_pb2.LEASE_STATE_ACTIVE)
+    assert routing.read_refusal(active, 3) == "lease l-1 is ACTIVE: its claim ended"
+    released = lease_pb2.Lease(
+        lease_id="l-1", epoch=3, state=lease_pb2.LEASE_STATE_RELEASED, end_reason="pressure"
+    )
+    assert routing.read_refusal(released, 3) == "lease l-1 is RELEASED (pressure)"

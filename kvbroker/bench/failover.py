@@ -48,6 +48,7 @@ from kvbroker.common.retention_deadline import (
     first_deadline,
     next_deadline,
 )
+from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.common.supervisor import ChildProcess, stop_all
 from kvbroker.stack import router_command, router_routing
 from kvbroker.testing.engine import FakeEngine
@@ -59,7 +60,6 @@ BLOCK_SIZE = 16
 TOKENS_PER_TURN = 256
 # Like vLLM's decoder_kv_blocks_ttl: the longest a decode engine keeps blocks on its own.
 HARD_CAP_S = 600.0
-LIVE = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 
 
 # ---------------------------------------------------------------------- processes
@@ -437,7 +437,7 @@ class Fleet:
             )
         except Exception as error:
             return f"{conversation}: registry said {error!r}"
-        live = [lease for lease in found.leases if lease.state in LIVE]
+        live = [lease for lease in found.leases if lease.state in LIVE_LEASE_STATES]
         if not live:
             return f"{conversation}: no live lease, engines hold {sorted(held)}"
         if live[-1].handle.remote_request_id not in held:

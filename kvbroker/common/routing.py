@@ -20,6 +20,21 @@ from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 PREFILL_ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH})
 DECODE_ROLES = frozenset({node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH})
 LIVE_LEASE_STATES = frozenset({lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED})
+
+
+def read_refusal(lease: lease_pb2.Lease, epoch: int) -> str | None:
+    """The fence a prefill node applies before it reads a lease's blocks (None: read). The
+    lease must be CLAIMED, a hint handed it out and the claim still protects it, at the
+    handle's epoch; ACTIVE is not enough, its holder may be reclaiming the blocks for new work
+    right now (docs/design.md, "The fencing argument")."""
+    if lease.epoch != epoch:
+        return f"stale epoch {epoch}: lease {lease.lease_id} is at epoch {lease.epoch}"
+    if lease.state != lease_pb2.LEASE_STATE_CLAIMED:
+        why = f" ({lease.end_reason})" if lease.end_reason else ": its claim ended"
+        return f"lease {lease.lease_id} is {label(lease_pb2.LeaseState, lease.state)}{why}"
+    return None
+
+
 # A holder in these states still serves reads of what it retains (a draining node takes no
 # new work but keeps its leases).
 SERVING_STATES = frozenset({node_pb2.NODE_STATE_READY, node_pb2.NODE_STATE_DRAINING})
