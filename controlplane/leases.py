@@ -11,6 +11,7 @@ lock: changes are committed, and commands sent, by the registry's unit of work.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable, Iterable, Sequence
 
@@ -198,8 +199,11 @@ class Leases:
         if requested is not None and requested < 0:
             raise InvalidArgument("time_to_live must not be negative")
         ttl = min(requested, self._config.max_lease_ttl_s) if requested else self._idle_ttl.ttl()
-        hard_cap = self._nodes.retention_hard_cap_s(holder_id)
-        return min(ttl, hard_cap) if hard_cap is not None else ttl
+        return min(ttl, self._hard_cap_s(holder_id))
+
+    def _hard_cap_s(self, holder_id: str) -> float:
+        cap = self._nodes.retention_hard_cap_s(holder_id)
+        return math.inf if cap is None else cap
 
     async def grant(
         self,
@@ -421,7 +425,10 @@ class Leases:
     async def claim(self, lease: lease_pb2.Lease) -> None:
         """A hint offered the lease: a read may be in flight until the claim ends."""
         now = self._now()
-        claim_end = now + self._config.claim_timeout_s
+        # Within the holder's hard cap too: the engine frees at one cap after the command
+        # that moves its deadline, so no claim may outlast it.
+        claim_s = min(self._config.claim_timeout_s, self._hard_cap_s(lease.node_id))
+        claim_end = now + claim_s
         lease.state = CLAIMED
         stamp_time(lease.claim_expire_time, claim_end)
         expires = self.expires(lease) or now

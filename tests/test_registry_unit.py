@@ -162,6 +162,19 @@ async def test_a_claim_outlives_a_shorter_ttl_and_tells_the_holder() -> None:
     assert (await h.registry.get_lease(lease.lease_id)).state == lease_pb2.LEASE_STATE_EXPIRED
 
 
+async def test_a_claim_never_outlasts_the_holder_s_hard_cap() -> None:
+    h = Harness()
+    h.decode.retention_hard_cap.FromSeconds(20)  # below the 30 s claim timeout
+    await h.fleet()
+    lease = await h.grant("c", "req-1", ttl=5)
+    await h.registry.routing_hint("c", "")
+    command = await h.next_command()
+    assert command.reason == "claimed by a read"
+    assert from_duration(command.time_to_live) == pytest.approx(20)
+    await h.advance(20.1)
+    assert (await h.registry.get_lease(lease.lease_id)).state == lease_pb2.LEASE_STATE_EXPIRED
+
+
 async def test_a_new_turn_supersedes_the_lease_with_a_grace_for_reads() -> None:
     h = Harness()
     await h.fleet()
