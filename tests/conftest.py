@@ -48,6 +48,7 @@ LAYERS = {
     "test_deadlines": "unit",
     "test_engine_rules": "unit",
     "test_labels": "unit",
+    "test_ports": "unit",
     "test_registry_unit": "unit",
     "test_retention_policy": "unit",
     "test_retention_sim": "unit",

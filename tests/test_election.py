@@ -13,9 +13,9 @@ import pytest
 from controlplane.election import Election, Term
 from controlplane.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
 from controlplane.store import Deposed
-from kvbroker.bench.failover import EtcdServer
+from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import node_pb2
-from tests.factories import node_spec
 
 pytestmark = pytest.mark.etcd
 
@@ -24,15 +24,15 @@ TTL_S = 2
 
 
 @pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[EtcdServer]:
-    server = EtcdServer(tmp_path)
+async def etcd(tmp_path: Path) -> AsyncIterator[LocalEtcd]:
+    server = LocalEtcd(tmp_path)
     await server.start()
     yield server
-    await server.child.stop()
+    await server.stop()
 
 
 @pytest.fixture
-async def candidates(etcd: EtcdServer) -> AsyncIterator[list[Election]]:
+async def candidates(etcd: LocalEtcd) -> AsyncIterator[list[Election]]:
     connections = [EtcdConnection(EtcdEndpoints.parse(etcd.url)) for _ in range(2)]
     yield [Election(connection, KEY, TTL_S) for connection in connections]
     for connection in connections:
@@ -60,7 +60,7 @@ async def test_of_two_candidates_one_leads(candidates: list[Election]) -> None:
     assert await first.campaign("a:1") is None and await second.campaign("b:1") is None
 
 
-async def test_a_lost_keep_alive_hands_over(candidates: list[Election], etcd: EtcdServer) -> None:
+async def test_a_lost_keep_alive_hands_over(candidates: list[Election], etcd: LocalEtcd) -> None:
     """A leader whose lease is gone stops (keep_alive returns) and the other candidate wins
     with a later revision: the new fence."""
     first, second = candidates
@@ -100,7 +100,7 @@ async def test_a_resignation_hands_over_at_once(candidates: list[Election]) -> N
     assert await second.campaign("b:1") is not None
 
 
-async def test_a_deposed_leaders_fence_refuses_its_writes(etcd: EtcdServer) -> None:
+async def test_a_deposed_leaders_fence_refuses_its_writes(etcd: LocalEtcd) -> None:
     stores = [EtcdStore(EtcdEndpoints.parse(etcd.url)) for _ in range(2)]
     first, second = (Election(s.connection, s.leader_key, TTL_S) for s in stores)
     try:

@@ -23,8 +23,8 @@ from controlplane.etcd_store import ETCD_DEFAULT_LIMITS, EtcdEndpoints, EtcdStor
 from controlplane.store import CachedStore, CommitTooLarge, Deposed, MemoryStore, WriteLimits
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.tasks import poll_until
+from kvbroker.testing.factories import block_hashes, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2
-from tests.factories import block_hashes, node_spec
 
 pytestmark = pytest.mark.etcd
 
@@ -36,13 +36,20 @@ ACTIVE, CLAIMED, EXPIRED = (
 
 
 def start_etcd(data_dir: Path, *flags: str) -> tuple[LocalEtcd, subprocess.Popen[bytes]]:
+    """A plain process rather than LocalEtcd.start(): a module-scoped fixture outlives the
+    event loop of any one test, and an asyncio child is bound to the loop that started it."""
     local = LocalEtcd(data_dir)
     process = subprocess.Popen(
-        [*local.argv(), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [*local.child.argv, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
+
+    async def answers() -> bool:
+        await local.leader()
+        return True
+
     # In a thread of its own: the fixture may be set up from within a running event loop.
     with ThreadPoolExecutor(1) as thread:
-        thread.submit(asyncio.run, local.wait_ready()).result()
+        thread.submit(asyncio.run, poll_until(answers, 30, "etcd answering")).result()
     return local, process
 
 

@@ -1,11 +1,46 @@
-"""Free loopback ports for the processes a one-machine stack, test or benchmark starts."""
+"""Free loopback ports for the processes a one-machine stack, test or benchmark starts.
+
+A port is chosen now and bound later, by another process. Asking the kernel for one (binding
+port 0) hands out a port from the ephemeral range, the same range every outgoing connection
+takes its source port from, so on a busy machine (tests in parallel, engines and sidecars
+opening connections) the port was often taken again before its server bound it: seen as a
+NIXL side channel or a test server failing with "address already in use". Ports are
+therefore drawn at random from below the ephemeral range, where nothing is handed out
+implicitly, and checked by binding them once.
+"""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Below this, ports are commonly taken by well-known services.
+_LOWEST = 10_000
+# Its own generator: a benchmark that seeds the module-level one must not make every process
+# draw the same ports.
+_RANDOM = random.SystemRandom()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback TCP port that nothing is bound to now, outside the ephemeral range."""
+    high = max(_ephemeral_low() - 1, _LOWEST + 1_000)
+    for _ in range(200):
+        port = _RANDOM.randint(_LOWEST, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
