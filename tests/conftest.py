@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,6 +20,7 @@ import pytest_asyncio
 from controlplane.config import RegistryConfig
 from controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.stack import KVBROKER
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import registry_pb2_grpc
@@ -90,6 +92,15 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
     """One HTTP client for a module's tests (the e2e modules send their turns with it)."""
     async with httpx.AsyncClient(timeout=300) as client:
         yield client
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[LocalEtcd]:
+    """A fresh single-member etcd for one test (the replica and election tests)."""
+    server = LocalEtcd(tmp_path)
+    await server.start()
+    yield server
+    await server.stop()
 
 
 @pytest.fixture

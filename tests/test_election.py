@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aetcd
 import pytest
@@ -21,14 +20,6 @@ pytestmark = pytest.mark.etcd
 
 KEY = b"/kvbroker/leader"
 TTL_S = 2
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[LocalEtcd]:
-    server = LocalEtcd(tmp_path)
-    await server.start()
-    yield server
-    await server.stop()
 
 
 @pytest.fixture

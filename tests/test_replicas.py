@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aetcd
@@ -29,14 +28,6 @@ from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 pytestmark = pytest.mark.etcd
 
 FLAGS = ["--election-ttl", "2", "--heartbeat-interval", "0.3", "--session-ttl", "1.5"]
-
-
-@pytest.fixture
-async def etcd(tmp_path: Path) -> AsyncIterator[LocalEtcd]:
-    server = LocalEtcd(tmp_path)
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def test_a_deposed_leader_cannot_write(etcd: LocalEtcd) -> None:
