@@ -5,9 +5,13 @@ engine's retention events in order and in batches, hands the registry's lease co
 engine as deadlines, and after any reconnect replays everything the engine still retains so the
 registry rebuilds its state with nothing lost or duplicated.
 
-What the engine retains is mirrored here as soon as the engine reports it, before it is sent:
-the mirror, not the send queue, is the truth a replay is built from, so a batch lost with a
-broken connection is never lost to the registry.
+What the engine retains is mirrored here (``RetentionMirror``) as soon as the engine reports
+it, before it is sent: the mirror, not the send queue, is the truth a replay is built from, so
+a batch lost with a broken connection is never lost to the registry. Events go out through a
+``Batcher``: one report in flight, the rest in the next, in the order they came; each report is
+numbered at sending (the registry ignores numbers at or below the last it applied), and only
+in a session whose replay the registry has acknowledged. A report that fails (the registry
+gone, or refusing it) ends the session; the next one's replay carries what it held.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import contextlib
 import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import httpx
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvbroker.common.batcher import Batcher
 from kvbroker.common.clock import from_duration
 from kvbroker.common.grpc_client import (
     RegistryEndpoint,
@@ -32,6 +37,7 @@ from kvbroker.common.grpc_client import (
     registry_stub,
 )
 from kvbroker.common.labels import label
+from kvbroker.common.retention_mirror import RetentionMirror
 from kvbroker.common.routing import read_refusal
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
@@ -48,29 +54,42 @@ _SESSION_LOST = frozenset(
 _RPC_TIMEOUT_S = 5.0
 
 
-@dataclass
-class _Mirror:
-    """What the engine retains, by request id, with the lease the registry granted for it."""
-
-    retained: dict[str, registry_pb2.RetainedBlocks] = field(default_factory=dict)
-
-    def apply(self, event: registry_pb2.RetentionEvent) -> None:
-        if event.HasField("retained"):
-            entry = registry_pb2.RetainedBlocks()
-            entry.CopyFrom(event.retained)
-            self.retained[entry.handle.remote_request_id] = entry
-        elif event.HasField("released"):
-            self.retained.pop(event.released.remote_request_id, None)
-
-    def note_lease(self, lease: lease_pb2.Lease) -> None:
-        entry = self.retained.get(lease.handle.remote_request_id)
-        if entry is not None:
-            entry.lease_id = lease.lease_id
-            entry.epoch = lease.epoch
-
-
 class SessionLostError(Exception):
     """The registry no longer knows this node's session; register again and replay."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """A retention event waiting to be reported, with its position in the mirror's stream."""
+
+    position: int
+    event: registry_pb2.RetentionEvent
+
+
+class _Session:
+    """One registry session, and why it must end when something outside its own loops (a
+    failed report, the engine re-attaching) decides so."""
+
+    def __init__(self, stub: RegistryServiceStub) -> None:
+        self.stub = stub
+        self.replayed = False
+        self._ended = asyncio.Event()
+        self._error: Exception | None = None
+
+    @property
+    def live(self) -> bool:
+        """Its replay was acknowledged and nothing has ended it since."""
+        return self.replayed and not self._ended.is_set()
+
+    def end(self, error: Exception) -> None:
+        if not self._ended.is_set():
+            self._error = error
+            self._ended.set()
+
+    async def until_ended(self) -> None:
+        await self._ended.wait()
+        assert self._error is not None
+        raise self._error
 
 
 class Agent:
@@ -88,12 +107,20 @@ class Agent:
         self.connected = asyncio.Event()
         self.engine_ready = False
         self._engine_attached = asyncio.Event()
-        self._mirror = _Mirror()
-        self._outbox: asyncio.Queue[registry_pb2.RetentionEvent] = asyncio.Queue()
+        self._mirror = RetentionMirror()
+        self._reports: Batcher[_Queued, None] = Batcher(
+            self._report, config.max_batch, "kvbroker-retention-reports"
+        )
+        # Events submitted and not yet reported (or superseded by a replay).
+        self._waiting = 0
+        self._forwarding: set[asyncio.Future[list[BaseException | None]]] = set()
         self._sequence = 0
         self._subscribers: set[asyncio.Queue[registry_pb2.LeaseCommand]] = set()
         self._heartbeat_interval_s = 2.0
-        self._stub: RegistryServiceStub | None = None
+        # The registry session being set up or running, if any.
+        self._current: _Session | None = None
+        # Set while the current session is live: reports wait for it.
+        self._reporting = asyncio.Event()
         self._http = httpx.AsyncClient(timeout=config.health_timeout_s)
 
     # ------------------------------------------------------------ engine side
@@ -106,21 +133,44 @@ class Agent:
             # Another engine process: the old one's blocks are gone with it.
             self.incarnation = uuid.uuid4().hex
         self.engine = info
-        self._mirror.retained = {}
-        for blocks in retained:
-            self._mirror.apply(registry_pb2.RetentionEvent(retained=blocks))
+        self._mirror.replace(retained)
         self._engine_attached.set()
         # Force a fresh session so the registry gets the engine's snapshot.
         self.connected.clear()
-        self._outbox.put_nowait(registry_pb2.RetentionEvent())  # wakes the forwarder
+        if self._current is not None:
+            self._end_session(
+                self._current, SessionLostError("the engine re-attached; a new snapshot is due")
+            )
         log.info("engine_attached", engine=info.engine_id, retained=len(retained))
 
     def submit(self, events: Sequence[registry_pb2.RetentionEvent]) -> int:
-        for event in events:
-            self._mirror.apply(event)
-            self._outbox.put_nowait(event)
-        self.metrics.queue_depth.set(self._outbox.qsize())
-        return self._outbox.qsize()
+        """Mirrors the engine's events and queues them for the registry without waiting;
+        returns how many are waiting."""
+        queued = [
+            _Queued(position, event)
+            for event in events
+            if (position := self._mirror.record(event)) is not None
+        ]
+        if queued:
+            # The items join the batcher in this order: tasks start in the order made.
+            forwarding = asyncio.gather(
+                *(self._reports.submit(item) for item in queued), return_exceptions=True
+            )
+            self._forwarding.add(forwarding)
+            forwarding.add_done_callback(self._forwarded)
+            self._waiting += len(queued)
+        self.metrics.queue_depth.set(self._waiting)
+        return self._waiting
+
+    def _forwarded(self, forwarding: asyncio.Future[list[BaseException | None]]) -> None:
+        self._forwarding.discard(forwarding)
+        if forwarding.cancelled():
+            return
+        # ``_report`` handles the registry's failures itself; anything else is a bug to show.
+        for result in forwarding.result():
+            if isinstance(result, Exception):
+                log.error("retention_report_failed", error=repr(result))
+                break
 
     async def deadlines(self) -> AsyncIterator[registry_pb2.LeaseCommand]:
         queue: asyncio.Queue[registry_pb2.LeaseCommand] = asyncio.Queue()
@@ -134,11 +184,11 @@ class Agent:
     async def check_lease(self, lease_id: str, epoch: int) -> tuple[bool, str]:
         """The fence before a read (``routing.read_refusal``), on the registry's current
         record of the lease."""
-        stub = self._stub
-        if stub is None:
+        session = self._current
+        if session is None or not session.live:
             return False, "the sidecar has no registry session"
         try:
-            response = await stub.GetLease(
+            response = await session.stub.GetLease(
                 registry_pb2.GetLeaseRequest(lease_id=lease_id), timeout=_RPC_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as error:
@@ -194,6 +244,8 @@ class Agent:
         """Ends the session on purpose: the registry withdraws this node's leases at once
         (a restarted sidecar's replay revives those the engine still holds)."""
         await self._http.aclose()
+        for forwarding in list(self._forwarding):
+            forwarding.cancel()
         if self.engine is None or not self.connected.is_set():
             return
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -206,34 +258,44 @@ class Agent:
                 )
 
     async def _session(self, stub: RegistryServiceStub) -> None:
-        model = self.config.model or (self.engine.model if self.engine else "")
-        if not model:
-            model = await self._served_model()
-        response = await stub.RegisterNode(
-            registry_pb2.RegisterNodeRequest(spec=self.node_spec(model)), timeout=_RPC_TIMEOUT_S
-        )
-        self._heartbeat_interval_s = from_duration(response.heartbeat_interval)
-        await self._replay(stub)
-        self._stub = stub
-        self.connected.set()
-        log.info("registry_session", node=self.config.node_id, incarnation=self.incarnation)
+        session = self._current = _Session(stub)
         try:
-            await until_first_exits(self._heartbeats(stub), self._forward(stub), self._watch(stub))
+            model = self.config.model or (self.engine.model if self.engine else "")
+            if not model:
+                model = await self._served_model()
+            response = await stub.RegisterNode(
+                registry_pb2.RegisterNodeRequest(spec=self.node_spec(model)),
+                timeout=_RPC_TIMEOUT_S,
+            )
+            self._heartbeat_interval_s = from_duration(response.heartbeat_interval)
+            await self._replay(stub)
+            session.replayed = True
+            if session.live:
+                self._reporting.set()
+            self.connected.set()
+            log.info("registry_session", node=self.config.node_id, incarnation=self.incarnation)
+            await until_first_exits(
+                self._heartbeats(stub), self._watch(stub), session.until_ended()
+            )
         finally:
-            self._stub = None
+            self._end_session(session, SessionLostError("the session ended"))
+            self._current = None
+
+    def _end_session(self, session: _Session, error: Exception) -> None:
+        """Stops reports going out in ``session``; its loops end with ``error``."""
+        if session is self._current:
+            self._reporting.clear()
+        session.end(error)
 
     def _next_sequence(self) -> int:
         self._sequence += 1
         return self._sequence
 
     async def _replay(self, stub: RegistryServiceStub) -> None:
-        """Sends everything the engine retains as one snapshot; the queue is superseded."""
-        while not self._outbox.empty():
-            self._outbox.get_nowait()
-        snapshot = list(self._mirror.retained.values())
+        """Sends everything the engine retains as one snapshot; what is queued is superseded."""
         events = [
             registry_pb2.RetentionEvent(sequence=self._next_sequence(), retained=blocks)
-            for blocks in snapshot
+            for blocks in self._mirror.replay()
         ]
         response = await stub.ReportRetention(
             registry_pb2.ReportRetentionRequest(
@@ -246,12 +308,11 @@ class Agent:
         )
         self._after_report(response.leases)
         self.metrics.replay_size.set(len(events))
-        self.metrics.queue_depth.set(0)
         log.info("replayed", leases=len(events))
 
     def _after_report(self, leases: Sequence[lease_pb2.Lease]) -> None:
         for lease in leases:
-            self._mirror.note_lease(lease)
+            self._mirror.note_lease(lease.handle.remote_request_id, lease.lease_id, lease.epoch)
             if lease.state in (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED):
                 self._to_engine(
                     registry_pb2.LeaseCommand(
@@ -264,27 +325,32 @@ class Agent:
                     )
                 )
 
-    async def _forward(self, stub: RegistryServiceStub) -> None:
-        while True:
-            batch = [await self._outbox.get()]
-            while len(batch) < self.config.max_batch and not self._outbox.empty():
-                batch.append(self._outbox.get_nowait())
-            if not self.connected.is_set():
-                raise SessionLostError("the engine re-attached; a new snapshot is due")
-            events = [e for e in batch if e.WhichOneof("event") is not None]
-            if not events:
-                continue
+    async def _report(self, batch: list[_Queued]) -> list[None]:
+        """Reports a batch (the ``Batcher``'s send) once a session is live, less what a replay
+        has superseded meanwhile. A failure ends the session instead of failing the items: the
+        next session's replay carries what they changed."""
+        await self._reporting.wait()
+        session = self._current
+        events = [queued.event for queued in batch if not self._mirror.superseded(queued.position)]
+        # The session may have ended between the wake-up and now: then the next replay sends.
+        if events and session is not None and session.live:
             for event in events:
                 event.sequence = self._next_sequence()
-            response = await stub.ReportRetention(
-                registry_pb2.ReportRetentionRequest(
-                    node_id=self.config.node_id, incarnation=self.incarnation, events=events
-                ),
-                timeout=_RPC_TIMEOUT_S,
-            )
-            self._after_report(response.leases)
-            self.metrics.reports.inc(len(events))
-            self.metrics.queue_depth.set(self._outbox.qsize())
+            try:
+                response = await session.stub.ReportRetention(
+                    registry_pb2.ReportRetentionRequest(
+                        node_id=self.config.node_id, incarnation=self.incarnation, events=events
+                    ),
+                    timeout=_RPC_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as error:
+                self._end_session(session, error)
+            else:
+                self._after_report(response.leases)
+                self.metrics.reports.inc(len(events))
+        self._waiting -= len(batch)
+        self.metrics.queue_depth.set(self._waiting)
+        return [None] * len(batch)
 
     async def _watch(self, stub: RegistryServiceStub) -> None:
         stream = stub.WatchLeaseCommands(

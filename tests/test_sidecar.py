@@ -1,4 +1,5 @@
-"""Real registry, real `kvbroker sidecar run` processes, the engine side driven by EngineLink."""
+"""Real registry, real `kvbroker sidecar run` processes, the engine side driven by EngineLink;
+and the agent in process against a scripted registry, for its forwarding and replay rules."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
 import pytest
 
+from kvbroker.common.clock import to_duration
 from kvbroker.common.engine_link import Deadline, EngineLink
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
@@ -18,8 +21,10 @@ from kvbroker.common.tasks import poll_until
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, node_spec
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from sidecar.agent import Agent
+from sidecar.config import SidecarConfig
 from tests.conftest import run_cli, spawn_registry
 
 SESSION_FLAGS = ("--heartbeat-interval", "0.2", "--session-ttl", "1.0", "--revoke-grace", "0.5")
@@ -257,3 +262,146 @@ async def test_unhealthy_engine_makes_the_node_not_ready(stack: Stack) -> None:
 
         await eventually(ready, within=5)
         assert (await hint(stack.stub, "conv-u")).decision == registry_pb2.HINT_DECISION_REUSE
+
+
+class ScriptedRegistry(registry_pb2_grpc.RegistryServiceServicer):
+    """A registry that records the sidecar's reports, can hold one in flight and can refuse
+    the next ones, so the forwarding and replay rules can be watched event by event."""
+
+    def __init__(self) -> None:
+        self.registrations = 0
+        # (full snapshot, [(sequence, kind, request id, lease id)]) per report, as received.
+        self.reports: list[tuple[bool, list[tuple[int, str, str, str]]]] = []
+        self.received = asyncio.Condition()
+        self.release = asyncio.Event()
+        self.release.set()
+        self.refuse = 0
+
+    async def RegisterNode(
+        self, request: registry_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.RegisterNodeResponse:
+        self.registrations += 1
+        return registry_pb2.RegisterNodeResponse(heartbeat_interval=to_duration(1.0))
+
+    async def Heartbeat(
+        self, request: registry_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.HeartbeatResponse:
+        return registry_pb2.HeartbeatResponse()
+
+    async def WatchLeaseCommands(
+        self, request: registry_pb2.WatchLeaseCommandsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry_pb2.WatchLeaseCommandsResponse]:
+        await asyncio.Event().wait()
+        yield registry_pb2.WatchLeaseCommandsResponse()
+
+    async def ReportRetention(
+        self, request: registry_pb2.ReportRetentionRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.ReportRetentionResponse:
+        events = []
+        for event in request.events:
+            kind = event.WhichOneof("event") or ""
+            if kind == "retained":
+                request_id, lease_id = (
+                    event.retained.handle.remote_request_id,
+                    event.retained.lease_id,
+                )
+            else:
+                request_id, lease_id = getattr(event, kind).remote_request_id, ""
+            events.append((event.sequence, kind, request_id, lease_id))
+        async with self.received:
+            self.reports.append((request.full_snapshot, events))
+            self.received.notify_all()
+        await self.release.wait()
+        if self.refuse and not request.full_snapshot:
+            self.refuse -= 1
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "refused")
+        response = registry_pb2.ReportRetentionResponse()
+        for event in request.events:
+            if event.HasField("retained"):
+                request_id = event.retained.handle.remote_request_id
+                response.leases.add(
+                    lease_id=f"lease-{request_id}",
+                    epoch=1,
+                    state=lease_pb2.LEASE_STATE_ACTIVE,
+                    handle=lease_pb2.KvHandle(remote_request_id=request_id),
+                )
+        return response
+
+    async def report(self, n: int) -> tuple[bool, list[tuple[int, str, str, str]]]:
+        """The n-th report (from 0), once it has arrived."""
+        async with self.received:
+            await asyncio.wait_for(self.received.wait_for(lambda: len(self.reports) > n), 10)
+        return self.reports[n]
+
+
+def event(kind: str, request_id: str) -> registry_pb2.RetentionEvent:
+    if kind == "retained":
+        return registry_pb2.RetentionEvent(
+            retained=retained_blocks("decode-0", f"conv-{request_id}", request_id)
+        )
+    return registry_pb2.RetentionEvent(
+        released=registry_pb2.ReleasedBlocks(remote_request_id=request_id)
+    )
+
+
+async def test_reports_go_in_order_and_a_refused_one_is_replayed_not_resent() -> None:
+    registry = ScriptedRegistry()
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = SidecarConfig(
+        "decode-0", node_pb2.NODE_ROLE_DECODE, "http://127.0.0.1:9", model="tiny-qwen3"
+    )
+    agent = Agent(config, RegistryEndpoint.parse(f"127.0.0.1:{port}"))
+    agent.attach_engine(engine_info("decode-0"), [])
+    running = asyncio.create_task(agent.run())
+    try:
+        assert await registry.report(0) == (True, [])  # the first session's (empty) replay
+        await asyncio.wait_for(agent.connected.wait(), 10)
+
+        # One report in flight; what comes meanwhile goes in the next, in order.
+        registry.release.clear()
+        agent.submit([event("retained", "a")])
+        await registry.report(1)
+        agent.submit([event("retained", "b"), event("retained", "c")])
+        agent.submit([event("released", "a")])
+        agent.submit([event("released", "never-retained")])  # nothing to send
+        registry.release.set()
+        assert [(kind, rid) for _, kind, rid, _ in (await registry.report(1))[1]] == [
+            ("retained", "a")
+        ]
+        assert [(kind, rid) for _, kind, rid, _ in (await registry.report(2))[1]] == [
+            ("retained", "b"),
+            ("retained", "c"),
+            ("released", "a"),
+        ]
+
+        # A refused report ends the session; the replay carries it and what queued behind
+        # it (with the leases granted so far), and neither is sent again after the replay.
+        registry.refuse = 1
+        registry.release.clear()
+        agent.submit([event("retained", "d")])
+        await registry.report(3)
+        agent.submit([event("retained", "e")])
+        registry.release.set()
+        full, replay = await registry.report(4)
+        assert full and registry.registrations == 2
+        assert sorted((rid, lease_id) for _, _, rid, lease_id in replay) == [
+            ("b", "lease-b"),
+            ("c", "lease-c"),
+            ("d", ""),
+            ("e", ""),
+        ]
+        await asyncio.wait_for(agent.connected.wait(), 10)
+        agent.submit([event("released", "b")])
+        assert [(kind, rid) for _, kind, rid, _ in (await registry.report(5))[1]] == [
+            ("released", "b")
+        ]
+        sequences = [seq for _, events in registry.reports for seq, *_ in events]
+        assert sequences == sorted(set(sequences))  # increasing, never reused
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await agent.close()
+        await server.stop(0)

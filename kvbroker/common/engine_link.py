@@ -5,7 +5,7 @@ loop on a daemon thread: ``retained``/``released`` only record and enqueue,
 ``poll_deadlines`` drains what the sidecar sent since the last call (vLLM's connector calls it
 once per scheduler step), and ``start_lease_check`` returns a future the connector looks at on
 later steps. After any disconnect the link re-attaches and sends everything the engine still
-retains, so a restarted sidecar rebuilds its view.
+retains (its ``RetentionMirror``'s replay), so a restarted sidecar rebuilds its view.
 
 No vLLM import here: engine_ext adapts vLLM's objects to these proto messages. It logs through
 stdlib ``logging``, which vLLM configures in the engine process.
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvbroker.common.clock import from_duration
+from kvbroker.common.retention_mirror import RetentionMirror
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.common.tasks import until_first_exits
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2, sidecar_pb2_grpc
@@ -74,11 +75,11 @@ class EngineLink:
         self.target = target
         self.engine = engine
         self._reconnect = (reconnect_initial_s, reconnect_max_s)
-        self._lock = threading.Lock()
-        self._retained: dict[str, registry_pb2.RetainedBlocks] = {}
+        self._mirror = RetentionMirror()
         self._deadlines: queue.SimpleQueue[Deadline] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: asyncio.Queue[registry_pb2.RetentionEvent] | None = None
+        # Each event with its position in the mirror's stream.
+        self._outbox: asyncio.Queue[tuple[int, registry_pb2.RetentionEvent]] | None = None
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
         self.attached = threading.Event()
@@ -92,14 +93,9 @@ class EngineLink:
         self._thread.start()
 
     def retained(self, blocks: registry_pb2.RetainedBlocks) -> None:
-        with self._lock:
-            self._retained[blocks.handle.remote_request_id] = blocks
         self._send(registry_pb2.RetentionEvent(retained=blocks))
 
     def released(self, remote_request_id: str, reason: str, cause: lease_pb2.LeaseEndCause) -> None:
-        with self._lock:
-            if self._retained.pop(remote_request_id, None) is None:
-                return
         self._send(
             registry_pb2.RetentionEvent(
                 released=registry_pb2.ReleasedBlocks(
@@ -150,8 +146,7 @@ class EngineLink:
         return answer.usable, answer.reason
 
     def retained_count(self) -> int:
-        with self._lock:
-            return len(self._retained)
+        return len(self._mirror)
 
     def close(self, timeout: float = 2.0) -> None:
         if self._loop is not None and self._stop is not None:
@@ -160,11 +155,12 @@ class EngineLink:
             self._thread.join(timeout)
 
     def _send(self, event: registry_pb2.RetentionEvent) -> None:
+        position = self._mirror.record(event)
         loop, outbox = self._loop, self._outbox
-        if loop is not None and outbox is not None:
+        if position is not None and loop is not None and outbox is not None:
             # If the link is down, the next attach's snapshot carries the change instead.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(outbox.put_nowait, event)
+                loop.call_soon_threadsafe(outbox.put_nowait, (position, event))
 
     # ------------------------------------------------------------ the link's own thread
 
@@ -194,12 +190,8 @@ class EngineLink:
         assert self._outbox is not None
         async with grpc.aio.insecure_channel(self.target) as channel:
             stub = sidecar_pb2_grpc.SidecarServiceStub(channel)
-            while not self._outbox.empty():
-                self._outbox.get_nowait()  # superseded by the snapshot below
-            with self._lock:
-                snapshot = list(self._retained.values())
             response = await stub.AttachEngine(
-                sidecar_pb2.AttachEngineRequest(engine=self.engine, retained=snapshot),
+                sidecar_pb2.AttachEngineRequest(engine=self.engine, retained=self._mirror.replay()),
                 timeout=5,
                 wait_for_ready=True,
             )
@@ -217,7 +209,8 @@ class EngineLink:
         async for item in watch:
             command = item.command
             if command.state in LIVE_LEASE_STATES:
-                self._note_lease(command)
+                # So that a replay restores the lease exactly.
+                self._mirror.note_lease(command.remote_request_id, command.lease_id, command.epoch)
             self._deadlines.put(
                 Deadline(
                     remote_request_id=command.remote_request_id,
@@ -231,23 +224,18 @@ class EngineLink:
             )
         raise ConnectionError("the sidecar closed the deadline stream")
 
-    def _note_lease(self, command: registry_pb2.LeaseCommand) -> None:
-        """Remembers the lease behind a retained request, so a replay can restore it exactly."""
-        with self._lock:
-            blocks = self._retained.get(command.remote_request_id)
-            if blocks is not None:
-                blocks.lease_id = command.lease_id
-                blocks.epoch = command.epoch
-
     async def _forward(self, stub: sidecar_pb2_grpc.SidecarServiceStub) -> None:
         assert self._outbox is not None
         while True:
-            batch = [await self._outbox.get()]
-            while not self._outbox.empty() and len(batch) < 512:
-                batch.append(self._outbox.get_nowait())
-            await stub.SubmitRetentionEvents(
-                sidecar_pb2.SubmitRetentionEventsRequest(events=batch), timeout=5
-            )
+            queued = [await self._outbox.get()]
+            while not self._outbox.empty() and len(queued) < 512:
+                queued.append(self._outbox.get_nowait())
+            # What the last attach's snapshot carried is not sent again.
+            events = [event for position, event in queued if not self._mirror.superseded(position)]
+            if events:
+                await stub.SubmitRetentionEvents(
+                    sidecar_pb2.SubmitRetentionEventsRequest(events=events), timeout=5
+                )
 
 
 async def _check_lease(
