@@ -117,6 +117,9 @@ class AgenticConfig:
     turn_tokens: int = 250
     max_tokens: int = 16
     stall_ms: float = 2000.0
+    # The kvbroker arm's retention budget (kvbroker_retention_max_fraction); None: the
+    # connector's default.
+    retention_max_fraction: float | None = None
     seed: int = 0
     model_dir: Path | None = None
     workdir: Path = Path("/tmp/kvbroker-agentic")
@@ -141,6 +144,11 @@ class AgenticConfig:
             model_dir=self.model_dir,
             engine_args=("--num-gpu-blocks-override", str(self.kv_blocks)),
         )
+        if stack == "kvbroker" and self.retention_max_fraction is not None:
+            budget: dict[str, object] = {
+                "kvbroker_retention_max_fraction": self.retention_max_fraction
+            }
+            config = replace(config, connector_extra=budget)
         if stack == "fixed-ttl":
             config = replace(
                 config,

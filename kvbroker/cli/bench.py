@@ -225,6 +225,15 @@ def bench_agentic(
     stall_ms: Annotated[
         float, typer.Option(min=1, help="A decode leg longer than this waited for blocks.")
     ] = 2000.0,
+    retention_max_fraction: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="The kvbroker arm's retention budget, a share of D's cache "
+            "[default: the connector's, 0.8].",
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Trace and text seed.")] = 0,
     model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
     workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path(
@@ -252,6 +261,7 @@ def bench_agentic(
         turn_tokens=turn_tokens,
         max_tokens=max_tokens,
         stall_ms=stall_ms,
+        retention_max_fraction=retention_max_fraction,
         seed=seed,
         model_dir=model,
         workdir=workdir,
