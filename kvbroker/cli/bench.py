@@ -231,7 +231,7 @@ def bench_agentic(
             min=0.01,
             max=1.0,
             help="The kvbroker arm's retention budget, a share of D's cache "
-            "[default: the connector's, 0.8].",
+            "[default: the connector's, 1.0: none].",
         ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Trace and text seed.")] = 0,
