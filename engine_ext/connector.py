@@ -98,8 +98,9 @@ class KvBrokerSettings:
     pressure_release: bool = True
     # The most of the KV cache retention may hold. 1.0 (no budget) by default: with release
     # under pressure, a budget only cost reuse in `kvbroker bench agentic` (66 % at 0.8
-    # against 82 % without, no stalls either way); set one so that new work finds room even
-    # while the engine cannot reach the registry to release (README, "A retention budget").
+    # against 82 % without, no stalls either way); set one to keep room free ahead of need,
+    # e.g. for the time the engine cannot reach the registry to release (releases go through
+    # it).
     retention_max_fraction: float = 1.0
     # A reclaim the registry has not answered within this long may be asked again (or of
     # another request); meanwhile its blocks count as being freed.

@@ -6,8 +6,8 @@ Two triggers, both evaluated every engine step:
 * **Pressure.** The scheduler could not admit a waiting request, or grow a running one, for
   lack of free blocks. The shortfall is released at once, lowest value first.
 * **Budget** (off unless set). Retention may hold at most a share of the cache
-  (``kvbroker_retention_max_fraction``), so new work rarely has to wait for a release at all,
-  even while the engine cannot reach the registry.
+  (``kvbroker_retention_max_fraction``), so new work rarely has to wait for a release at all
+  and some room is already free if the engine loses the registry.
 
 Releases are *requested* from the registry (a ``ReclaimRequest``) and the blocks are freed only
 on its command: the registry first ends the lease, so no hint offers it and a prefill node's
