@@ -2,7 +2,7 @@
 same test functions, parametrised over the memory backend and a real etcd.
 
 The memory backend keeps nothing by design, so the tests of durability (what a reload sees,
-one transaction per commit, fences, watches) skip it.
+one transaction per commit, fences, watches) run on etcd only (``DURABLE``).
 """
 
 from __future__ import annotations
@@ -69,14 +69,6 @@ class Backing:
     prefix: str = field(default_factory=lambda: f"/test-{uuid.uuid4().hex}")
     stores: list[CachedStore] = field(default_factory=list)
 
-    @property
-    def durable(self) -> bool:
-        return self.etcd is not None
-
-    def skip_unless_durable(self) -> None:
-        if not self.durable:
-            pytest.skip("the memory backend keeps nothing to reload, fence or watch")
-
     def store(self, limits: WriteLimits = ETCD_DEFAULT_LIMITS) -> CachedStore:
         store: CachedStore
         if self.etcd is None:
@@ -102,6 +94,10 @@ class Backing:
 
 def election_of(store: EtcdStore) -> Election:
     return Election(store.connection, store.leader_key, ttl_s=10)
+
+
+# The backends that keep what they write: the durability tests are parametrised over these.
+DURABLE = pytest.mark.parametrize("backing", ["etcd"], indirect=True)
 
 
 @pytest.fixture(params=["memory", "etcd"])
@@ -247,8 +243,8 @@ async def test_live_indexes_follow_lease_state(backing: Backing) -> None:
 # ---------------------------------------------------------------- durable backends
 
 
+@DURABLE
 async def test_a_reload_sees_commits_but_not_soft_puts(backing: Backing) -> None:
-    backing.skip_unless_durable()
     store = await backing.leader()
     await store.put_node(node("decode-0"))
     await store.put_lease(lease("lease-1"))
@@ -270,8 +266,8 @@ async def test_a_reload_sees_commits_but_not_soft_puts(backing: Backing) -> None
     assert reader.revision >= store.revision > 0
 
 
+@DURABLE
 async def test_a_commit_is_one_transaction(backing: Backing) -> None:
-    backing.skip_unless_durable()
     store = await backing.leader()
     for index in range(100):
         await store.put_lease(lease(f"lease-{index:03}"))
@@ -282,10 +278,10 @@ async def test_a_commit_is_one_transaction(backing: Backing) -> None:
     assert set(revisions.values()) == {store.revision}
 
 
+@DURABLE
 async def test_commits_share_a_transaction_but_are_never_split(backing: Backing) -> None:
     """Group commit: units sealed while a write is in flight go out together when they fit in
     one transaction, and in separate ones, each whole, when they do not (128 operations)."""
-    backing.skip_unless_durable()
     store = await backing.leader()
 
     async def two_units(size: int, tag: str) -> None:
@@ -308,12 +304,12 @@ async def test_commits_share_a_transaction_but_are_never_split(backing: Backing)
     assert large_a != large_b
 
 
+@DURABLE
 async def test_a_commit_beyond_one_transaction_goes_in_order_in_several(
     backing: Backing,
 ) -> None:
     """A unit of 130 records where etcd takes 128 a transaction: two transactions, the first
     full, the second the rest, and everything written."""
-    backing.skip_unless_durable()
     store = await backing.leader()
     count = ETCD_DEFAULT_LIMITS.operations + 2
     for index in range(count):
@@ -326,10 +322,10 @@ async def test_a_commit_beyond_one_transaction_goes_in_order_in_several(
     assert second == store.revision
 
 
+@DURABLE
 async def test_a_record_beyond_any_transaction_is_refused_and_undone(backing: Backing) -> None:
     """Nothing of its commit is written and the cache is back where etcd is: changed, new and
     deleted records alike. The store then writes nothing until a reload."""
-    backing.skip_unless_durable()
     store = await backing.leader(WriteLimits(operations=128, size_bytes=4096))
     await store.put_lease(lease("lease-0"))
     await store.put_lease(lease("lease-1"))
@@ -358,8 +354,8 @@ async def test_a_record_beyond_any_transaction_is_refused_and_undone(backing: Ba
     assert set(await etcd_revisions(backing)) == {"lease/lease-0", "lease/lease-1", "lease/lease-9"}
 
 
+@DURABLE
 async def test_a_deposed_leaders_commit_is_refused_and_undone(backing: Backing) -> None:
-    backing.skip_unless_durable()
     first = await backing.leader()
     assert isinstance(first, EtcdStore)
     await first.put_node(node("decode-0"))
@@ -383,8 +379,8 @@ async def test_a_deposed_leaders_commit_is_refused_and_undone(backing: Backing) 
     assert set(await etcd_revisions(backing)) == {"node/decode-0", "node/decode-1"}
 
 
+@DURABLE
 async def test_a_follower_catches_up_from_its_watch(backing: Backing) -> None:
-    backing.skip_unless_durable()
     leader = await backing.leader()
     await leader.put_node(node("decode-0"))
     await leader.put_lease(lease("lease-1"))
