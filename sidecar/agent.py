@@ -44,6 +44,7 @@ from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from sidecar.config import SidecarConfig
 from sidecar.metrics import SidecarMetrics
+from sidecar.readiness import Probe, Readiness
 
 log = structlog.get_logger("kvbroker.sidecar")
 
@@ -122,6 +123,9 @@ class Agent:
         # Set while the current session is live: reports wait for it.
         self._reporting = asyncio.Event()
         self._http = httpx.AsyncClient(timeout=config.health_timeout_s)
+        self._readiness = Readiness(config.unready_after_timeouts)
+        # What the last probe read off the engine's /metrics.
+        self._load = node_pb2.NodeLoad()
 
     # ------------------------------------------------------------ engine side
 
@@ -223,22 +227,29 @@ class Agent:
         )
 
     async def run(self) -> None:
-        """Keeps a session with the registry until cancelled, reconnecting with backoff."""
-        backoff = self.config.backoff_initial_s
+        """Probes the engine and keeps a session with the registry until cancelled."""
         await self._engine_attached.wait()
+        await self._probe_engine()  # the first heartbeat reports what the engine said
+        await until_first_exits(self._probes(), self._sessions())
+
+    async def _sessions(self) -> None:
+        """Keeps a session with the registry, reconnecting with backoff."""
+        backoff = self.config.backoff_initial_s
         while True:
             try:
                 async with open_channel(self.registry) as channel:
                     await self._session(registry_stub(channel))
             except (grpc.aio.AioRpcError, SessionLostError) as error:
+                if self.connected.is_set():
+                    # A session was up: this is a new outage, not more of the last one, and a
+                    # node the registry just declared lost must be back before it is missed.
+                    backoff = self.config.backoff_initial_s
                 self.connected.clear()
                 self.metrics.reconnects.inc()
                 detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
                 log.warning("registry_session_lost", error=detail, retry_in_s=round(backoff, 2))
                 await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, self.config.backoff_max_s)
-                continue
-            backoff = self.config.backoff_initial_s
 
     async def close(self) -> None:
         """Ends the session on purpose: the registry withdraws this node's leases at once
@@ -363,15 +374,16 @@ class Agent:
         raise SessionLostError("the registry closed the command stream")
 
     async def _heartbeats(self, stub: RegistryServiceStub) -> None:
+        """Heartbeats carry the latest probe's word; they never wait on a probe, so a slow
+        engine cannot make its node miss heartbeats and lose its session."""
         while True:
-            self.engine_ready, load = await self._probe_engine()
             try:
                 await stub.Heartbeat(
                     registry_pb2.HeartbeatRequest(
                         node_id=self.config.node_id,
                         incarnation=self.incarnation,
                         engine_ready=self.engine_ready,
-                        load=load,
+                        load=self._load,
                     ),
                     timeout=_RPC_TIMEOUT_S,
                 )
@@ -380,20 +392,31 @@ class Agent:
                 if refusal.reason in _SESSION_LOST:
                     raise SessionLostError(refusal.message or "session lost") from error
                 raise
-            self.metrics.engine_ready.set(1 if self.engine_ready else 0)
             await asyncio.sleep(self._heartbeat_interval_s)
 
     # ------------------------------------------------------------ the engine's HTTP server
 
-    async def _probe_engine(self) -> tuple[bool, node_pb2.NodeLoad]:
-        """vLLM's /health for readiness and /metrics for load; any failure means not ready."""
+    async def _probes(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_interval_s)
+            await self._probe_engine()
+
+    async def _probe_engine(self) -> None:
+        """vLLM's /health for readiness (``Readiness`` decides) and /metrics for load."""
+        self.engine_ready, self._load = await self._probe()
+        self.metrics.engine_ready.set(1 if self.engine_ready else 0)
+
+    async def _probe(self) -> tuple[bool, node_pb2.NodeLoad]:
         base = self.config.engine_url.rstrip("/")
         try:
             health = await self._http.get(f"{base}/health")
+        except httpx.TimeoutException:
+            return self._readiness.observe(Probe.TIMED_OUT), self._load  # the last known load
         except httpx.HTTPError:
-            return False, node_pb2.NodeLoad()
+            return self._readiness.observe(Probe.UNHEALTHY), node_pb2.NodeLoad()
         if health.status_code != 200:
-            return False, node_pb2.NodeLoad()
+            return self._readiness.observe(Probe.UNHEALTHY), node_pb2.NodeLoad()
+        self._readiness.observe(Probe.HEALTHY)
         try:
             metrics = await self._http.get(f"{base}/metrics")
         except httpx.HTTPError:

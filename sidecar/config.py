@@ -23,3 +23,5 @@ class SidecarConfig:
     # again, and one reconnect a second per node is nothing to a registry.
     backoff_max_s: float = 1.0
     health_timeout_s: float = 1.0
+    # Health probes in a row that must time out before the node is reported not ready.
+    unready_after_timeouts: int = 3

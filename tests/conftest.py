@@ -51,6 +51,7 @@ LAYERS = {
     "test_engine_rules": "unit",
     "test_labels": "unit",
     "test_ports": "unit",
+    "test_readiness": "unit",
     "test_registry_unit": "unit",
     "test_retention_policy": "unit",
     "test_retention_mirror": "unit",

@@ -264,6 +264,39 @@ async def test_unhealthy_engine_makes_the_node_not_ready(stack: Stack) -> None:
         assert (await hint(stack.stub, "conv-u")).decision == registry_pb2.HINT_DECISION_REUSE
 
 
+async def test_a_slow_engine_keeps_its_session_and_leaves_routing_only_when_it_stays_slow(
+    stack: Stack,
+) -> None:
+    """/health takes 3 s (the probe gives up after 1 s): heartbeats go on meanwhile, so the
+    session and its lease survive; one timed-out probe keeps the node ready, three in a row
+    take it out, and a prompt answer brings it back."""
+    stack.link.retained(retained_blocks("decode-0", "conv-s", "req-s"))
+    (lease,) = await eventually(lambda: live_leases(stack.stub))
+    stack.engine.health_delay_s = 3.0
+    probes = stack.engine.health_probes
+    await eventually(lambda: _at_least(lambda: stack.engine.health_probes, probes + 2))
+    # The first slow probe has timed out and the second is in flight: still ready.
+    assert await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_READY
+
+    async def not_ready() -> bool:
+        return await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_NOT_READY
+
+    await eventually(not_ready, within=10)
+    stack.engine.health_delay_s = 0.0
+
+    async def ready() -> bool:
+        return await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_READY
+
+    await eventually(ready, within=10)
+    assert [(x.lease_id, x.epoch) for x in await live_leases(stack.stub)] == [
+        (lease.lease_id, lease.epoch)
+    ]
+
+
+async def _at_least(count: Callable[[], int], n: int) -> bool:
+    return count() >= n
+
+
 class ScriptedRegistry(registry_pb2_grpc.RegistryServiceServicer):
     """A registry that records the sidecar's reports, can hold one in flight and can refuse
     the next ones, so the forwarding and replay rules can be watched event by event."""

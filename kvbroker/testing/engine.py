@@ -41,6 +41,9 @@ class FakeEngine:
         # What /health says (503 when not) and /metrics reports as requests running.
         self.healthy = True
         self.running = 0
+        # How long /health takes to answer, and how many times it was asked.
+        self.health_delay_s = 0.0
+        self.health_probes = 0
         self._serving: contextlib.AsyncExitStack | None = None
 
     @property
@@ -116,6 +119,9 @@ class FakeEngine:
         yield b"data: [DONE]\n\n"
 
     async def _health(self, request: Request) -> Response:
+        self.health_probes += 1
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return JSONResponse({}, 200 if self.healthy else 503)
 
     async def _metrics(self, request: Request) -> Response:
