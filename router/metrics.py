@@ -41,6 +41,11 @@ class RouterMetrics:
             "Prefill legs retried on another prefill node because the chosen one was unreachable.",
             registry=self.registry,
         )
+        self.ready_node_waits = Counter(
+            "kvbroker_router_ready_node_waits",
+            "Times a request waited because the registry had no ready node for its model.",
+            registry=self.registry,
+        )
         self.overhead_seconds = Histogram(
             "kvbroker_router_overhead_seconds",
             "Router time before the prefill leg starts (parsing and the routing hint).",

@@ -49,6 +49,8 @@ log = structlog.get_logger("kvbroker.router")
 SESSION_HEADER = "x-session-id"
 # The registry is away (or cannot route for now) on these, unless it said no node is ready.
 _REGISTRY_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# How often a request waiting for a ready node asks the registry again.
+_READY_NODE_POLL_S = 0.1
 
 
 class UpstreamError(Exception):
@@ -107,6 +109,23 @@ class Router:
     # ------------------------------------------------------------ routing
 
     async def plan(self, conversation: str, model: str) -> Plan:
+        """The request's plan. While the registry has no ready node for the model, the request
+        waits up to ``ready_node_wait_s`` for one: a node re-establishing its session after a
+        registry failover, or an engine restarting, is a gap of a second or two that should
+        delay requests, not fail them."""
+        deadline = time.monotonic() + self.config.ready_node_wait_s
+        while True:
+            try:
+                return await self._plan_once(conversation, model)
+            except RegistryCallError as error:
+                if error.reason != registry_pb2.ERROR_REASON_NO_READY_NODE:
+                    raise
+                if time.monotonic() + _READY_NODE_POLL_S > deadline:
+                    raise
+                self.metrics.ready_node_waits.inc()
+            await asyncio.sleep(_READY_NODE_POLL_S)
+
+    async def _plan_once(self, conversation: str, model: str) -> Plan:
         request = registry_pb2.GetRoutingHintRequest(conversation_id=conversation, model=model)
         try:
             # Queued behind a batch in flight, a hint may wait up to one more call.

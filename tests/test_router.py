@@ -142,15 +142,57 @@ async def test_a_dead_prefill_node_is_routed_around(
     assert "kvbroker_router_prefill_failovers_total 4.0" in metrics
 
 
-async def test_no_prefill_node_is_a_clear_503(
+async def test_no_prefill_node_is_a_clear_503_after_the_wait(
     stub: RegistryServiceStub, registry_server: RunningRegistry
 ) -> None:
-    router = Router(RegistryEndpoint.parse(registry_server.address))
+    router = Router(
+        RegistryEndpoint.parse(registry_server.address), RouterConfig(ready_node_wait_s=0.4)
+    )
     port = free_port()
     async with serving(build_app(router), port), httpx.AsyncClient() as client:
         response = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
+        metrics = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
     assert response.status_code == 503
     assert "no ready prefill node" in response.json()["error"]["message"]
+    waits = next(
+        line for line in metrics.splitlines()
+        if line.startswith("kvbroker_router_ready_node_waits_total")
+    )  # fmt: skip
+    assert float(waits.split()[-1]) >= 2
+
+
+async def test_a_request_waits_out_a_gap_with_no_ready_node(
+    stub: RegistryServiceStub, registry_server: RunningRegistry
+) -> None:
+    """No prefill node when the request arrives (say, its session being re-established after
+    a registry failover); one registers 0.5 s later and the request is served by it."""
+    prefill, decode = FakeEngine("prefill-0"), FakeEngine("decode-0")
+    specs = []
+    for engine, role in ((prefill, node_pb2.NODE_ROLE_PREFILL),
+                         (decode, node_pb2.NODE_ROLE_DECODE)):  # fmt: skip
+        spec = node_spec(engine.name, role, port=engine.port)
+        spec.http_base_url = engine.url
+        specs.append(spec)
+    router = Router(
+        RegistryEndpoint.parse(registry_server.address), RouterConfig(ready_node_wait_s=10.0)
+    )
+    port = free_port()
+    async with (
+        Heartbeats(stub, specs[1]),
+        serving(prefill.app(), prefill.port),
+        serving(decode.app(), decode.port),
+        serving(build_app(router), port),
+        httpx.AsyncClient() as client,
+    ):
+        request = asyncio.create_task(
+            client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
+        )
+        await asyncio.sleep(0.5)
+        assert not request.done()
+        async with Heartbeats(stub, specs[0]):
+            response = await request
+    assert response.status_code == 200
+    assert len(prefill.received) == 1
 
 
 async def test_decode_dying_mid_stream_ends_with_an_error_event(fleet: Fleet) -> None:

@@ -33,6 +33,13 @@ def router_run(
         float,
         typer.Option(envvar="KVBROKER_HINT_TIMEOUT", help="Registry deadline per hint, s."),
     ] = RouterConfig.hint_timeout_s,
+    ready_node_wait: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_READY_NODE_WAIT",
+            help="How long a request waits for a ready node before a 503, s (0: no wait).",
+        ),
+    ] = RouterConfig.ready_node_wait_s,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -40,7 +47,9 @@ def router_run(
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
 ) -> None:
     """Serve /v1/chat/completions and /v1/completions, routing turns by the registry."""
-    config = RouterConfig(listen=listen, hint_timeout_s=hint_timeout)
+    config = RouterConfig(
+        listen=listen, hint_timeout_s=hint_timeout, ready_node_wait_s=ready_node_wait
+    )
     try:
         config.host_and_port()
     except ValueError:
