@@ -74,6 +74,13 @@ class NotHolder(RegistryError):
     reason = registry_pb2.ERROR_REASON_NOT_HOLDER
 
 
+class BatchFull(RegistryError):
+    """The batch's answer reached its byte budget before this request was looked at."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = registry_pb2.ERROR_REASON_BATCH_FULL
+
+
 class Unavailable(RegistryError):
     code = grpc.StatusCode.UNAVAILABLE
 

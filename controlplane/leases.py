@@ -34,10 +34,15 @@ from controlplane.outbox import Outbox
 from controlplane.store import Store
 from controlplane.turns import Turns
 from controlplane.validation import Validation, block_count
+from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.common.clock import from_timestamp, stamp_duration, stamp_time
 from kvbroker.common.labels import label
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.v1 import lease_pb2, node_pb2
+
+# A page of leases stops growing past this many bytes (each lease carries its handle's block
+# ids: about 40 KiB for a 128k-token conversation), under gRPC's default 4 MiB receive limit.
+PAGE_BYTES = 3 * 1024 * 1024
 
 ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
 CLAIMED = lease_pb2.LEASE_STATE_CLAIMED
@@ -172,12 +177,14 @@ class Leases:
             leases = await self._current_leases(conversation_id, node_id, page_token)
         else:
             leases = await self._store.list_leases(node_id, conversation_id, after=page_token)
+        page_bytes = 0
         for lease in leases:
             if lease.state not in wanted:
                 continue
-            if len(page) == limit:
+            if len(page) == limit or page_bytes > PAGE_BYTES:
                 return page, page[-1].lease_id
             page.append(self.view(lease))
+            page_bytes += page[-1].ByteSize()
         return page, ""
 
     async def _current_leases(
@@ -210,7 +217,7 @@ class Leases:
         node: node_pb2.Node,
         conversation_id: str,
         handle: lease_pb2.KvHandle,
-        block_hashes: Sequence[bytes],
+        checkpoints: Checkpoints,
         token_count: int,
         ttl: float,
         blocks: int,
@@ -229,7 +236,8 @@ class Leases:
             node_incarnation=node.spec.incarnation,
             epoch=conversation.epoch + 1,
             handle=handle,
-            block_hashes=block_hashes,
+            block_hashes=checkpoints.hashes,
+            block_hash_stride=checkpoints.stride,
             token_count=token_count,
             state=ACTIVE,
         )

@@ -28,7 +28,13 @@ import structlog
 
 from controlplane.config import RegistryConfig
 from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
-from controlplane.errors import InvalidArgument, RegistryError, StoreUnavailable, hint_error
+from controlplane.errors import (
+    BatchFull,
+    InvalidArgument,
+    RegistryError,
+    StoreUnavailable,
+    hint_error,
+)
 from controlplane.hints import Hints
 from controlplane.idle_ttl import IdleTtl
 from controlplane.leases import Leases
@@ -39,12 +45,17 @@ from controlplane.retention import RetentionReports
 from controlplane.store import Store
 from controlplane.turns import Turns
 from controlplane.validation import Validation
+from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.common.clock import MonotonicClock
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
 
 MAX_HINT_BATCH = 1000
+# A batch's answer stops growing past this many bytes, well under gRPC's default 4 MiB receive
+# limit even with one more hint of the largest kind (a handle's block ids for 65,536 blocks and
+# its checkpoints, about 0.4 MiB); the requests left are answered BATCH_FULL, unclaimed.
+HINT_BATCH_BYTES = 3 * 1024 * 1024
 
 
 class _Mutation:
@@ -217,15 +228,17 @@ class Registry:
         block_hashes: Sequence[bytes],
         token_count: int,
         ttl: float | None = None,
+        block_hash_stride: int = 1,
     ) -> lease_pb2.Lease:
         self._validate.id(conversation_id, "conversation_id")
         blocks = self._validate.retention(handle, block_hashes, token_count)
+        checkpoints = Checkpoints.of(block_hashes, block_hash_stride)
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
             self.nodes.require_holder_role(node)
             lease_ttl = self.leases.ttl(ttl, node_id)
             lease = await self.leases.grant(
-                node, conversation_id, handle, block_hashes, token_count, lease_ttl, blocks
+                node, conversation_id, handle, checkpoints, token_count, lease_ttl, blocks
             )
             return self.leases.view(lease)
 
@@ -330,9 +343,14 @@ class Registry:
                 and not r.dry_run
                 and len(r.conversation_id) <= self.config.max_id_length
             )
+        answered_bytes = 0
         async with self._mutation():
             for request in requests:
                 result = response.results.add()
+                if answered_bytes > HINT_BATCH_BYTES:
+                    full = BatchFull(f"the batch's answer passed {HINT_BATCH_BYTES} bytes; retry")
+                    result.error.CopyFrom(hint_error(full))
+                    continue
                 try:
                     if request.conversation_id:
                         self._validate.id(request.conversation_id, "conversation_id")
@@ -341,6 +359,7 @@ class Registry:
                     )
                 except RegistryError as error:
                     result.error.CopyFrom(hint_error(error))  # replaces a half-made hint
+                answered_bytes += result.ByteSize()
         return response
 
     # ----------------------------------------------------------------- deadlines

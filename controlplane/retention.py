@@ -26,6 +26,7 @@ from controlplane.nodes import NodeSessions
 from controlplane.outbox import Outbox
 from controlplane.store import Store
 from controlplane.validation import Validation
+from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -127,7 +128,7 @@ class RetentionReports:
                 node,
                 retained.conversation_id,
                 retained.handle,
-                retained.block_hashes,
+                Checkpoints.of(retained.block_hashes, retained.block_hash_stride),
                 retained.token_count,
                 ttl,
                 blocks,
@@ -179,9 +180,11 @@ class RetentionReports:
                 node_id=node.spec.node_id,
                 epoch=retained.epoch,
                 handle=retained.handle,
-                block_hashes=retained.block_hashes,
                 token_count=retained.token_count,
             )
+            checkpoints = Checkpoints.of(retained.block_hashes, retained.block_hash_stride)
+            lease.block_hashes.extend(checkpoints.hashes)
+            lease.block_hash_stride = checkpoints.stride
             stamp_time(lease.grant_time, self._now())
         await self._leases.revive(lease, node.spec.incarnation, ttl, blocks, conversation)
         self._log.debug(

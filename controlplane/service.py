@@ -238,6 +238,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             request.block_hashes,
             request.token_count,
             _ttl(request),
+            request.block_hash_stride,
         )
         return registry_pb2.GrantLeaseResponse(lease=lease)
 

@@ -60,6 +60,7 @@ from engine_ext.vllm_compat import (
     local_hit_blocks_in_use,
 )
 from kvbroker.common import handles
+from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.common.clock import to_duration
 from kvbroker.common.engine_link import EngineLink, LeaseAnswer
 from kvbroker.common.retention_deadline import (
@@ -309,7 +310,7 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, params: dict[str, Any], num_computed_tokens: int
     ) -> RemoteOffer:
         """What the handle offers this prompt: its prefix as far as the block hashes verify."""
-        remote_hashes = handles.hashes_from_params(params)
+        remote_hashes = handles.checkpoints_from_params(params)
         carries_lease = bool(
             params.get(handles.LEASE_ID_KEY)
             and params.get(handles.EPOCH_KEY) is not None
@@ -383,12 +384,16 @@ class NixlConnector(NixlPullConnector):
             last_active=now,
             ttl_s=self.settings.hard_cap_s,
         )
+        checkpoints = Checkpoints.of(
+            prefix_hashes(request.all_token_ids, self._block_size, num_tokens)
+        )
         # No time_to_live: the lease's lifetime is the registry's idle TTL, not the hard cap.
         self.link.retained(
             registry_pb2.RetainedBlocks(
                 conversation_id=session,
                 handle=handles.handle_from_params(out),
-                block_hashes=prefix_hashes(request.all_token_ids, self._block_size, num_tokens),
+                block_hashes=checkpoints.hashes,
+                block_hash_stride=checkpoints.stride,
                 token_count=num_tokens,
             )
         )

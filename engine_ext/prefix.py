@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from kvbroker.common.checkpoints import Checkpoints, checkpoint_blocks
+
 HASH_BYTES = 16
 
 
@@ -29,17 +31,19 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, num_tokens: int) -> li
 
 
 def verified_prefix_tokens(
-    remote_hashes: Sequence[bytes],
+    remote: Checkpoints,
     prompt: Sequence[int],
     block_size: int,
     remote_num_tokens: int,
 ) -> int:
-    """How many leading tokens of the remote KV equal the prompt's: up to the first block
-    whose hash differs (whole blocks; a partial last block counts only if it matches)."""
+    """How many leading tokens of the remote KV equal the prompt's: through the last
+    checkpoint whose hash is the prompt's (hashes chain, so every block before it matches
+    too); a partial last block counts only if it matches."""
     local = prefix_hashes(prompt, block_size, min(remote_num_tokens, len(prompt)))
+    positions = checkpoint_blocks(-(-remote_num_tokens // block_size), remote.stride)
     matched = 0
-    for theirs, ours in zip(remote_hashes, local, strict=False):
-        if theirs != ours:
+    for position, theirs in zip(positions, remote.hashes, strict=False):
+        if position >= len(local) or local[position] != theirs:
             break
-        matched += 1
+        matched = position + 1
     return min(matched * block_size, remote_num_tokens, len(prompt))

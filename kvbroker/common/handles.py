@@ -1,20 +1,23 @@
 """The reuse handle in the two shapes it travels in: kvbroker's ``KvHandle`` proto, and the
 ``kv_transfer_params`` dict that vLLM's NIXL connector reads and writes.
 
-kvbroker adds three keys of its own to the dict a prefill node receives, which its connector
-uses to fence and verify the read: the lease id, its epoch, and the block hashes (hex).
+kvbroker adds four keys of its own to the dict a prefill node receives, which its connector
+uses to fence and verify the read: the lease id, its epoch, and the prefix hashes (hex) at
+checkpoints with their stride (``kvbroker.common.checkpoints``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
+from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.v1 import lease_pb2
 
 LEASE_ID_KEY = "kvbroker_lease_id"
 EPOCH_KEY = "kvbroker_epoch"
 BLOCK_HASHES_KEY = "kvbroker_block_hashes"
+HASH_STRIDE_KEY = "kvbroker_hash_stride"
 # vLLM's keys that describe the decode node's retained blocks.
 HANDLE_KEYS = (
     "remote_engine_id",
@@ -30,6 +33,7 @@ HANDLE_KEYS = (
     LEASE_ID_KEY,
     EPOCH_KEY,
     BLOCK_HASHES_KEY,
+    HASH_STRIDE_KEY,
 )
 
 
@@ -72,6 +76,7 @@ def prefill_params(lease: lease_pb2.Lease | None) -> dict[str, Any]:
     params[LEASE_ID_KEY] = lease.lease_id
     params[EPOCH_KEY] = lease.epoch
     params[BLOCK_HASHES_KEY] = [h.hex() for h in lease.block_hashes]
+    params[HASH_STRIDE_KEY] = lease.block_hash_stride or 1
     return params
 
 
@@ -81,11 +86,12 @@ def strip_handle(params: dict[str, Any]) -> None:
         params.pop(key, None)
 
 
-def hashes_from_params(params: Mapping[str, Any]) -> Sequence[bytes] | None:
-    raw = params.get(BLOCK_HASHES_KEY)
-    if not isinstance(raw, list):
+def checkpoints_from_params(params: Mapping[str, Any]) -> Checkpoints | None:
+    """The prefix hashes a prefill leg carries, or None when absent or malformed."""
+    raw, stride = params.get(BLOCK_HASHES_KEY), params.get(HASH_STRIDE_KEY, 1)
+    if not isinstance(raw, list) or not isinstance(stride, int) or stride < 1:
         return None
     try:
-        return [bytes.fromhex(h) for h in raw]
+        return Checkpoints([bytes.fromhex(h) for h in raw], stride)
     except (TypeError, ValueError):
         return None

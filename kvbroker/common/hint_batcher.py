@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 
 from kvbroker.common.batcher import Batcher
-from kvbroker.common.grpc_client import from_grpc_error
+from kvbroker.common.grpc_client import RegistryCallError, from_grpc_error
 from kvbroker.v1 import registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 
@@ -23,7 +23,13 @@ class HintBatcher:
     async def hint(self, request: registry_pb2.GetRoutingHintRequest) -> registry_pb2.RoutingHint:
         """The hint for one request; raises ``RegistryCallError`` (an ``AioRpcError`` with a
         reason) as GetRoutingHint would."""
-        return await self._batches.submit(request)
+        while True:
+            try:
+                return await self._batches.submit(request)
+            except RegistryCallError as error:
+                if error.reason != registry_pb2.ERROR_REASON_BATCH_FULL:
+                    raise
+            # The batch's answer was full before this request was looked at: the next batch.
 
     async def _send(
         self, requests: list[registry_pb2.GetRoutingHintRequest]

@@ -41,6 +41,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_NO_READY_NODE: _ClassVar[ErrorReason]
     ERROR_REASON_NO_LEADER: _ClassVar[ErrorReason]
     ERROR_REASON_STORE_UNAVAILABLE: _ClassVar[ErrorReason]
+    ERROR_REASON_BATCH_FULL: _ClassVar[ErrorReason]
 HINT_DECISION_UNSPECIFIED: HintDecision
 HINT_DECISION_REUSE: HintDecision
 HINT_DECISION_RECOMPUTE: HintDecision
@@ -62,6 +63,7 @@ ERROR_REASON_NOT_HOLDER: ErrorReason
 ERROR_REASON_NO_READY_NODE: ErrorReason
 ERROR_REASON_NO_LEADER: ErrorReason
 ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
+ERROR_REASON_BATCH_FULL: ErrorReason
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("spec",)
@@ -150,7 +152,7 @@ class DrainNodeResponse(_message.Message):
     def __init__(self, node: _Optional[_Union[_node_pb2.Node, _Mapping]] = ...) -> None: ...
 
 class GrantLeaseRequest(_message.Message):
-    __slots__ = ("conversation_id", "node_id", "node_incarnation", "handle", "block_hashes", "token_count", "time_to_live")
+    __slots__ = ("conversation_id", "node_id", "node_incarnation", "handle", "block_hashes", "token_count", "time_to_live", "block_hash_stride")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,7 @@ class GrantLeaseRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_STRIDE_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     node_id: str
     node_incarnation: str
@@ -165,7 +168,8 @@ class GrantLeaseRequest(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     token_count: int
     time_to_live: _duration_pb2.Duration
-    def __init__(self, conversation_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_incarnation: _Optional[str] = ..., handle: _Optional[_Union[_lease_pb2.KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    block_hash_stride: int
+    def __init__(self, conversation_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_incarnation: _Optional[str] = ..., handle: _Optional[_Union[_lease_pb2.KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., block_hash_stride: _Optional[int] = ...) -> None: ...
 
 class GrantLeaseResponse(_message.Message):
     __slots__ = ("lease",)
@@ -258,7 +262,7 @@ class ListLeasesResponse(_message.Message):
     def __init__(self, leases: _Optional[_Iterable[_Union[_lease_pb2.Lease, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class RetainedBlocks(_message.Message):
-    __slots__ = ("conversation_id", "handle", "block_hashes", "token_count", "lease_id", "epoch", "time_to_live")
+    __slots__ = ("conversation_id", "handle", "block_hashes", "token_count", "lease_id", "epoch", "time_to_live", "block_hash_stride")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +270,7 @@ class RetainedBlocks(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_STRIDE_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     handle: _lease_pb2.KvHandle
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -273,7 +278,8 @@ class RetainedBlocks(_message.Message):
     lease_id: str
     epoch: int
     time_to_live: _duration_pb2.Duration
-    def __init__(self, conversation_id: _Optional[str] = ..., handle: _Optional[_Union[_lease_pb2.KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    block_hash_stride: int
+    def __init__(self, conversation_id: _Optional[str] = ..., handle: _Optional[_Union[_lease_pb2.KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., block_hash_stride: _Optional[int] = ...) -> None: ...
 
 class ReleasedBlocks(_message.Message):
     __slots__ = ("remote_request_id", "reason", "cause")

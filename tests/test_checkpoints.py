@@ -1,0 +1,66 @@
+"""Prefix hashes at checkpoints (``kvbroker.common.checkpoints``): what a hint carries stays
+small at any context length, and the prefix check on them is sound (never more than the
+tokens that really match) and loses at most one stride of blocks."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
+from kvbroker.common.checkpoints import MAX_CHECKPOINTS, Checkpoints, checkpoint_blocks, thin
+
+BLOCK = 16
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [(7 * i + 3 + seed) % 4000 + 5 for i in range(n)]
+
+
+def test_a_128k_token_conversation_keeps_256_hashes() -> None:
+    full = prefix_hashes(tokens(131_072), BLOCK, 131_072)
+    kept = Checkpoints.of(full)
+    assert len(full) == 8192
+    assert kept.stride == 32 and len(kept.hashes) == MAX_CHECKPOINTS  # 31, 63, …, 8191
+    assert kept.hashes == [full[p] for p in checkpoint_blocks(8192, 32)]
+    assert sum(map(len, kept.hashes)) <= 4200  # bytes, against 128 KiB for every block
+
+
+def test_short_conversations_keep_every_hash() -> None:
+    full = prefix_hashes(tokens(4000), BLOCK, 4000)
+    assert Checkpoints.of(full) == Checkpoints(full, 1)
+
+
+@given(st.integers(1, 20_000))
+def test_thinning_keeps_the_checkpoint_blocks_and_is_idempotent(block_count: int) -> None:
+    full = [i.to_bytes(4, "little") for i in range(block_count)]
+    hashes, stride = thin(full, 1)
+    assert len(hashes) <= MAX_CHECKPOINTS + 1
+    assert hashes == [full[p] for p in checkpoint_blocks(block_count, stride)]
+    assert thin(hashes, stride) == (hashes, stride)  # a registry thinning again changes nothing
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    remote_tokens=st.integers(1, 9000),
+    common=st.integers(0, 9000),
+    extra=st.integers(0, 200),
+)
+def test_the_prefix_check_is_sound_and_loses_at_most_one_stride(
+    remote_tokens: int, common: int, extra: int
+) -> None:
+    """D retained ``remote_tokens``; the prompt equals them for ``common`` tokens, then
+    differs, and runs ``extra`` tokens past them."""
+    common = min(common, remote_tokens)
+    retained = tokens(remote_tokens)
+    prompt = retained[:common] + tokens(remote_tokens - common + extra, seed=1)
+    kept = Checkpoints.of(prefix_hashes(retained, BLOCK, remote_tokens))
+    verified = verified_prefix_tokens(kept, prompt, BLOCK, remote_tokens)
+    exact = verified_prefix_tokens(
+        Checkpoints(prefix_hashes(retained, BLOCK, remote_tokens), 1), prompt, BLOCK, remote_tokens
+    )
+    matching = common if common < remote_tokens else remote_tokens
+    assert verified <= exact <= matching
+    assert exact - verified <= kept.stride * BLOCK
+    if common == remote_tokens:
+        assert verified == remote_tokens  # the conversation went on: everything is reused
