@@ -74,6 +74,16 @@ class NotHolder(RegistryError):
     reason = registry_pb2.ERROR_REASON_NOT_HOLDER
 
 
+class Unauthenticated(RegistryError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = registry_pb2.ERROR_REASON_UNAUTHENTICATED
+
+
+class PermissionDenied(RegistryError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = registry_pb2.ERROR_REASON_PERMISSION_DENIED
+
+
 class BatchFull(RegistryError):
     """The batch's answer reached its byte budget before this request was looked at."""
 

@@ -9,6 +9,7 @@ lost. One queue per node incarnation buffers commands while no sidecar is watchi
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,12 +18,18 @@ from kvbroker.common.clock import to_duration
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 
-@dataclass
+@dataclass(eq=False)
 class CommandQueue:
-    """Commands for one node incarnation, kept while no sidecar is watching."""
+    """Commands for one node incarnation, kept while no sidecar is watching, and the one
+    watcher they go to: the latest. Two streams for one node would otherwise split its
+    commands between them, each seeing half of its deadlines."""
 
     incarnation: str
-    pending: asyncio.Queue[registry_pb2.LeaseCommand] = field(default_factory=asyncio.Queue)
+    pending: deque[registry_pb2.LeaseCommand] = field(default_factory=deque)
+    # Set when a command arrives, a newer watcher takes over, or the queue is replaced.
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # Which watch the commands go to (each new watch takes the next number).
+    watcher: int = 0
 
 
 Unsent = list[tuple[CommandQueue, registry_pb2.LeaseCommand]]
@@ -38,7 +45,10 @@ class Outbox:
 
     def open(self, node_id: str, incarnation: str) -> None:
         """A fresh queue for a node's new incarnation; its old one's watcher ends."""
+        old = self._queues.get(node_id)
         self._queues[node_id] = CommandQueue(incarnation)
+        if old is not None:
+            old.wake.set()
 
     def send(self, lease: lease_pb2.Lease, ttl: float, reason: str) -> None:
         """Queues a command for the lease's holder, if it is still the incarnation that holds
@@ -75,25 +85,36 @@ class Outbox:
     def deliver(self, unsent: Unsent) -> None:
         """Hands committed commands to their queues; a full queue drops its oldest."""
         for queue, command in unsent:
-            if queue.pending.qsize() >= self._max_pending:
-                queue.pending.get_nowait()
+            if len(queue.pending) >= self._max_pending:
+                queue.pending.popleft()
                 self._metrics.commands_dropped.inc()
-            queue.pending.put_nowait(command)
+            queue.pending.append(command)
+            queue.wake.set()
 
     async def watch(
         self, node_id: str, incarnation: str
     ) -> AsyncIterator[registry_pb2.LeaseCommand]:
-        """A node's commands until a new incarnation takes over or the outbox closes."""
+        """A node's commands until a newer watch or a new incarnation takes over, or the
+        outbox closes."""
         queue = self._queues.setdefault(node_id, CommandQueue(incarnation))
+        queue.watcher += 1
+        me = queue.watcher
+        queue.wake.set()  # an older watcher wakes and finds itself replaced
+
+        def current() -> bool:
+            return queue.watcher == me and queue is self._queues.get(node_id)
+
         while True:
-            command = await queue.pending.get()
-            if queue is not self._queues.get(node_id):
-                return  # a new incarnation took over, or this registry stopped leading
-            yield command
+            while not queue.pending and current():
+                queue.wake.clear()
+                await queue.wake.wait()
+            if not current():
+                return
+            yield queue.pending.popleft()
 
     def close(self) -> None:
         """Ends every command stream: their sidecars reconnect to whichever replica leads
         next."""
         queues, self._queues = list(self._queues.values()), {}
         for queue in queues:
-            queue.pending.put_nowait(registry_pb2.LeaseCommand())
+            queue.wake.set()

@@ -40,8 +40,10 @@ class ReplicaOptions:
     # The leader key's etcd lease: a dead leader is replaced within about this long. etcd
     # raises TTLs below its own minimum (2 s with default timing).
     election_ttl_s: int = 2
-    # Replicas forward with the same bearer token clients present.
-    token: str | None = None
+    # How replicas reach each other: the credentials a forwarded call carries (the shared
+    # token, or a certificate whose common name is "replica") and the CA that signs their
+    # server certificates. Its address is ignored.
+    peers: RegistryEndpoint | None = None
 
 
 class Replica:
@@ -173,8 +175,7 @@ class Replica:
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
         if address is not None and address != self.options.advertise:
-            self._leader_channel = open_channel(
-                RegistryEndpoint.parse(address, token=self.options.token)
-            )
+            peers = self.options.peers or RegistryEndpoint([address])
+            self._leader_channel = open_channel(peers.at(address))
             self._leader_stub = registry_stub(self._leader_channel)
             log.info("registry_following", leader=address)

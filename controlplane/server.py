@@ -4,14 +4,11 @@ Prometheus endpoint; standalone on the memory store, or one replica of several o
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import signal
 import sys
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import grpc
 import structlog
@@ -21,27 +18,30 @@ from prometheus_client import start_http_server
 
 from controlplane.config import RegistryConfig
 from controlplane.etcd_store import MAX_BLOCK_HASHES, EtcdEndpoints, EtcdStore
+from controlplane.identity import Credentials
 from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
 from controlplane.replica import Replica, ReplicaOptions
 from controlplane.service import Leadership, RegistryServicer, Standalone
 from controlplane.store import MemoryStore
-from kvbroker.common.grpc_client import AUTH_METADATA_KEY
+from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger("kvbroker.registry")
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
-# Probes and discovery work without a token, as load balancers and grpcurl expect.
-_OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 @dataclass(frozen=True)
 class TlsFiles:
     cert: Path
     key: Path
-    # When set, clients must present a certificate signed by this CA (mTLS).
+    # When set, clients must present a certificate signed by this CA (mTLS), and its common
+    # name says who they are (controlplane/identity.py).
     client_ca: Path | None = None
+    # The CA that signs the replicas' server certificates, for replicas that forward to each
+    # other over TLS (default: client_ca).
+    peer_ca: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class ServerOptions:
     listen: str = "127.0.0.1:7070"
     metrics_listen: str | None = None
     token: str | None = None
+    # Per-role and per-node credentials (controlplane/identity.py).
+    credentials_file: Path | None = None
     tls: TlsFiles | None = None
     config: RegistryConfig = field(default_factory=RegistryConfig)
     # "memory", or etcd://HOST:PORT[,HOST:PORT...] for replicas that share state.
@@ -57,35 +59,6 @@ class ServerOptions:
     advertise: str | None = None
     election_ttl_s: int = 2
     etcd_prefix: str = "/kvbroker"
-
-
-class _BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        if details.method.startswith(_OPEN_METHOD_PREFIXES):
-            return await continuation(details)
-        presented = dict(details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
-        if hmac.compare_digest(str(presented).encode(), self._expected):
-            return await continuation(details)
-        return _deny(details.method)
-
-
-def _deny(method: str) -> grpc.RpcMethodHandler:
-    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing or wrong bearer token (pass --token or KVBROKER_TOKEN)",
-        )
-
-    if method.endswith("/WatchLeaseCommands"):
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
 
 
 @dataclass
@@ -124,14 +97,33 @@ def _bind(server: grpc.aio.Server, listen: str, tls: TlsFiles | None) -> int:
     return int(server.add_secure_port(listen, credentials))
 
 
+def _peers(options: ServerOptions) -> RegistryEndpoint:
+    """How this replica reaches its leader: the shared token if there is one, and over TLS its
+    own certificate as client certificate (issue replica certificates with the common name
+    "replica" and the replicas' host names as subject alternative names)."""
+    tls = options.tls
+    if tls is None:
+        return RegistryEndpoint(["peers"], options.token)
+    peer_ca = tls.peer_ca or tls.client_ca
+    if peer_ca is None:
+        raise ValueError(
+            "replicas over TLS verify each other: pass --tls-client-ca (mTLS) or --tls-peer-ca"
+        )
+    return RegistryEndpoint(["peers"], options.token, peer_ca, tls.cert, tls.key)
+
+
 async def start_registry(options: ServerOptions) -> RunningRegistry:
     metrics = RegistryMetrics()
     etcd = EtcdEndpoints.parse(options.store) if options.store != "memory" else None
-    if etcd is not None and options.tls is not None:
-        # Followers forward to the leader over plaintext gRPC; no peer TLS yet.
-        raise ValueError("TLS is not supported together with etcd replicas yet")
-    interceptors = [_BearerTokenAuth(options.token)] if options.token else []
-    server = grpc.aio.server(interceptors=interceptors)
+    credentials = Credentials.load(
+        options.token,
+        options.credentials_file,
+        client_certificates=options.tls is not None and options.tls.client_ca is not None,
+    )
+    peers = _peers(options) if etcd is not None else None
+    # Health and reflection need no credential, as load balancers and grpcurl expect; the
+    # registry's own methods authenticate and authorize every call (RegistryServicer).
+    server = grpc.aio.server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -161,13 +153,15 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         )
         replica = Replica(
             EtcdStore(etcd, options.etcd_prefix),
-            ReplicaOptions(options.advertise or address, options.election_ttl_s, options.token),
+            ReplicaOptions(options.advertise or address, options.election_ttl_s, peers),
             config,
             metrics,
         )
         replica_task = asyncio.create_task(replica.run(), name="kvbroker-replica")
         leadership = replica
-    registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(leadership), server)
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(
+        RegistryServicer(leadership, credentials), server
+    )
     metrics_address = None
     if options.metrics_listen is not None:
         metrics_host, _, metrics_port = options.metrics_listen.rpartition(":")

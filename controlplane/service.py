@@ -20,6 +20,7 @@ import grpc
 import structlog
 
 from controlplane.errors import NoLeader, RegistryError, hint_error, status_metadata
+from controlplane.identity import Credentials, Principal, authorize, sees_incarnation
 from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
 from kvbroker.common.clock import from_duration, to_duration
@@ -99,10 +100,17 @@ def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
         self: RegistryServicer, request: Req, context: grpc.aio.ServicerContext
     ) -> Resp:
         try:
+            # Authorized here, where the call entered: a forwarded call reaches the leader
+            # with this replica's credential.
+            principal = self.credentials.principal(context)
+            authorize(principal, method, request)
             registry = self.leadership.registry
             if registry is not None:
-                return await handler(self, registry, request, context)
-            return await self._forward(method, request, context)  # type: ignore[no-any-return]
+                response = await handler(self, registry, request, context)
+            else:
+                response = await self._forward(method, request, context)
+            _hide_incarnations(principal, response)
+            return response
         except (RegistryError, grpc.aio.AioRpcError) as error:
             await _abort(context, error)
             raise  # unreachable: abort raises
@@ -110,13 +118,25 @@ def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
     return wrapped
 
 
+def _hide_incarnations(principal: Principal, response: Any) -> None:
+    """Clears the incarnations of nodes other than the caller's own in a node read: an
+    incarnation is what a node's calls carry to prove their session."""
+    nodes = response.nodes if isinstance(response, registry_pb2.ListNodesResponse) else []
+    if isinstance(response, registry_pb2.GetNodeResponse):
+        nodes = [response.node]
+    for node in nodes:
+        if not sees_incarnation(principal, node.spec.node_id):
+            node.spec.ClearField("incarnation")
+
+
 def _ttl(message: Any) -> float | None:
     return from_duration(message.time_to_live) if message.HasField("time_to_live") else None
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    def __init__(self, leadership: Leadership) -> None:
+    def __init__(self, leadership: Leadership, credentials: Credentials | None = None) -> None:
         self.leadership = leadership
+        self.credentials = credentials or Credentials()
 
     async def _forward(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
         stub = self.leadership.leader_stub()
@@ -316,6 +336,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self, request: registry_pb2.WatchLeaseCommandsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[registry_pb2.WatchLeaseCommandsResponse]:
         try:
+            authorize(self.credentials.principal(context), "WatchLeaseCommands", request)
             registry = self.leadership.registry
             if registry is not None:
                 async for command in registry.watch_commands(request.node_id, request.incarnation):

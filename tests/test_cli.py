@@ -106,7 +106,7 @@ async def test_registry_serve_refuses_bad_store_settings(tmp_path) -> None:  # t
         "registry", "serve", "--listen", "127.0.0.1:0", "--store", "etcd://127.0.0.1:1",
         "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "c.pem"),
     )  # fmt: skip
-    assert tls.code == 2 and "TLS is not supported together with etcd replicas" in tls.stderr
+    assert tls.code == 2 and "replicas over TLS verify each other" in tls.stderr
 
 
 async def test_environment_configures_the_cli(registry_process: RegistryProcess) -> None:

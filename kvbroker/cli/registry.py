@@ -37,7 +37,26 @@ def registry_serve(
     tls_key: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_KEY")] = None,
     tls_client_ca: Annotated[
         Path | None,
-        typer.Option(envvar="KVBROKER_TLS_CLIENT_CA", help="Require client certs (mTLS)."),
+        typer.Option(
+            envvar="KVBROKER_TLS_CLIENT_CA",
+            help="Require client certs signed by this CA (mTLS); their common name is the "
+            "caller's role: admin, replica, router or node:NODE_ID.",
+        ),
+    ] = None,
+    tls_peer_ca: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_TLS_PEER_CA",
+            help="CA of the replicas' server certificates (default: --tls-client-ca).",
+        ),
+    ] = None,
+    credentials: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_CREDENTIALS",
+            help="Per-role and per-node tokens: lines 'ROLE[:NODE_ID] SHA256_HEX' "
+            "(see 'kvbroker registry credential').",
+        ),
     ] = None,
     lease_ttl: Annotated[
         float,
@@ -142,9 +161,18 @@ def registry_serve(
     if election_ttl < 1:
         fail("--election-ttl must be at least 1 second", 2)
     apply_logging_flags(log_level, log_format)
-    tls = TlsFiles(tls_cert, tls_key, tls_client_ca) if tls_cert and tls_key else None
+    tls = TlsFiles(tls_cert, tls_key, tls_client_ca, tls_peer_ca) if tls_cert and tls_key else None
     options = ServerOptions(
-        listen, metrics_listen, token, tls, config, store, advertise, election_ttl, etcd_prefix
+        listen=listen,
+        metrics_listen=metrics_listen,
+        token=token,
+        credentials_file=credentials,
+        tls=tls,
+        config=config,
+        store=store,
+        advertise=advertise,
+        election_ttl_s=election_ttl,
+        etcd_prefix=etcd_prefix,
     )
     try:
         # uvloop: the registry's time is mostly event loop and gRPC per-call work, and uvloop
@@ -154,3 +182,24 @@ def registry_serve(
         fail(f"cannot serve on {listen}: {error}")
     except ValueError as error:
         fail(str(error), 2)
+
+
+@registry_app.command("credential")
+def registry_credential(
+    who: Annotated[
+        str, typer.Argument(help="The holder's role: admin, replica, router or node:NODE_ID.")
+    ],
+) -> None:
+    """Print a fresh token (give it to its holder) and the line for --credentials (which
+    holds only the token's SHA-256)."""
+    import secrets
+
+    from controlplane.identity import Principal, token_digest
+
+    try:
+        Principal.parse(who)
+    except ValueError as error:
+        fail(str(error), 2)
+    token = secrets.token_urlsafe(32)
+    typer.echo(f"token: {token}")
+    typer.echo(f"line:  {who} {token_digest(token)}")

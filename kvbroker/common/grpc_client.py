@@ -33,10 +33,19 @@ class RegistryEndpoint:
     addresses: Sequence[str]
     token: str | None = None
     tls_ca: Path | None = None
+    # A client certificate and its key, for a registry that requires one (mTLS): its common
+    # name says who the caller is (see controlplane/identity.py).
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     @classmethod
     def parse(
-        cls, spec: str, token: str | None = None, tls_ca: Path | None = None
+        cls,
+        spec: str,
+        token: str | None = None,
+        tls_ca: Path | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
     ) -> RegistryEndpoint:
         """``HOST:PORT[,HOST:PORT...]``; raises ValueError with a sentence on bad input."""
         addresses = [a.strip() for a in spec.split(",") if a.strip()]
@@ -46,7 +55,15 @@ class RegistryEndpoint:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"registry address {address!r} is not HOST:PORT")
-        return cls(addresses=addresses, token=token or None, tls_ca=tls_ca)
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("a client certificate and its key go together")
+        if tls_cert is not None and tls_ca is None:
+            raise ValueError("a client certificate needs the registry's CA (--tls-ca) too")
+        return cls(addresses, token or None, tls_ca, tls_cert, tls_key)
+
+    def at(self, address: str) -> RegistryEndpoint:
+        """The same credentials, for another address (a replica forwarding to its leader)."""
+        return RegistryEndpoint([address], self.token, self.tls_ca, self.tls_cert, self.tls_key)
 
     @property
     def target(self) -> str:
@@ -86,7 +103,11 @@ def open_channel(endpoint: RegistryEndpoint) -> grpc.aio.Channel:
     ]
     interceptors = [_BearerTokenInterceptor(endpoint.token)] if endpoint.token else None
     if endpoint.tls_ca is not None:
-        creds = grpc.ssl_channel_credentials(root_certificates=endpoint.tls_ca.read_bytes())
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=endpoint.tls_ca.read_bytes(),
+            private_key=endpoint.tls_key.read_bytes() if endpoint.tls_key else None,
+            certificate_chain=endpoint.tls_cert.read_bytes() if endpoint.tls_cert else None,
+        )
         return grpc.aio.secure_channel(
             endpoint.target, creds, options=options, interceptors=interceptors
         )

@@ -42,6 +42,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_NO_LEADER: _ClassVar[ErrorReason]
     ERROR_REASON_STORE_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_BATCH_FULL: _ClassVar[ErrorReason]
+    ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
+    ERROR_REASON_PERMISSION_DENIED: _ClassVar[ErrorReason]
 HINT_DECISION_UNSPECIFIED: HintDecision
 HINT_DECISION_REUSE: HintDecision
 HINT_DECISION_RECOMPUTE: HintDecision
@@ -64,6 +66,8 @@ ERROR_REASON_NO_READY_NODE: ErrorReason
 ERROR_REASON_NO_LEADER: ErrorReason
 ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
 ERROR_REASON_BATCH_FULL: ErrorReason
+ERROR_REASON_UNAUTHENTICATED: ErrorReason
+ERROR_REASON_PERMISSION_DENIED: ErrorReason
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("spec",)

@@ -1,0 +1,188 @@
+"""Who is calling, and what they may do: the registry's trust model in one place.
+
+Every caller is a ``Principal`` with a role. An operator (``admin``) may do anything; so may
+another registry replica forwarding a call it received (``replica``), because the replica
+that received it has already authorized it. A router (``router``) asks for hints, reads, and
+renews or revokes leases on its clients' behalf. A node (``node``, with its node id) speaks
+only for itself: it registers, heartbeats, reports retention, watches commands and releases
+leases as that node id and no other, and reads what the lease check before a read needs.
+
+Credentials:
+
+- a shared token (``--token``): its holder is ``admin``, as before per-role credentials;
+- a credentials file (``--credentials``): one line per credential, ``ROLE[:NODE_ID]
+  SHA256_HEX`` (the token's SHA-256, so the file holds no secret); ``kvbroker registry
+  credential`` prints a fresh token and its line;
+- a client certificate, when the registry requires one (mTLS): its common name is
+  ``admin``, ``replica``, ``router`` or ``node:NODE_ID``.
+
+With none configured the registry is open (loopback development); then every caller is
+``admin``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from controlplane.errors import PermissionDenied, Unauthenticated
+from kvbroker.common.grpc_client import AUTH_METADATA_KEY
+
+
+class Role(enum.Enum):
+    ADMIN = "admin"
+    REPLICA = "replica"
+    ROUTER = "router"
+    NODE = "node"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    role: Role
+    # For a node: the node id it speaks for.
+    node_id: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> Principal:
+        """``admin``, ``replica``, ``router`` or ``node:NODE_ID``; ValueError otherwise."""
+        role, _, node_id = text.partition(":")
+        try:
+            parsed = Role(role)
+        except ValueError:
+            raise ValueError(f"unknown role {role!r} in {text!r}") from None
+        if (parsed is Role.NODE) != bool(node_id):
+            raise ValueError(f"{text!r}: a node credential names its node (node:ID), no other")
+        return cls(parsed, node_id)
+
+    @property
+    def trusted(self) -> bool:
+        """May do anything (an operator, or a replica relaying an authorized call)."""
+        return self.role in (Role.ADMIN, Role.REPLICA)
+
+
+OPEN = Principal(Role.ADMIN)
+
+# What a router may call: hints, reads, and the session calls it makes for its clients.
+_ROUTER_METHODS = frozenset(
+    {
+        "GetRoutingHint",
+        "BatchGetRoutingHints",
+        "GetNode",
+        "ListNodes",
+        "GetLease",
+        "ListLeases",
+        "GetConversation",
+        "RenewLease",
+        "RevokeLease",
+    }
+)
+# What a node may call, and where each request names the node it acts as (None: a read that
+# names no node, such as the lease check before a read).
+_NODE_METHODS: Mapping[str, Callable[[Any], str] | None] = {
+    "RegisterNode": lambda r: str(r.spec.node_id),
+    "Heartbeat": lambda r: str(r.node_id),
+    "DeregisterNode": lambda r: str(r.node_id),
+    "ReportRetention": lambda r: str(r.node_id),
+    "WatchLeaseCommands": lambda r: str(r.node_id),
+    "GrantLease": lambda r: str(r.node_id),
+    "ReleaseLease": lambda r: str(r.node_id),
+    "GetLease": None,
+    "GetNode": None,
+    "ListNodes": None,
+}
+
+
+def authorize(principal: Principal, method: str, request: Any) -> None:
+    """The rule: raises ``PermissionDenied`` unless ``principal`` may make this call."""
+    if principal.trusted:
+        return
+    if principal.role is Role.ROUTER and method in _ROUTER_METHODS:
+        return
+    if principal.role is Role.NODE and method in _NODE_METHODS:
+        acting_as = _NODE_METHODS[method]
+        if acting_as is None or acting_as(request) == principal.node_id:
+            return
+        raise PermissionDenied(
+            f"node {principal.node_id!r} may not call {method} as node {acting_as(request)!r}"
+        )
+    raise PermissionDenied(f"a {principal.role.value} credential may not call {method}")
+
+
+def sees_incarnation(principal: Principal, node_id: str) -> bool:
+    """Whether a node's incarnation may be shown to ``principal``: it is what a node's calls
+    carry to prove their session, so only the node itself and operators see it."""
+    return principal.trusted or (principal.role is Role.NODE and principal.node_id == node_id)
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The credentials a registry accepts, and how it tells who presented one."""
+
+    shared_token: str | None = None
+    # SHA-256 (hex) of a token -> who holds it.
+    tokens: Mapping[str, Principal] | None = None
+    # Whether client certificates name their holder (the server requires them).
+    client_certificates: bool = False
+
+    @property
+    def open(self) -> bool:
+        return not (self.shared_token or self.tokens or self.client_certificates)
+
+    @classmethod
+    def load(
+        cls, shared_token: str | None, path: Path | None, client_certificates: bool
+    ) -> Credentials:
+        """Raises ValueError naming the line of a malformed credentials file."""
+        tokens: dict[str, Principal] = {}
+        if path is not None:
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                text = line.split("#", 1)[0].strip()
+                if not text:
+                    continue
+                who, _, digest = text.partition(" ")
+                digest = digest.strip().lower()
+                if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                    raise ValueError(f"{path}:{number}: expected 'ROLE[:NODE_ID] SHA256_HEX'")
+                try:
+                    tokens[digest] = Principal.parse(who)
+                except ValueError as error:
+                    raise ValueError(f"{path}:{number}: {error}") from None
+        return cls(shared_token or None, tokens or None, client_certificates)
+
+    def principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        """Who made the call; raises ``Unauthenticated`` when no credential names anyone."""
+        if self.open:
+            return OPEN
+        metadata = dict(context.invocation_metadata() or ())
+        presented = str(metadata.get(AUTH_METADATA_KEY, ""))
+        if presented.startswith("Bearer "):
+            token = presented.removeprefix("Bearer ")
+            if self.shared_token and hmac.compare_digest(token, self.shared_token):
+                return OPEN
+            holder = (self.tokens or {}).get(token_digest(token))
+            if holder is not None:
+                return holder
+            raise Unauthenticated("the bearer token is not one this registry accepts")
+        if self.client_certificates:
+            names = context.auth_context().get("x509_common_name") or []
+            for name in names:
+                try:
+                    return Principal.parse(name.decode())
+                except ValueError:
+                    continue
+            raise Unauthenticated(
+                "the client certificate's common name names no role "
+                "(admin, replica, router or node:NODE_ID)"
+            )
+        raise Unauthenticated("missing bearer token (pass --token, or a --token-file)")

@@ -1,0 +1,390 @@
+"""Identities (``controlplane/identity.py``): a node's credential binds it to its node id, a
+router's to routing, incarnations are not handed to readers, one command stream per node, and
+mTLS names callers by their certificate, between replicas too. Real registry processes, a real
+sidecar, real certificates (openssl)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controlplane.errors import PermissionDenied
+from controlplane.identity import (
+    Credentials,
+    Principal,
+    Role,
+    authorize,
+    sees_incarnation,
+    token_digest,
+)
+from controlplane.server import RunningRegistry
+from kvbroker.common.engine_link import EngineLink
+from kvbroker.common.grpc_client import (
+    RegistryEndpoint,
+    from_grpc_error,
+    open_channel,
+    registry_stub,
+)
+from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.common.supervisor import Announces, ChildProcess
+from kvbroker.common.tasks import poll_until
+from kvbroker.stack import sidecar_command
+from kvbroker.testing.engine import FakeEngine
+from kvbroker.testing.factories import Heartbeats, grant, node_spec
+from kvbroker.testing.processes import RegistryProcess
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from tests.conftest import run_cli
+
+DENIED = registry_pb2.ERROR_REASON_PERMISSION_DENIED
+UNAUTHENTICATED = registry_pb2.ERROR_REASON_UNAUTHENTICATED
+
+# ---------------------------------------------------------------------- the rule
+
+
+def test_a_node_acts_only_as_itself() -> None:
+    node = Principal(Role.NODE, "decode-0")
+    mine = registry_pb2.HeartbeatRequest(node_id="decode-0")
+    theirs = registry_pb2.HeartbeatRequest(node_id="decode-1")
+    authorize(node, "Heartbeat", mine)
+    with pytest.raises(PermissionDenied, match="as node 'decode-1'"):
+        authorize(node, "Heartbeat", theirs)
+    with pytest.raises(PermissionDenied):
+        authorize(node, "RegisterNode", registry_pb2.RegisterNodeRequest(spec=node_spec("d-1")))
+    authorize(node, "GetLease", registry_pb2.GetLeaseRequest(lease_id="x"))  # the read check
+    for method in ("RevokeLease", "DrainNode", "GetRoutingHint"):
+        with pytest.raises(PermissionDenied):
+            authorize(node, method, registry_pb2.RevokeLeaseRequest())
+
+
+def test_a_router_routes_and_manages_sessions_but_is_no_node() -> None:
+    router = Principal(Role.ROUTER)
+    for method in ("GetRoutingHint", "BatchGetRoutingHints", "ListNodes", "RevokeLease"):
+        authorize(router, method, None)
+    for method in ("Heartbeat", "ReportRetention", "DrainNode", "ReleaseLease"):
+        with pytest.raises(PermissionDenied):
+            authorize(router, method, registry_pb2.HeartbeatRequest(node_id="decode-0"))
+
+
+def test_incarnations_are_seen_by_their_node_and_operators_only() -> None:
+    assert sees_incarnation(Principal(Role.ADMIN), "decode-0")
+    assert sees_incarnation(Principal(Role.NODE, "decode-0"), "decode-0")
+    assert not sees_incarnation(Principal(Role.NODE, "decode-1"), "decode-0")
+    assert not sees_incarnation(Principal(Role.ROUTER), "decode-0")
+
+
+def test_principals_and_credential_files_are_checked(tmp_path: Path) -> None:
+    assert Principal.parse("node:decode-0") == Principal(Role.NODE, "decode-0")
+    for bad in ("node", "router:x", "root", "admin:"):
+        if bad == "admin:":
+            assert Principal.parse(bad) == Principal(Role.ADMIN)
+            continue
+        with pytest.raises(ValueError):
+            Principal.parse(bad)
+    good = tmp_path / "ok"
+    good.write_text(f"# fleet\nrouter {token_digest('r')}\nnode:d-0 {token_digest('n')}\n")
+    loaded = Credentials.load(None, good, False)
+    assert loaded.tokens == {
+        token_digest("r"): Principal(Role.ROUTER),
+        token_digest("n"): Principal(Role.NODE, "d-0"),
+    }
+    malformed = tmp_path / "bad"
+    malformed.write_text("router not-a-digest\n")
+    with pytest.raises(ValueError, match=r"bad:1"):
+        Credentials.load(None, malformed, False)
+
+
+# ---------------------------------------------------------------------- per-node tokens
+
+
+@dataclass
+class Fleet:
+    registry: RegistryProcess
+    tokens: dict[str, str]
+
+    def endpoint(self, who: str) -> RegistryEndpoint:
+        return RegistryEndpoint.parse(self.registry.address, token=self.tokens[who])
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
+    tokens = {who: f"token-of-{who}" for who in ("admin", "router", "node:decode-0")}
+    lines = [f"{who} {token_digest(token)}" for who, token in tokens.items()]
+    (tmp_path / "credentials").write_text("\n".join(lines) + "\n")
+    registry = RegistryProcess("--credentials", str(tmp_path / "credentials"))
+    await registry.start()
+    try:
+        yield Fleet(registry, tokens)
+    finally:
+        await registry.stop()
+
+
+async def refusal(call: asyncio.Future[object] | object) -> registry_pb2.ErrorReason:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call  # type: ignore[misc]
+    return from_grpc_error(error.value).reason
+
+
+async def test_a_node_token_speaks_for_its_node_only(fleet: Fleet) -> None:
+    async with open_channel(fleet.endpoint("node:decode-0")) as channel:
+        stub = registry_stub(channel)
+        own, other = node_spec("decode-0"), node_spec("decode-1")
+        await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=own), timeout=5)
+        assert (
+            await refusal(
+                stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=other), timeout=5)
+            )
+            == DENIED
+        )
+        assert (
+            await refusal(
+                stub.RevokeLease(registry_pb2.RevokeLeaseRequest(conversation_id="c"), timeout=5)
+            )
+            == DENIED
+        )
+        assert (
+            await refusal(
+                stub.DrainNode(registry_pb2.DrainNodeRequest(node_id="decode-0"), timeout=5)
+            )
+            == DENIED
+        )
+        # It sees its own incarnation: its calls carry it.
+        seen = (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"))).node
+        assert seen.spec.incarnation == own.incarnation
+
+
+async def test_a_router_token_routes_but_cannot_act_as_a_node(fleet: Fleet) -> None:
+    async with (
+        open_channel(fleet.endpoint("admin")) as admin_channel,
+        open_channel(fleet.endpoint("router")) as router_channel,
+    ):
+        admin, router = registry_stub(admin_channel), registry_stub(router_channel)
+        decode = node_spec("decode-0")
+        prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+        async with Heartbeats(admin, decode, prefill):
+            await grant(admin, decode, "conv-1", "req-1")
+            hint = (
+                await router.GetRoutingHint(
+                    registry_pb2.GetRoutingHintRequest(conversation_id="conv-1"), timeout=5
+                )
+            ).hint
+            assert hint.decision == registry_pb2.HINT_DECISION_REUSE
+            nodes = (await router.ListNodes(registry_pb2.ListNodesRequest(), timeout=5)).nodes
+            assert {n.spec.node_id for n in nodes} == {"decode-0", "prefill-0"}
+            assert all(not n.spec.incarnation for n in nodes)  # not handed to readers
+            heartbeat = registry_pb2.HeartbeatRequest(
+                node_id="decode-0", incarnation=decode.incarnation, engine_ready=False
+            )
+            assert await refusal(router.Heartbeat(heartbeat, timeout=5)) == DENIED
+            admin_view = (await admin.ListNodes(registry_pb2.ListNodesRequest(), timeout=5)).nodes
+            assert all(n.spec.incarnation for n in admin_view)
+
+
+async def test_unknown_tokens_and_no_token_are_unauthenticated(fleet: Fleet) -> None:
+    for token in ("guess", None):
+        endpoint = RegistryEndpoint.parse(fleet.registry.address, token=token)
+        async with open_channel(endpoint) as channel:
+            call = registry_stub(channel).ListNodes(registry_pb2.ListNodesRequest(), timeout=5)
+            assert await refusal(call) == UNAUTHENTICATED
+
+
+async def test_a_real_sidecar_with_its_node_token_registers(fleet: Fleet, tmp_path: Path) -> None:
+    """The token travels through the environment (never argv), and the sidecar's session,
+    reports and command stream all pass the node check."""
+    async with FakeEngine("decode-0") as engine:
+        sidecar = ChildProcess(
+            "sidecar",
+            sidecar_command(
+                fleet.registry.address, engine.url, "decode", "decode-0", tmp_path / "s.sock"
+            ),
+            tmp_path / "sidecar.log",
+            ready=[Announces()],
+            env={"KVBROKER_TOKEN": fleet.tokens["node:decode-0"]},
+        )
+        await sidecar.start()
+        link = EngineLink(
+            f"unix:{tmp_path / 's.sock'}",
+            sidecar_pb2.EngineInfo(
+                engine_id="engine-decode-0", side_channel_host="127.0.0.1",
+                side_channel_port=5600, block_size=16, capacity_blocks=4096,
+                bytes_per_block=65536,
+            ),
+        )  # fmt: skip
+        link.start()
+        try:
+
+            async def registered() -> list[str]:
+                listed = await run_cli(
+                    "node", "ls", "--registry", fleet.registry.address, "--output", "json",
+                    env={"KVBROKER_TOKEN": fleet.tokens["admin"]},
+                )  # fmt: skip
+                assert listed.code == 0, listed.stderr
+                return [n["spec"]["node_id"] for n in listed.json()]
+
+            assert await poll_until(registered, 20, "the sidecar's registration") == ["decode-0"]
+        finally:
+            link.close()
+            await sidecar.stop()
+        assert "PERMISSION_DENIED" not in (tmp_path / "sidecar.log").read_text()
+
+
+# ---------------------------------------------------------------------- one command stream
+
+
+async def test_a_second_command_stream_for_a_node_replaces_the_first(
+    stub: RegistryServiceStub, registry_server: RunningRegistry
+) -> None:
+    """Two streams for one node would split its commands; the newer one gets them all and
+    the older one ends."""
+    spec = node_spec("decode-0")
+    async with Heartbeats(stub, spec):
+        lease = await grant(stub, spec, "conv-1", "req-1")
+        watch = registry_pb2.WatchLeaseCommandsRequest(
+            node_id="decode-0", incarnation=spec.incarnation
+        )
+        first = stub.WatchLeaseCommands(watch)
+        await asyncio.sleep(0.2)
+        second = stub.WatchLeaseCommands(watch)
+        await asyncio.sleep(0.2)
+        for _ in range(3):
+            await stub.RenewLease(
+                registry_pb2.RenewLeaseRequest(lease_id=lease.lease_id), timeout=5
+            )
+        await stub.RevokeLease(
+            registry_pb2.RevokeLeaseRequest(lease_id=lease.lease_id, reason="closed"), timeout=5
+        )
+        received = []
+        async for response in second:
+            received.append(response.command)
+            if response.command.state == lease_pb2.LEASE_STATE_REVOKED:
+                break
+        assert received and received[-1].reason == "closed"
+        async def rest_of_first() -> list[registry_pb2.LeaseCommand]:
+            return [response.command async for response in first]
+
+        leftover = await asyncio.wait_for(rest_of_first(), 5)  # it ended
+        assert all(c.reason != "closed" for c in leftover)
+        second.cancel()
+
+
+# ---------------------------------------------------------------------- mTLS
+
+
+@dataclass
+class Pki:
+    ca: Path
+    files: dict[str, tuple[Path, Path]]
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A CA and certificates whose common names are roles; every one is valid for 127.0.0.1
+    so that replicas can use theirs as server certificates too."""
+    root = tmp_path_factory.mktemp("pki")
+    ca_key, ca = root / "ca.key", root / "ca.pem"
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=ca",
+             "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
+    files = {}
+    for who in ("replica", "router", "node:decode-0"):
+        name = who.replace(":", "-")
+        key, csr, cert = root / f"{name}.key", root / f"{name}.csr", root / f"{name}.pem"
+        ext = root / f"{name}.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1\n")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}",
+                 "-keyout", str(key), "-out", str(csr))  # fmt: skip
+        _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+                 "-CAcreateserial", "-days", "1", "-extfile", str(ext),
+                 "-out", str(cert))  # fmt: skip
+        files[who] = (cert, key)
+    return Pki(ca, files)
+
+
+def _mtls(pki: Pki, address: str, who: str) -> RegistryEndpoint:
+    cert, key = pki.files[who]
+    return RegistryEndpoint.parse(address, tls_ca=pki.ca, tls_cert=cert, tls_key=key)
+
+
+async def test_mtls_names_the_caller_by_its_certificate(pki: Pki) -> None:
+    cert, key = pki.files["replica"]
+    registry = RegistryProcess(
+        "--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(pki.ca)
+    )
+    await registry.start()
+    try:
+        async with open_channel(_mtls(pki, registry.address, "node:decode-0")) as channel:
+            stub = registry_stub(channel)
+            await stub.RegisterNode(
+                registry_pb2.RegisterNodeRequest(spec=node_spec("decode-0")), timeout=5
+            )
+            assert (
+                await refusal(
+                    stub.RegisterNode(
+                        registry_pb2.RegisterNodeRequest(spec=node_spec("decode-1")), timeout=5
+                    )
+                )
+                == DENIED
+            )
+        async with open_channel(_mtls(pki, registry.address, "router")) as channel:
+            nodes = (await registry_stub(channel).ListNodes(registry_pb2.ListNodesRequest())).nodes
+            assert [n.spec.node_id for n in nodes] == ["decode-0"]
+            assert not nodes[0].spec.incarnation
+        # Without a client certificate the handshake itself fails.
+        plain = RegistryEndpoint.parse(registry.address, tls_ca=pki.ca)
+        async with open_channel(plain) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await registry_stub(channel).ListNodes(registry_pb2.ListNodesRequest(), timeout=3)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await registry.stop()
+
+
+@pytest.mark.etcd
+async def test_replicas_forward_to_each_other_over_mtls(
+    pki: Pki, etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    """Two replicas over etcd with mTLS: a node registered through whichever replica is not
+    the leader is forwarded (as "replica") and authorized where it entered (as the node)."""
+    cert, key = pki.files["replica"]
+    flags = ["--store", etcd.url, "--tls-cert", str(cert), "--tls-key", str(key),
+             "--tls-client-ca", str(pki.ca), "--election-ttl", "2"]  # fmt: skip
+    replicas = [
+        RegistryProcess(*flags, name=f"registry-{i}", log=tmp_path / f"r{i}.log") for i in range(2)
+    ]
+    for replica in replicas:
+        await replica.start()
+    try:
+        for replica in replicas:
+            async with open_channel(_mtls(pki, replica.address, "node:decode-0")) as channel:
+                stub = registry_stub(channel)
+                for _ in range(50):  # an election may still be pending
+                    try:
+                        await stub.RegisterNode(
+                            registry_pb2.RegisterNodeRequest(spec=node_spec("decode-0")),
+                            timeout=5,
+                        )
+                        break
+                    except grpc.aio.AioRpcError as error:
+                        if from_grpc_error(error).reason != registry_pb2.ERROR_REASON_NO_LEADER:
+                            raise
+                        await asyncio.sleep(0.2)
+                assert (
+                    await refusal(
+                        stub.RegisterNode(
+                            registry_pb2.RegisterNodeRequest(spec=node_spec("decode-1")), timeout=5
+                        )
+                    )
+                    == DENIED
+                )
+    finally:
+        for replica in replicas:
+            await replica.stop()
