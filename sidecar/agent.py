@@ -201,6 +201,7 @@ class Agent:
         return refusal is None, refusal or ""
 
     def _to_engine(self, command: registry_pb2.LeaseCommand) -> None:
+        self._mirror.note_command(command)
         for queue in self._subscribers:
             queue.put_nowait(command)
         self.metrics.commands.labels(label(lease_pb2.LeaseState, command.state).lower()).inc()

@@ -265,6 +265,7 @@ async def test_a_second_command_stream_for_a_node_replaces_the_first(
             if response.command.state == lease_pb2.LEASE_STATE_REVOKED:
                 break
         assert received and received[-1].reason == "closed"
+
         async def rest_of_first() -> list[registry_pb2.LeaseCommand]:
             return [response.command async for response in first]
 

@@ -81,3 +81,26 @@ def test_replace_makes_the_engines_snapshot_the_whole_truth() -> None:
     snapshot = mirror.replay()
     assert ids(snapshot) == ["c", "b"] and snapshot[1].token_count == 48
     assert mirror.record(released("a")) is None
+
+
+def test_a_replay_carries_each_deadline_and_leaves_out_ended_leases() -> None:
+    mirror = RetentionMirror()
+    for request_id in ("live", "ended", "unknown"):
+        mirror.record(retained(request_id))
+
+    def command(request_id: str, state: int, ttl_s: float) -> registry_pb2.LeaseCommand:
+        command = registry_pb2.LeaseCommand(remote_request_id=request_id, state=state)
+        command.time_to_live.FromMilliseconds(int(ttl_s * 1000))
+        return command
+
+    mirror.note_command(command("live", lease_pb2.LEASE_STATE_ACTIVE, 40))
+    mirror.note_command(command("ended", lease_pb2.LEASE_STATE_REVOKED, 2))
+    mirror.note_command(command("never-retained", lease_pb2.LEASE_STATE_ACTIVE, 9))
+    snapshot = {blocks.handle.remote_request_id: blocks for blocks in mirror.replay()}
+    assert set(snapshot) == {"live", "unknown"}
+    assert 39 < snapshot["live"].time_to_live.ToTimedelta().total_seconds() <= 40
+    assert not snapshot["unknown"].HasField("time_to_live")  # no command yet: the registry's
+    # The engine freed the ended one at its deadline: gone, and its deadline forgotten.
+    mirror.record(released("ended"))
+    mirror.record(retained("ended"))
+    assert "ended" in ids(mirror.replay())

@@ -184,6 +184,29 @@ async def test_registry_restart_loses_nothing(stack: Stack) -> None:
     assert len({lease.lease_id for lease in after}) == 40
 
 
+async def test_a_closed_session_stays_closed_across_a_registry_restart(stack: Stack) -> None:
+    """The memory store loses everything on a restart and the sidecar's replay rebuilds it.
+    A lease revoked just before (a session closed; the engine keeps the blocks out the
+    revoke grace) must not come back live with a fresh TTL, and a live lease comes back with
+    the time it had left, not a new idle TTL."""
+    stack.link.retained(retained_blocks("decode-0", "conv-open", "req-open"))
+    stack.link.retained(retained_blocks("decode-0", "conv-closed", "req-closed"))
+    await eventually(lambda: _when_count(stack.stub, 2))
+    await stack.stub.RevokeLease(
+        registry_pb2.RevokeLeaseRequest(conversation_id="conv-closed", reason="closed"),
+        timeout=5,
+    )
+    before = {lease.conversation_id: lease for lease in await live_leases(stack.stub)}
+    assert set(before) == {"conv-open"}
+    await asyncio.sleep(0.3)  # the revoke's command reaches the sidecar
+    stack.registry.kill()
+    await stack.registry.wait()
+    stack.registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{stack.port}")
+    (after,) = await eventually(lambda: _when_count(stack.stub, 1, exact=True), within=15)
+    assert after.conversation_id == "conv-open"
+    assert after.time_to_live.ToTimedelta() <= before["conv-open"].time_to_live.ToTimedelta()
+
+
 async def _when_count(stub: RegistryServiceStub, n: int, exact: bool = False):  # type: ignore[no-untyped-def]
     try:
         leases = await live_leases(stub)

@@ -13,14 +13,24 @@ retention by request id.
 
 Stored entries are never changed in place (noting a lease replaces the entry), so a snapshot
 may be read on any thread while the engine goes on retaining and releasing.
+
+Where lease commands pass (the sidecar), the mirror also notes each one's deadline and whether
+it ended the lease (``note_command``): a replay then says how long the engine still keeps each
+request's blocks, and leaves out those whose lease ended (a closed session, a revoke, an
+expiry) and which the engine only keeps out its grace. Without that, a registry that lost its
+state (the memory store, restarted) would take them back as new, live leases with a fresh TTL.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 
-from kvbroker.v1 import registry_pb2
+from kvbroker.common.clock import from_duration, to_duration
+from kvbroker.v1 import lease_pb2, registry_pb2
+
+_LIVE = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 
 
 class RetentionMirror:
@@ -30,6 +40,8 @@ class RetentionMirror:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._retained: dict[str, registry_pb2.RetainedBlocks] = {}
+        # Request id -> (monotonic deadline, whether its lease is live), from lease commands.
+        self._deadlines: dict[str, tuple[float, bool]] = {}
         self._position = 0
         self._replayed = 0
 
@@ -39,11 +51,10 @@ class RetentionMirror:
         with self._lock:
             if event.HasField("retained"):
                 self._retained[event.retained.handle.remote_request_id] = event.retained
-            elif (
-                event.HasField("released")
-                and self._retained.pop(event.released.remote_request_id, None) is None
-            ):
-                return None
+            elif event.HasField("released"):
+                self._deadlines.pop(event.released.remote_request_id, None)
+                if self._retained.pop(event.released.remote_request_id, None) is None:
+                    return None
             self._position += 1
             return self._position
 
@@ -59,16 +70,37 @@ class RetentionMirror:
             noted.epoch = epoch
             self._retained[remote_request_id] = noted
 
+    def note_command(self, command: registry_pb2.LeaseCommand) -> None:
+        """Remembers the deadline a lease command set for its request, and whether the lease
+        is still live."""
+        with self._lock:
+            if command.remote_request_id in self._retained:
+                deadline = time.monotonic() + from_duration(command.time_to_live)
+                self._deadlines[command.remote_request_id] = (deadline, command.state in _LIVE)
+
     def replace(self, retained: Iterable[registry_pb2.RetainedBlocks]) -> None:
         """The engine re-attached: what it retains now is the whole truth."""
         with self._lock:
             self._retained = {blocks.handle.remote_request_id: blocks for blocks in retained}
+            self._deadlines.clear()
 
     def replay(self) -> list[registry_pb2.RetainedBlocks]:
         """Everything retained, as one snapshot that supersedes every event recorded so far."""
         with self._lock:
             self._replayed = self._position
-            return list(self._retained.values())
+            now = time.monotonic()
+            snapshot = []
+            for request_id, blocks in self._retained.items():
+                deadline, live = self._deadlines.get(request_id, (None, True))
+                if not live:
+                    continue  # kept only out its grace; its lease ended
+                entry = blocks
+                if deadline is not None:
+                    entry = registry_pb2.RetainedBlocks()
+                    entry.CopyFrom(blocks)
+                    entry.time_to_live.CopyFrom(to_duration(max(deadline - now, 0.001)))
+                snapshot.append(entry)
+            return snapshot
 
     def superseded(self, position: int) -> bool:
         """Whether the last snapshot already carries the event recorded at ``position``."""
