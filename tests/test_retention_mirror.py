@@ -88,7 +88,9 @@ def test_a_replay_carries_each_deadline_and_leaves_out_ended_leases() -> None:
     for request_id in ("live", "ended", "unknown"):
         mirror.record(retained(request_id))
 
-    def command(request_id: str, state: int, ttl_s: float) -> registry_pb2.LeaseCommand:
+    def command(
+        request_id: str, state: lease_pb2.LeaseState, ttl_s: float
+    ) -> registry_pb2.LeaseCommand:
         command = registry_pb2.LeaseCommand(remote_request_id=request_id, state=state)
         command.time_to_live.FromMilliseconds(int(ttl_s * 1000))
         return command
