@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 import pytest
 
+from controlplane.config import RegistryConfig
 from controlplane.registry import HINT_BATCH_BYTES
 from controlplane.server import RunningRegistry
 from kvbroker.common.grpc_client import RegistryEndpoint
@@ -25,6 +27,7 @@ from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from router.config import RouterConfig
 from router.proxy import Router, build_app
+from tests.conftest import FAST
 
 MODEL = "tiny-qwen3"
 
@@ -72,6 +75,13 @@ async def grant_all(
 
 
 @pytest.fixture
+def registry_config() -> RegistryConfig:
+    """Sessions that survive the seconds this module's shared event loop spends granting and
+    serving hundreds of long leases on a busy machine."""
+    return replace(FAST, heartbeat_interval_s=1.0, session_ttl_s=60.0)
+
+
+@pytest.fixture
 async def engines() -> AsyncIterator[tuple[FakeEngine, FakeEngine]]:
     prefill, decode = FakeEngine("prefill-0"), FakeEngine("decode-0")
     async with serving(prefill.app(), prefill.port), serving(decode.app(), decode.port):
@@ -91,7 +101,10 @@ async def test_concurrent_long_conversations_through_a_router_are_all_answered(
     prefill_spec.http_base_url = prefill.url
     decode_spec = big_decode_node("decode-0", decode.port)
     decode_spec.http_base_url = decode.url
-    router = Router(RegistryEndpoint.parse(registry_server.address), RouterConfig())
+    # Hints may wait: everything here shares one event loop, and the point is their size.
+    router = Router(
+        RegistryEndpoint.parse(registry_server.address), RouterConfig(hint_timeout_s=10.0)
+    )
     port = free_port()
     async with (
         Heartbeats(stub, prefill_spec, decode_spec),
@@ -110,7 +123,7 @@ async def test_concurrent_long_conversations_through_a_router_are_all_answered(
             return await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
 
         responses = await asyncio.gather(*(turn(c) for c in ids))
-    assert [r.status_code for r in responses] == [200] * conversations
+    assert [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200] == []
     assert {r.headers["x-kvbroker-decision"] for r in responses} == {"REUSE"}
     legs = [leg["kv_transfer_params"] for leg in prefill.received]
     assert len(legs) == conversations
