@@ -48,6 +48,7 @@ LAYERS = {
     "test_batcher": "unit",
     "test_connector_scheduler": "unit",
     "test_deadlines": "unit",
+    "test_engine_load": "unit",
     "test_engine_rules": "unit",
     "test_labels": "unit",
     "test_ports": "unit",

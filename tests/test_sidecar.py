@@ -438,3 +438,38 @@ async def test_reports_go_in_order_and_a_refused_one_is_replayed_not_resent() ->
         await asyncio.gather(running, return_exceptions=True)
         await agent.close()
         await server.stop(0)
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        "<html><body><h1>500 Internal Server Error</h1></body></html>",
+        "vllm:num_requests_running NaN\n",
+        "vllm:num_requests_running -3\n",
+        "vllm:num_requests_running 4294967296\n",
+    ],
+)
+async def test_an_engine_answering_garbage_metrics_keeps_its_session_and_readiness(
+    stack: Stack, metrics: str
+) -> None:
+    """A bad /metrics answer costs the node its load figures, not its probe loop: heartbeats go
+    on, so the node stays READY and its lease live (the session TTL is 1 s; we watch 3 s)."""
+    stack.link.retained(retained_blocks("decode-0", "conv-g", "req-g"))
+    (lease,) = await eventually(lambda: live_leases(stack.stub))
+    stack.engine.running = 3
+    await eventually(lambda: _running_requests(stack.stub, 3))
+    stack.engine.metrics_body = metrics
+    await eventually(lambda: _running_requests(stack.stub, 0))  # the figures are ignored
+    probes = stack.engine.health_probes
+    await asyncio.sleep(3.0)
+    assert stack.engine.health_probes >= probes + 5  # the probe loop goes on
+    assert stack.sidecar.running
+    assert await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_READY
+    assert [x.lease_id for x in await live_leases(stack.stub)] == [lease.lease_id]
+    stack.engine.metrics_body = None
+    await eventually(lambda: _running_requests(stack.stub, 3))
+
+
+async def _running_requests(stub: RegistryServiceStub, n: int) -> bool:
+    node = (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"), timeout=5)).node
+    return node.load.running_requests == n
