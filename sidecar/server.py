@@ -61,7 +61,7 @@ async def start_sidecar(
         metrics_address = f"{host}:{http_server.server_port}"
     await server.start()
     task = asyncio.create_task(agent.run(), name="kvbroker-sidecar-session")
-    log.info("sidecar_serving", listen=listen, node=config.node_id, registry=registry.target)
+    log.info("sidecar_serving", listen=listen, node=config.node_id, registry=str(registry))
     return RunningSidecar(agent, server, listen, metrics_address, task)
 
 
