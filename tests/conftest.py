@@ -67,6 +67,7 @@ LAYERS = {
     "test_reclaim": "integration",
     "test_registry_bench": "integration",
     "test_registry_grpc": "integration",
+    "test_registry_health": "integration",
     "test_registry_lists": "integration",
     "test_replicas": "integration",
     "test_retention_reports": "integration",
