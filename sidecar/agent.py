@@ -449,6 +449,8 @@ _COUNTS = {
     "vllm:num_requests_waiting": "waiting_requests",
 }
 _USAGE = "vllm:kv_cache_usage_perc"
+# How much of an unreadable body's parse error a warning quotes.
+_QUOTED = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,7 +489,9 @@ def parse_vllm_load(text: str) -> EngineLoad:
                         continue
                     usage = max(usage, value)
     # The parser is a third party's and raises whatever its line reader hits (ValueError,
-    # IndexError, ...): any of it means the body is not Prometheus text.
+    # IndexError, ...): any of it means the body is not Prometheus text. Its message quotes the
+    # offending line, which may be a whole error page: the log gets its start.
     except Exception as error:
-        return EngineLoad(node_pb2.NodeLoad(), (f"not Prometheus text: {error!r}",))
+        why = f"not Prometheus text: {type(error).__name__}: {str(error)[:_QUOTED]}"
+        return EngineLoad(node_pb2.NodeLoad(), (why,))
     return EngineLoad(node_pb2.NodeLoad(kv_cache_usage=usage, **counts), tuple(ignored))

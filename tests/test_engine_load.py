@@ -119,3 +119,9 @@ def test_any_figures_give_sendable_load_and_every_bad_one_is_named(
     assert len(parsed.ignored) == sum(not fits(name, value) for name, _, value in samples)
     running = sum(int(v) for name, _, v in samples if name == RUNNING and fits(name, v))
     assert parsed.load.running_requests == min(running, MAX_COUNT)
+
+
+def test_a_long_error_page_is_quoted_only_in_part() -> None:
+    page = "<html>" + "x" * 100_000 + "</html>"
+    (why,) = parse_vllm_load(page).ignored
+    assert why.startswith("not Prometheus text") and len(why) < 300
