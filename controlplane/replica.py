@@ -6,6 +6,13 @@ happen exactly once. A new leader reloads the store (unless its followed cache h
 seen its own election) and rebuilds its deadlines before it serves (``_lead``); a follower
 keeps a watch-fed cache, forwards calls to the leader, and answers hints from its cache as
 DEGRADED while no leader can be reached.
+
+Whether a replica can serve is said to ``on_serving`` (the server's gRPC health) each time it
+changes: it can while it leads, or while it follows a leader that a store it reaches names and
+whose own health says it serves; not while the store is out of reach or nobody leads, when
+every call but a hint would fail. The leader is asked because its key can name it when it
+does not lead: etcd restores the key's lease when it restarts, so a leader that stepped down
+while etcd was away is named until that lease expires.
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controlplane.config import RegistryConfig
 from controlplane.election import Election, Term
@@ -53,6 +62,7 @@ class Replica:
         options: ReplicaOptions,
         config: RegistryConfig | None = None,
         metrics: RegistryMetrics | None = None,
+        on_serving: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.options = options
@@ -65,8 +75,12 @@ class Replica:
         self.leader_address: str | None = None
         self._leader_channel: grpc.aio.Channel | None = None
         self._leader_stub: RegistryServiceStub | None = None
+        self._leader_health: health_pb2_grpc.HealthStub | None = None
         self._deposed = asyncio.Event()
         self._turn = itertools.count()
+        # Whether it can serve, as last told to ``on_serving``.
+        self._serving = False
+        self._on_serving = on_serving
 
     # ------------------------------------------------------------ what the servicer asks
 
@@ -96,10 +110,12 @@ class Replica:
                     )
                 except StoreUnavailable as error:
                     log.warning("election_failed", error=error.message)
+                    await self._can_serve(False)
                     await asyncio.sleep(poll_s)
                     continue
                 except Exception:  # the election loop must outlive anything
                     log.exception("election_error")
+                    await self._can_serve(False)
                     await self.store.connection.reconnect()
                     await asyncio.sleep(poll_s)
                     continue
@@ -113,6 +129,7 @@ class Replica:
                     await self._lead(term, reload=not current)
                     continue
                 self._follow_leader(leader)
+                await self._can_serve(await self._leader_serves())
                 if follower is None or follower.done():
                     follower = asyncio.create_task(self.store.follow(), name="kvbroker-follow")
                 await asyncio.sleep(poll_s)
@@ -141,6 +158,7 @@ class Replica:
             registry.start()
             self.registry = registry
             self._follow_leader(self.options.advertise)
+            await self._can_serve(True)
             took = time.perf_counter() - started
             self.metrics.leader.set(1)
             self.metrics.takeovers.inc()
@@ -158,6 +176,7 @@ class Replica:
             log.exception("registry_leadership_error")
         finally:
             self.registry = None
+            await self._can_serve(False)
             self.store.fence = None
             self.metrics.leader.set(0)
             if registry is not None:
@@ -166,16 +185,39 @@ class Replica:
             await self.election.resign(term)
             await self.store.connection.reconnect()
 
+    async def _can_serve(self, serving: bool) -> None:
+        if serving == self._serving:
+            return
+        self._serving = serving
+        log.info("registry_health", serving=serving, leader=self.leader_address)
+        if self._on_serving is not None:
+            await self._on_serving(serving)
+
+    async def _leader_serves(self) -> bool:
+        """Whether another replica leads and its health says it serves (a leader key naming
+        this replica is its own last term, not yet expired)."""
+        if self._leader_health is None:
+            return False
+        try:
+            answer = await self._leader_health.Check(
+                health_pb2.HealthCheckRequest(), timeout=self.options.election_ttl_s / 2
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
     def _follow_leader(self, address: str | None) -> None:
         """Points forwarding at the leader (or at nobody)."""
         if address == self.leader_address:
             return
         self.leader_address = address
-        channel, self._leader_channel, self._leader_stub = self._leader_channel, None, None
+        channel, self._leader_channel = self._leader_channel, None
+        self._leader_stub = self._leader_health = None
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
         if address is not None and address != self.options.advertise:
             peers = self.options.peers or RegistryEndpoint([address])
             self._leader_channel = open_channel(peers.at(address))
             self._leader_stub = registry_stub(self._leader_channel)
+            self._leader_health = health_pb2_grpc.HealthStub(self._leader_channel)
             log.info("registry_following", leader=address)

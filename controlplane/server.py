@@ -151,11 +151,14 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
             options.config,
             max_block_hashes=min(options.config.max_block_hashes, MAX_BLOCK_HASHES),
         )
+        # Not serving until the replica says it can: it leads, or follows a leader it knows.
+        await _set_health(health_servicer, serving=False)
         replica = Replica(
             EtcdStore(etcd, options.etcd_prefix),
             ReplicaOptions(options.advertise or address, options.election_ttl_s, peers),
             config,
             metrics,
+            on_serving=lambda serving: _set_health(health_servicer, serving),
         )
         replica_task = asyncio.create_task(replica.run(), name="kvbroker-replica")
         leadership = replica
@@ -170,8 +173,8 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         )
         metrics_address = f"{metrics_host}:{http_server.server_port}"
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if etcd is None:
+        await _set_health(health_servicer, serving=True)  # the memory store is always there
     log.info(
         "registry_serving",
         address=address,
@@ -182,6 +185,17 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
     return RunningRegistry(
         server, leadership, address, metrics_address, health_servicer, replica_task
     )
+
+
+async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    """What the gRPC health service answers, for the server as a whole and for the registry."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)
 
 
 async def serve_forever(options: ServerOptions) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -126,6 +127,8 @@ class Agent:
         self._readiness = Readiness(config.unready_after_timeouts)
         # What the last probe read off the engine's /metrics.
         self._load = node_pb2.NodeLoad()
+        # Why the last /metrics answer's figures were ignored, if they were.
+        self._ignored_figures: tuple[str, ...] = ()
 
     # ------------------------------------------------------------ engine side
 
@@ -422,9 +425,14 @@ class Agent:
             metrics = await self._http.get(f"{base}/metrics")
         except httpx.HTTPError:
             return True, node_pb2.NodeLoad()
-        return True, parse_vllm_load(metrics.text) if metrics.status_code == 200 else (
-            node_pb2.NodeLoad()
-        )
+        if metrics.status_code != 200:
+            return True, node_pb2.NodeLoad()
+        parsed = parse_vllm_load(metrics.text)
+        if parsed.ignored and parsed.ignored != self._ignored_figures:
+            # Once per change, not once per probe: a broken /metrics stays broken a while.
+            log.warning("engine_metrics_ignored", ignored=list(parsed.ignored))
+        self._ignored_figures = parsed.ignored
+        return True, parsed.load
 
     async def _served_model(self) -> str:
         base = self.config.engine_url.rstrip("/")
@@ -435,15 +443,56 @@ class Agent:
             raise SessionLostError(f"cannot learn the served model from {base}: {error}") from error
 
 
-def parse_vllm_load(text: str) -> node_pb2.NodeLoad:
-    """Running/waiting requests and KV usage from vLLM's Prometheus text."""
-    load = node_pb2.NodeLoad()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:num_requests_running":
-                load.running_requests += int(sample.value)
-            elif sample.name == "vllm:num_requests_waiting":
-                load.waiting_requests += int(sample.value)
-            elif sample.name == "vllm:kv_cache_usage_perc":
-                load.kv_cache_usage = max(load.kv_cache_usage, float(sample.value))
-    return load
+# NodeLoad's counts are uint32: a figure beyond this cannot be sent (the proto refuses it).
+_MAX_COUNT = 2**32 - 1
+_COUNTS = {
+    "vllm:num_requests_running": "running_requests",
+    "vllm:num_requests_waiting": "waiting_requests",
+}
+_USAGE = "vllm:kv_cache_usage_perc"
+# How much of an unreadable body's parse error a warning quotes.
+_QUOTED = 200
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What one /metrics answer said: the figures that could be read, and why any others were
+    ignored (empty when none was)."""
+
+    load: node_pb2.NodeLoad
+    ignored: tuple[str, ...] = ()
+
+
+def parse_vllm_load(text: str) -> EngineLoad:
+    """Running/waiting requests and KV usage from vLLM's Prometheus text.
+
+    Total: whatever the engine answers, it returns. A body that is not Prometheus text (an HTML
+    error page) gives no figures; a count that is not finite, is negative or does not fit the
+    proto's uint32, and a usage outside 0..1, is ignored; each says why in ``ignored``. A bad
+    answer costs the node its load figures, never its probe loop and so its session."""
+    counts = dict.fromkeys(_COUNTS.values(), 0)
+    usage = 0.0
+    ignored: list[str] = []
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                value = sample.value
+                if sample.name in _COUNTS:
+                    if not (math.isfinite(value) and 0 <= value <= _MAX_COUNT):
+                        ignored.append(f"{sample.name} = {value!r} is not a count")
+                        continue
+                    field = _COUNTS[sample.name]
+                    # Several series (one per model name) add up; the sum saturates.
+                    counts[field] = min(counts[field] + int(value), _MAX_COUNT)
+                elif sample.name == _USAGE:
+                    if not (math.isfinite(value) and 0 <= value <= 1):
+                        ignored.append(f"{sample.name} = {value!r} is not a fraction")
+                        continue
+                    usage = max(usage, value)
+    # The parser is a third party's and raises whatever its line reader hits (ValueError,
+    # IndexError, ...): any of it means the body is not Prometheus text. Its message quotes the
+    # offending line, which may be a whole error page: the log gets its start.
+    except Exception as error:
+        why = f"not Prometheus text: {type(error).__name__}: {str(error)[:_QUOTED]}"
+        return EngineLoad(node_pb2.NodeLoad(), (why,))
+    return EngineLoad(node_pb2.NodeLoad(kv_cache_usage=usage, **counts), tuple(ignored))

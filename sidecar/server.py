@@ -1,4 +1,10 @@
-"""Running a sidecar: the agent, its local endpoint and its metrics, until a signal."""
+"""Running a sidecar: the agent, its local endpoint and its metrics, until a signal.
+
+The agent's loops never end on their own: they retry what the registry and the engine do to
+them. One that ends anyway has met a bug, and a sidecar without its loops is worse than none
+(alive, so nobody restarts it, while its node goes DOWN). So it is logged with its traceback
+and the process exits non-zero, for its supervisor to start a fresh one.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ async def start_sidecar(
         metrics_address = f"{host}:{http_server.server_port}"
     await server.start()
     task = asyncio.create_task(agent.run(), name="kvbroker-sidecar-session")
-    log.info("sidecar_serving", listen=listen, node=config.node_id, registry=registry.target)
+    log.info("sidecar_serving", listen=listen, node=config.node_id, registry=str(registry))
     return RunningSidecar(agent, server, listen, metrics_address, task)
 
 
@@ -78,6 +84,13 @@ async def serve_forever(
         ),
         flush=True,
     )
-    await stop.wait()
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({stopping, running.task}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if running.task.done():
+        error = running.task.exception()
+        log.error("sidecar_failed", exc_info=error or RuntimeError("the agent's loops ended"))
+        await running.stop()
+        raise SystemExit(1)
     log.info("sidecar_stopping")
     await running.stop()

@@ -4,6 +4,8 @@ and the agent in process against a scripted registry, for its forwarding and rep
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +18,9 @@ from kvbroker.common.clock import to_duration
 from kvbroker.common.engine_link import Deadline, EngineLink
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import ChildProcess
+from kvbroker.common.supervisor import Announces, ChildProcess
 from kvbroker.common.tasks import poll_until
+from kvbroker.stack import sidecar_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, node_spec
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
@@ -461,3 +464,81 @@ async def test_reports_go_in_order_and_a_refused_one_is_replayed_not_resent() ->
         await asyncio.gather(running, return_exceptions=True)
         await agent.close()
         await server.stop(0)
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        "<html><body><h1>500 Internal Server Error</h1></body></html>",
+        "vllm:num_requests_running NaN\n",
+        "vllm:num_requests_running -3\n",
+        "vllm:num_requests_running 4294967296\n",
+    ],
+)
+async def test_an_engine_answering_garbage_metrics_keeps_its_session_and_readiness(
+    stack: Stack, metrics: str
+) -> None:
+    """A bad /metrics answer costs the node its load figures, not its probe loop: heartbeats go
+    on, so the node stays READY and its lease live (the session TTL is 1 s; we watch 3 s)."""
+    stack.link.retained(retained_blocks("decode-0", "conv-g", "req-g"))
+    (lease,) = await eventually(lambda: live_leases(stack.stub))
+    stack.engine.running = 3
+    await eventually(lambda: _running_requests(stack.stub, 3))
+    stack.engine.metrics_body = metrics
+    await eventually(lambda: _running_requests(stack.stub, 0))  # the figures are ignored
+    probes = stack.engine.health_probes
+    await asyncio.sleep(3.0)
+    assert stack.engine.health_probes >= probes + 5  # the probe loop goes on
+    assert stack.sidecar.running
+    assert await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_READY
+    assert [x.lease_id for x in await live_leases(stack.stub)] == [lease.lease_id]
+    stack.engine.metrics_body = None
+    await eventually(lambda: _running_requests(stack.stub, 3))
+
+
+async def _running_requests(stub: RegistryServiceStub, n: int) -> bool:
+    node = (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"), timeout=5)).node
+    return node.load.running_requests == n
+
+
+# Loaded by a child sidecar at start-up (as its sitecustomize): its probe meets a bug.
+_BROKEN_PROBE = """
+from sidecar.agent import Agent
+
+
+async def _probe(self):
+    raise RuntimeError("a bug in the probe")
+
+
+Agent._probe = _probe
+"""
+
+
+async def test_a_sidecar_whose_loop_dies_logs_why_and_exits_non_zero(tmp_path: Path) -> None:
+    """Alive without its loops, a sidecar would let its node go DOWN for good with nobody to
+    restart it: it must say what ended its loop and exit, for its supervisor to restart it."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_BROKEN_PROBE)
+    socket_path = tmp_path / "s.sock"
+    sidecar = ChildProcess(
+        "sidecar-decode-0",
+        sidecar_command(
+            f"127.0.0.1:{free_port()}", "http://127.0.0.1:9", "decode", "decode-0", socket_path
+        ),
+        tmp_path / "sidecar.log",
+        ready=[Announces()],
+        env={"PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")])},
+    )
+    await sidecar.start()
+    link = EngineLink(f"unix:{socket_path}", engine_info("decode-0"))
+    link.start()  # the agent probes once an engine is attached
+    try:
+        assert await asyncio.wait_for(sidecar.wait(), 10) == 1
+    finally:
+        link.close()
+        await sidecar.stop()
+    lines = sidecar.log_tail(100_000).splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    [failed] = [record for record in records if record.get("event") == "sidecar_failed"]
+    assert failed["level"] == "error" and "a bug in the probe" in failed["exception"]

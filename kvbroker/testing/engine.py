@@ -4,9 +4,9 @@ replicas' failover soak. The behaviour that does depend on vLLM is tested agains
 servers in tests/test_e2e.py.
 
 It serves the routes kvbroker reads: ``/health`` (healthy or not, at will), ``/metrics`` (the
-two gauges a sidecar reports as load), ``/v1/models`` and the completion routes. A completion
-is recorded, can be made to fail or to drop its stream, and answers with the
-``kv_transfer_params`` that ``kv_transfer_params()`` returns; a subclass that simulates an
+two gauges a sidecar reports as load, or any body at will), ``/v1/models`` and the completion
+routes. A completion is recorded, can be made to fail or to drop its stream, and answers with
+the ``kv_transfer_params`` that ``kv_transfer_params()`` returns; a subclass that simulates an
 engine's KV (the soak's) overrides that and ``kv_cache_usage()``.
 """
 
@@ -44,6 +44,8 @@ class FakeEngine:
         # How long /health takes to answer, and how many times it was asked.
         self.health_delay_s = 0.0
         self.health_probes = 0
+        # When set, /metrics answers this body (200, as text) instead of the two gauges.
+        self.metrics_body: str | None = None
         self._serving: contextlib.AsyncExitStack | None = None
 
     @property
@@ -125,6 +127,8 @@ class FakeEngine:
         return JSONResponse({}, 200 if self.healthy else 503)
 
     async def _metrics(self, request: Request) -> Response:
+        if self.metrics_body is not None:
+            return PlainTextResponse(self.metrics_body)
         labels = f'{{model_name="{self.model}"}}'
         return PlainTextResponse(
             "# TYPE vllm:num_requests_running gauge\n"
