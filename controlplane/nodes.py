@@ -16,7 +16,6 @@ import structlog
 from controlplane.config import RegistryConfig
 from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from controlplane.errors import (
-    InvalidArgument,
     NodeDown,
     NodeNotRegistered,
     NotADecodeNode,
@@ -151,16 +150,6 @@ class NodeSessions:
             runtime.retained_blocks += sign * blocks
 
     # ----------------------------------------------------------------- transitions
-
-    def validate_spec(self, spec: node_pb2.NodeSpec) -> None:
-        self._validate.id(spec.node_id, "spec.node_id")
-        self._validate.id(spec.incarnation, "spec.incarnation")
-        if spec.role == node_pb2.NODE_ROLE_UNSPECIFIED:
-            raise InvalidArgument("spec.role is required (prefill, decode or both)")
-        if not spec.model:
-            raise InvalidArgument("spec.model is required")
-        if spec.block_size == 0:
-            raise InvalidArgument("spec.block_size must be positive")
 
     async def register(self, spec: node_pb2.NodeSpec, old: node_pb2.Node | None) -> node_pb2.Node:
         """Starts the session of ``spec`` (``old``: the node's record before, if any); the same

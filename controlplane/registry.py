@@ -162,7 +162,7 @@ class Registry:
     # ----------------------------------------------------------------- nodes
 
     async def register_node(self, spec: node_pb2.NodeSpec) -> node_pb2.Node:
-        self.nodes.validate_spec(spec)
+        self._validate.node_spec(spec)
         async with self._mutation():
             old = await self.store.get_node(spec.node_id)
             if old is None or old.spec.incarnation != spec.incarnation:
@@ -176,17 +176,21 @@ class Registry:
     async def heartbeat(
         self, node_id: str, incarnation: str, engine_ready: bool, load: node_pb2.NodeLoad
     ) -> node_pb2.Node:
+        self._validate.session(node_id, incarnation)
+        self._validate.load(load)
         async with self._mutation():
             node = await self.nodes.heartbeat(node_id, incarnation, engine_ready, load)
             return self.nodes.view(node)
 
     async def deregister_node(self, node_id: str, incarnation: str) -> node_pb2.Node:
+        self._validate.session(node_id, incarnation)
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
             await self._mark_down(node, "deregistered")
             return self.nodes.view(node)
 
     async def drain_node(self, node_id: str) -> node_pb2.Node:
+        self._validate.id(node_id, "node_id")
         async with self._mutation():
             return self.nodes.view(await self.nodes.drain(node_id))
 
@@ -194,6 +198,7 @@ class Registry:
         return self.nodes.view(await self.nodes.node(node_id))
 
     async def list_nodes(self, role: int = 0, model: str = "") -> list[node_pb2.Node]:
+        self._validate.list_nodes(role, model)
         return await self.nodes.list_nodes(role, model)
 
     async def _mark_down(self, node: node_pb2.Node, why: str) -> None:
@@ -218,8 +223,9 @@ class Registry:
         token_count: int,
         ttl: float | None = None,
     ) -> lease_pb2.Lease:
-        self._validate.id(conversation_id, "conversation_id")
-        blocks = self._validate.retention(handle, block_hashes, token_count)
+        blocks = self._validate.grant(
+            conversation_id, node_id, incarnation, handle, block_hashes, token_count, ttl
+        )
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
             self.nodes.require_holder_role(node)
@@ -232,6 +238,8 @@ class Registry:
     async def renew_lease(
         self, lease_id: str = "", conversation_id: str = "", ttl: float | None = None
     ) -> lease_pb2.Lease:
+        self._validate.lease_ref(lease_id, conversation_id)
+        self._validate.ttl(ttl)
         async with self._mutation():
             lease = await self.leases.by_id_or_conversation(lease_id, conversation_id)
             await self.leases.renew(lease, self.leases.ttl(ttl, lease.node_id))
@@ -240,6 +248,7 @@ class Registry:
     async def release_lease(
         self, lease_id: str, node_id: str, incarnation: str, reason: str
     ) -> lease_pb2.Lease:
+        self._validate.release(lease_id, node_id, incarnation, reason)
         async with self._mutation():
             lease = await self.leases.lease(lease_id)
             await self.leases.release(lease, node_id, incarnation, reason)
@@ -248,6 +257,8 @@ class Registry:
     async def revoke_lease(
         self, lease_id: str = "", conversation_id: str = "", reason: str = ""
     ) -> lease_pb2.Lease:
+        self._validate.lease_ref(lease_id, conversation_id)
+        self._validate.text(reason, "reason")
         async with self._mutation():
             lease = await self.leases.by_id_or_conversation(lease_id, conversation_id)
             await self.leases.revoke(lease, reason)
@@ -283,6 +294,7 @@ class Registry:
         events: Sequence[registry_pb2.RetentionEvent],
         full_snapshot: bool,
     ) -> registry_pb2.ReportRetentionResponse:
+        self._validate.session(node_id, incarnation)
         checked = self.retention.check(events)
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
@@ -293,6 +305,7 @@ class Registry:
     async def watch_commands(
         self, node_id: str, incarnation: str
     ) -> AsyncIterator[registry_pb2.LeaseCommand]:
+        self._validate.session(node_id, incarnation)
         await self.nodes.session(node_id, incarnation)
         async for command in self.outbox.watch(node_id, incarnation):
             yield command
@@ -302,10 +315,9 @@ class Registry:
     async def routing_hint(
         self, conversation_id: str, model: str, dry_run: bool = False
     ) -> registry_pb2.RoutingHint:
-        if conversation_id:
-            self._validate.id(conversation_id, "conversation_id")
-            if not dry_run:
-                await self.turns.settled((conversation_id,))
+        self._validate.hint(conversation_id, model)
+        if conversation_id and not dry_run:
+            await self.turns.settled((conversation_id,))
         hint = registry_pb2.RoutingHint()
         async with self._mutation():
             await self.hints.hint(conversation_id, model, dry_run, hint)
@@ -322,20 +334,26 @@ class Registry:
                 f"{len(requests)} hint requests exceed the batch limit of {MAX_HINT_BATCH}"
             )
         response = registry_pb2.BatchGetRoutingHintsResponse()
+        # Each request is checked before any is served: a malformed one is answered with its
+        # error alone, and never fails the batch after others have claimed leases.
+        refused: dict[int, InvalidArgument] = {}
+        for index, request in enumerate(requests):
+            try:
+                self._validate.hint(request.conversation_id, request.model)
+            except InvalidArgument as error:
+                refused[index] = error
         if self.turns:
             await self.turns.settled(
                 r.conversation_id
-                for r in requests
-                if r.conversation_id
-                and not r.dry_run
-                and len(r.conversation_id) <= self.config.max_id_length
+                for i, r in enumerate(requests)
+                if r.conversation_id and not r.dry_run and i not in refused
             )
         async with self._mutation():
-            for request in requests:
+            for index, request in enumerate(requests):
                 result = response.results.add()
                 try:
-                    if request.conversation_id:
-                        self._validate.id(request.conversation_id, "conversation_id")
+                    if index in refused:
+                        raise refused[index]
                     await self.hints.hint(
                         request.conversation_id, request.model, request.dry_run, result.hint
                     )

@@ -53,6 +53,7 @@ LAYERS = {
     "test_ports": "unit",
     "test_readiness": "unit",
     "test_registry_unit": "unit",
+    "test_request_validation": "unit",
     "test_retention_policy": "unit",
     "test_retention_mirror": "unit",
     "test_retention_sim": "unit",
