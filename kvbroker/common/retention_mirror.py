@@ -59,6 +59,11 @@ class RetentionMirror:
             noted.epoch = epoch
             self._retained[remote_request_id] = noted
 
+    def forget(self, remote_request_id: str) -> None:
+        """Drops a retained request the registry refused: no replay carries it again."""
+        with self._lock:
+            self._retained.pop(remote_request_id, None)
+
     def replace(self, retained: Iterable[registry_pb2.RetainedBlocks]) -> None:
         """The engine re-attached: what it retains now is the whole truth."""
         with self._lock:
