@@ -73,6 +73,12 @@ class DeadlineQueue(Generic[K]):
             self._heap = [(when, key) for key, when in self._current.items()]
             heapq.heapify(self._heap)
 
+    def clear(self) -> None:
+        """Forgets every deadline (the owner rebuilds them)."""
+        self._heap.clear()
+        self._current.clear()
+        self._changed.set()
+
     def deadline(self, key: K) -> float | None:
         return self._current.get(key)
 

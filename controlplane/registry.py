@@ -28,7 +28,14 @@ import structlog
 
 from controlplane.config import RegistryConfig
 from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
-from controlplane.errors import InvalidArgument, RegistryError, StoreUnavailable, hint_error
+from controlplane.errors import (
+    CommitUndone,
+    InvalidArgument,
+    RegistryError,
+    StoreRefused,
+    StoreUnavailable,
+    hint_error,
+)
 from controlplane.hints import Hints
 from controlplane.idle_ttl import IdleTtl
 from controlplane.leases import Leases
@@ -57,7 +64,14 @@ class _Mutation:
         self._registry = registry
 
     async def __aenter__(self) -> None:
-        await self._registry._lock.acquire()
+        registry = self._registry
+        await registry._lock.acquire()
+        if registry.store.resync_due:
+            try:
+                await registry._resync()
+            except BaseException:
+                registry._lock.release()
+                raise
 
     async def __aexit__(self, *exc: object) -> None:
         registry = self._registry
@@ -143,12 +157,38 @@ class Registry:
         keeps it; commands go out only once their change is durable."""
         try:
             await self.store.commit()
+        except (StoreRefused, CommitUndone) as error:
+            # The store refused a record, not this leader: nothing was written, the cache is
+            # undone, and the next mutation rebuilds what was derived from it (``_resync``).
+            self._log.error("store_commit_refused", error=error.message)
+            raise
         except StoreUnavailable as error:
             self._log.error("store_commit_failed", error=error.message)
             if self._on_store_failure is not None:
                 self._on_store_failure(error)
             raise
         self.outbox.deliver(unsent)
+
+    async def _resync(self) -> None:
+        """After the store refused a record and undid the cache to what is durable: rebuilds
+        the deadlines and node runtimes from the records, as a takeover does, but keeps what
+        only this leader knows of sessions that go on (their applied sequence, their sync)."""
+        self.store.resync_due = False
+        kept = {
+            node_id: (runtime.spec.incarnation, runtime.applied_sequence, runtime.synced)
+            for node_id, runtime in self.nodes.runtime.items()
+        }
+        inherited = self.leases.inherited_claims_until
+        self._deadlines.clear()
+        self.nodes.runtime.clear()
+        self.nodes.restore(await self.store.list_nodes())
+        for node_id, runtime in self.nodes.runtime.items():
+            incarnation, applied, synced = kept.get(node_id, ("", 0, False))
+            if incarnation == runtime.spec.incarnation:
+                runtime.applied_sequence, runtime.synced = applied, synced
+        live = await self.leases.restore()
+        self.leases.inherited_claims_until = inherited
+        self._log.warning("registry_resynced", live_leases=live)
 
     async def restore(self) -> None:
         """Rebuilds deadlines and the routing view from the store (a takeover)."""
@@ -364,7 +404,8 @@ class Registry:
     # ----------------------------------------------------------------- deadlines
 
     async def _on_deadlines(self, keys: list[DeadlineKey]) -> None:
-        with contextlib.suppress(StoreUnavailable):  # the replica steps down and reloads
+        # Unavailable: the replica steps down and reloads; refused: the next mutation resyncs.
+        with contextlib.suppress(StoreUnavailable, StoreRefused, CommitUndone):
             async with self._mutation():
                 for kind, key in keys:
                     await self._on_due[kind](key)

@@ -28,8 +28,8 @@ LEASE_ID = re.compile(r"[0-9a-f]{21,32}")
 MAX_PORT = 65_535
 # A block hash is a digest: vLLM's are 32 bytes (sha256); anything much longer is not one.
 MAX_BLOCK_HASH_BYTES = 64
-# A lease record holds a retention plus ids, times and an end reason: room for those.
-LEASE_RECORD_OVERHEAD = 4096
+# A lease record's times, numbers and field tags, beyond its ids, reason and retention.
+LEASE_RECORD_FIXED_BYTES = 512
 RECLAIM_CAUSES = frozenset({lease_pb2.LEASE_END_CAUSE_PRESSURE, lease_pb2.LEASE_END_CAUSE_BUDGET})
 ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH})
 
@@ -45,6 +45,11 @@ def _known(enum: EnumTypeWrapper, value: int) -> bool:
 class Validation:
     def __init__(self, config: RegistryConfig) -> None:
         self._config = config
+        # What a lease record holds besides the retention: four ids (lease, conversation,
+        # node, incarnation; up to 4 UTF-8 bytes a character) and an end reason.
+        self._lease_overhead = (
+            16 * config.max_id_length + config.max_text_bytes + LEASE_RECORD_FIXED_BYTES
+        )
 
     # ------------------------------------------------------------ fields
 
@@ -172,7 +177,7 @@ class Validation:
             hash_bytes += len(digest) + 2
         if token_count == 0:
             raise InvalidArgument("token_count must be positive")
-        self.record_bytes(handle.ByteSize() + hash_bytes + LEASE_RECORD_OVERHEAD, "the lease")
+        self.record_bytes(handle.ByteSize() + hash_bytes + self._lease_overhead, "the lease")
         return blocks
 
     def grant(

@@ -63,6 +63,7 @@ LAYERS = {
     "test_cli": "integration",
     "test_election": "integration",
     "test_error_reasons": "integration",
+    "test_leader_resilience": "integration",
     "test_reclaim": "integration",
     "test_registry_bench": "integration",
     "test_registry_grpc": "integration",
