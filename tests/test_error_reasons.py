@@ -172,3 +172,34 @@ async def test_the_router_falls_back_only_when_no_leader_answers(
         assert (plan.decision, plan.consistency) == ("MISS", "DEGRADED")
     finally:
         await router.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "raw"),
+    [
+        # A NodeSpec whose node_id is not UTF-8.
+        ("RegisterNode", b"\x0a\x03\x0a\x01\xff"),
+        # Truncated: a field that promises 5 bytes and has 1.
+        ("Heartbeat", b"\x0a\x05a"),
+        # A wire type that no field of it has.
+        ("BatchGetRoutingHints", b"\x0f"),
+    ],
+)
+async def test_an_undecodable_request_is_invalid_argument(
+    channel: grpc.aio.Channel, method: str, raw: bytes
+) -> None:
+    """Refused at the server's edge with its reason, not gRPC's UNKNOWN."""
+    call = channel.unary_unary(f"/kvbroker.v1.RegistryService/{method}")
+    error = await failure(call(raw, timeout=5))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT
+
+
+async def test_an_undecodable_command_watch_is_invalid_argument(
+    channel: grpc.aio.Channel,
+) -> None:
+    call = channel.unary_stream("/kvbroker.v1.RegistryService/WatchLeaseCommands")
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        async for _ in call(b"\x0a\x01\xff", timeout=5):
+            pass
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
