@@ -35,6 +35,9 @@ class RegistryConfig:
     # Sidecars heartbeat this often; a node silent for session_ttl_s is marked DOWN.
     heartbeat_interval_s: float = 2.0
     session_ttl_s: float = 6.0
+    # A node DOWN this long (its pod gone, say, and another with a new name in its place) is
+    # forgotten: its record, its runtime and its metric series.
+    forget_down_nodes_after_s: float = 3600.0
     # Ended leases stay visible to `lease show` this long, then are forgotten.
     ended_lease_retention_s: float = 300.0
     # A conversation with no live lease is forgotten after this long without activity.
@@ -70,6 +73,8 @@ class RegistryConfig:
             raise ValueError("need 0 < heartbeat interval < session TTL")
         if not 0 < self.max_record_bytes <= MAX_RECORD_BYTES:
             raise ValueError(f"the record size bound must be within (0, {MAX_RECORD_BYTES}]")
+        if self.forget_down_nodes_after_s < 0:
+            raise ValueError("the retention of DOWN nodes must not be negative")
         if self.turn_settle_timeout_s < 0:
             raise ValueError("the turn settle timeout must not be negative")
         self.idle_ttl()  # validates the idle TTL settings

@@ -38,6 +38,8 @@ class DeadlineKind(enum.IntEnum):
     FORGET_LEASE = 4
     # A conversation without a live lease is forgotten.
     FORGET_CONVERSATION = 5
+    # A node DOWN for the retention period is forgotten.
+    FORGET_NODE = 6
 
 
 DeadlineKey = tuple[DeadlineKind, str]

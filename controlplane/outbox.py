@@ -91,6 +91,12 @@ class Outbox:
                 return  # a new incarnation took over, or this registry stopped leading
             yield command
 
+    def forget(self, node_id: str) -> None:
+        """Drops a forgotten node's queue; a watcher still on it ends."""
+        queue = self._queues.pop(node_id, None)
+        if queue is not None:
+            queue.pending.put_nowait(registry_pb2.LeaseCommand())
+
     def close(self) -> None:
         """Ends every command stream: their sidecars reconnect to whichever replica leads
         next."""

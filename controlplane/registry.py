@@ -131,6 +131,7 @@ class Registry:
             DeadlineKind.NODE_SESSION: self._on_session_expired,
             DeadlineKind.FORGET_LEASE: self.leases.forget_lease,
             DeadlineKind.FORGET_CONVERSATION: self.leases.forget_conversation,
+            DeadlineKind.FORGET_NODE: self._forget_node,
         }
         metrics.watch_nodes(self.nodes.figures)
 
@@ -250,6 +251,10 @@ class Registry:
         node = await self.store.get_node(node_id)
         if node is not None and node.state != DOWN:
             await self._mark_down(node, "missed heartbeats")
+
+    async def _forget_node(self, node_id: str) -> None:
+        if await self.nodes.forget(node_id):
+            self.outbox.forget(node_id)
 
     # ----------------------------------------------------------------- leases
 

@@ -73,6 +73,7 @@ class Store(Protocol):
         ...
 
     async def list_nodes(self) -> list[node_pb2.Node]: ...
+    async def delete_node(self, node_id: str) -> None: ...
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation | None: ...
     async def put_conversation(self, conversation: lease_pb2.Conversation) -> None: ...
@@ -276,6 +277,9 @@ class CachedStore:
 
     async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
         self._write(RecordKind.NODE, node.spec.node_id, node.SerializeToString(), durable)
+
+    async def delete_node(self, node_id: str) -> None:
+        self._write(RecordKind.NODE, node_id, None, True)
 
     async def put_conversation(self, conversation: lease_pb2.Conversation) -> None:
         raw = conversation.SerializeToString()
