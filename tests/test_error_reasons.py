@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from controlplane.hints import cached_hint
 from controlplane.metrics import RegistryMetrics
@@ -203,3 +205,31 @@ async def test_an_undecodable_command_watch_is_invalid_argument(
         async for _ in call(b"\x0a\x01\xff", timeout=5):
             pass
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+_UNARY = sorted(
+    method.name
+    for method in registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].methods
+    if not method.server_streaming
+)
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(method=st.sampled_from(_UNARY), raw=st.binary(max_size=64))
+async def test_fuzzed_bytes_are_never_unknown_or_internal(
+    channel: grpc.aio.Channel, method: str, raw: bytes
+) -> None:
+    """Arbitrary bytes to any method: undecodable, or decoded into arbitrary field values.
+    Answered, or refused with a status and a reason of the registry's; never UNKNOWN or
+    INTERNAL."""
+    call = channel.unary_unary(f"/kvbroker.v1.RegistryService/{method}")
+    try:
+        await call(raw, timeout=5)
+    except grpc.aio.AioRpcError as rpc_error:
+        error = from_grpc_error(rpc_error)
+        assert error.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), error
+        assert error.reason != registry_pb2.ERROR_REASON_UNSPECIFIED, error
