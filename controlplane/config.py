@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from controlplane.idle_ttl import IdleTtlConfig
 
+# etcd's default --max-request-bytes is 1.5 MiB; ``EtcdBackend`` keeps 0.5 MiB of it for a
+# transaction's framing, and a record needs room for its key.
+MAX_RECORD_BYTES = (1 << 20) - 4096
+
 
 @dataclass(frozen=True)
 class RegistryConfig:
@@ -31,6 +35,9 @@ class RegistryConfig:
     # Sidecars heartbeat this often; a node silent for session_ttl_s is marked DOWN.
     heartbeat_interval_s: float = 2.0
     session_ttl_s: float = 6.0
+    # A node DOWN this long (its pod gone, say, and another with a new name in its place) is
+    # forgotten: its record, its runtime and its metric series.
+    forget_down_nodes_after_s: float = 3600.0
     # Ended leases stay visible to `lease show` this long, then are forgotten.
     ended_lease_retention_s: float = 300.0
     # A conversation with no live lease is forgotten after this long without activity.
@@ -38,6 +45,13 @@ class RegistryConfig:
     # Bad-input guards.
     max_block_hashes: int = 65_536
     max_id_length: int = 256
+    # Free text a request carries (a reason, a model name, a URL), in bytes as stored.
+    max_text_bytes: int = 2048
+    # The largest record (a lease with its block hashes) the registry stores: below one write
+    # of etcd at its default --max-request-bytes (1.5 MiB, of which ``EtcdBackend`` counts
+    # 1 MiB for keys and values), so no record can be refused by the store. Larger input is
+    # refused with INVALID_ARGUMENT, whatever the store.
+    max_record_bytes: int = 1_000_000
     # Commands queued for a node whose sidecar is not watching; older ones are dropped.
     max_pending_commands: int = 10_000
     # Expiries handled per batch before yielding to RPCs (etcd's lessor rate-limits likewise).
@@ -57,6 +71,10 @@ class RegistryConfig:
             raise ValueError("need 0 < default lease TTL <= max lease TTL")
         if self.heartbeat_interval_s <= 0 or self.session_ttl_s <= self.heartbeat_interval_s:
             raise ValueError("need 0 < heartbeat interval < session TTL")
+        if not 0 < self.max_record_bytes <= MAX_RECORD_BYTES:
+            raise ValueError(f"the record size bound must be within (0, {MAX_RECORD_BYTES}]")
+        if self.forget_down_nodes_after_s < 0:
+            raise ValueError("the retention of DOWN nodes must not be negative")
         if self.turn_settle_timeout_s < 0:
             raise ValueError("the turn settle timeout must not be negative")
         self.idle_ttl()  # validates the idle TTL settings

@@ -38,6 +38,8 @@ class DeadlineKind(enum.IntEnum):
     FORGET_LEASE = 4
     # A conversation without a live lease is forgotten.
     FORGET_CONVERSATION = 5
+    # A node DOWN for the retention period is forgotten.
+    FORGET_NODE = 6
 
 
 DeadlineKey = tuple[DeadlineKind, str]
@@ -72,6 +74,12 @@ class DeadlineQueue(Generic[K]):
         if len(self._heap) > max(2 * len(self._current), _MIN_REBUILD):
             self._heap = [(when, key) for key, when in self._current.items()]
             heapq.heapify(self._heap)
+
+    def clear(self) -> None:
+        """Forgets every deadline (the owner rebuilds them)."""
+        self._heap.clear()
+        self._current.clear()
+        self._changed.set()
 
     def deadline(self, key: K) -> float | None:
         return self._current.get(key)

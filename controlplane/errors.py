@@ -115,6 +115,19 @@ class StoreUnavailable(Unavailable):
     reason = registry_pb2.ERROR_REASON_STORE_UNAVAILABLE
 
 
+class StoreRefused(InvalidArgument):
+    """The durable store refused a record of this call as malformed or too large for one
+    write: nothing of the call was written (the registry's view was undone), and the leader
+    goes on leading. Distinct from ``StoreUnavailable``, which steps the leader down."""
+
+
+class CommitUndone(Unavailable):
+    """This call's change went to the store in one write with a record it refused, and was
+    undone with it: nothing was written, the leader goes on leading; retry."""
+
+    reason = registry_pb2.ERROR_REASON_STORE_UNAVAILABLE
+
+
 def hint_error(error: RegistryError) -> registry_pb2.HintError:
     """The error as the status record a client reads: one refused hint of a batch, or a failed
     call's trailing metadata."""

@@ -28,7 +28,7 @@ import aetcd.utils
 import grpc
 from aetcd import rpc
 
-from controlplane.errors import StoreUnavailable
+from controlplane.errors import StoreRefused, StoreUnavailable
 from controlplane.state_cache import RecordKind, StateCache
 from controlplane.store import CachedStore, Change, Deposed, WatchEvent, WriteLimits
 
@@ -42,6 +42,9 @@ _OPERATION_BYTES = 16
 MAX_BLOCK_HASHES = 16_384
 # Keys per range request when loading (leases are ~1 KB: well under gRPC's 4 MiB limit).
 LOAD_PAGE = 1000
+# What etcd answers a request it will not take as it stands ("request is too large", "too many
+# operations in txn request", or past its gRPC message limit): nothing of it was applied.
+_REFUSED_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 ETCD_ERRORS = (aetcd.exceptions.ClientError, grpc.aio.AioRpcError, OSError, TimeoutError)
 
 
@@ -174,6 +177,13 @@ class EtcdBackend:
                 rpc.TxnRequest(compare=[key_created_at(self.leader_key, fence)], success=ops),
                 timeout=self.connection.timeout_s,
             )
+        except grpc.aio.AioRpcError as error:
+            if error.code() in _REFUSED_CODES:
+                # etcd checked the request and took none of it (too large, too many
+                # operations): the record is at fault, not the leader or the connection.
+                raise StoreRefused(f"etcd refused the write: {error.details()}") from error
+            await self.connection.reconnect()
+            raise StoreUnavailable(f"etcd did not take the write: {error}") from error
         except ETCD_ERRORS as error:
             await self.connection.reconnect()
             raise StoreUnavailable(f"etcd did not take the write: {error}") from error

@@ -166,8 +166,7 @@ class Leases:
         page_size: int,
         page_token: str,
     ) -> tuple[list[lease_pb2.Lease], str]:
-        if page_size > 1000:
-            raise InvalidArgument(f"page_size {page_size} exceeds the limit of 1000")
+        self._validate.list_leases(node_id, conversation_id, states, page_size)
         wanted = set(states) or LIVE_LEASE_STATES
         limit = page_size or 100
         page: list[lease_pb2.Lease] = []
@@ -203,8 +202,7 @@ class Leases:
         registry's maximum and by the holder engine's hard cap. The engine frees retained
         blocks at its cap whatever the lease says, so a lease that outlived it would be
         offered, claimed and checked as readable for blocks already given to new work."""
-        if requested is not None and requested < 0:
-            raise InvalidArgument("time_to_live must not be negative")
+        self._validate.ttl(requested)
         ttl = min(requested, self._config.max_lease_ttl_s) if requested else self._idle_ttl.ttl()
         return min(ttl, self._hard_cap_s(holder_id))
 
@@ -225,6 +223,14 @@ class Leases:
         existing = await self._store.find_lease(node.spec.node_id, handle.remote_request_id)
         if existing is not None and existing.conversation_id == conversation_id:
             return existing  # a duplicate report of the same retention
+        if existing is not None and existing.state in LIVE_LEASE_STATES:
+            # One engine request's blocks are one retention: a second live lease over them
+            # would free them under the first when either ended.
+            raise InvalidArgument(
+                f"request {handle.remote_request_id!r} of node {node.spec.node_id!r} is "
+                f"retained under live lease {existing.lease_id} of conversation "
+                f"{existing.conversation_id!r}"
+            )
         now = self._now()
         conversation = await self._store.get_conversation(conversation_id)
         if conversation is None:
@@ -347,7 +353,6 @@ class Leases:
         self, lease: lease_pb2.Lease, node_id: str, incarnation: str, reason: str
     ) -> None:
         """The holder freed the blocks; only the holder may say so."""
-        self._validate.id(node_id, "node_id")
         if lease.node_id != node_id or lease.node_incarnation != incarnation:
             raise NotHolder(
                 f"lease {lease.lease_id} is held by node {lease.node_id!r} "

@@ -16,7 +16,6 @@ import structlog
 from controlplane.config import RegistryConfig
 from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from controlplane.errors import (
-    InvalidArgument,
     NodeDown,
     NodeNotRegistered,
     NotADecodeNode,
@@ -152,16 +151,6 @@ class NodeSessions:
 
     # ----------------------------------------------------------------- transitions
 
-    def validate_spec(self, spec: node_pb2.NodeSpec) -> None:
-        self._validate.id(spec.node_id, "spec.node_id")
-        self._validate.id(spec.incarnation, "spec.incarnation")
-        if spec.role == node_pb2.NODE_ROLE_UNSPECIFIED:
-            raise InvalidArgument("spec.role is required (prefill, decode or both)")
-        if not spec.model:
-            raise InvalidArgument("spec.model is required")
-        if spec.block_size == 0:
-            raise InvalidArgument("spec.block_size must be positive")
-
     async def register(self, spec: node_pb2.NodeSpec, old: node_pb2.Node | None) -> node_pb2.Node:
         """Starts the session of ``spec`` (``old``: the node's record before, if any); the same
         incarnation registering again keeps its session's start and its draining."""
@@ -179,6 +168,7 @@ class NodeSessions:
         self._set_runtime(spec, node.state, fresh=not same_incarnation)
         await self._store.put_node(node)
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, spec.node_id), now + self._ttl())
+        self._deadlines.cancel((DeadlineKind.FORGET_NODE, spec.node_id))
         self._log.info(
             "node_registered",
             node=spec.node_id,
@@ -226,8 +216,25 @@ class NodeSessions:
         node.state = DOWN
         self._set_runtime(node.spec, DOWN)
         self._deadlines.cancel((DeadlineKind.NODE_SESSION, node.spec.node_id))
+        self._schedule_forget(node.spec.node_id, self._now())
         await self._store.put_node(node)
         self._log.warning("node_down", node=node.spec.node_id, why=why)
+
+    async def forget(self, node_id: str) -> bool:
+        """Forgets a node that is still DOWN (its record, its runtime, and so its metric
+        series); False if it came back meanwhile."""
+        node = await self._store.get_node(node_id)
+        if node is None or node.state != DOWN:
+            return False
+        await self._store.delete_node(node_id)
+        if self.runtime.pop(node_id, None) is not None:
+            self._routes.clear()
+        self._log.info("node_forgotten", node=node_id)
+        return True
+
+    def _schedule_forget(self, node_id: str, since: float) -> None:
+        key = (DeadlineKind.FORGET_NODE, node_id)
+        self._deadlines.schedule(key, since + self._config.forget_down_nodes_after_s)
 
     def restore(self, nodes: list[node_pb2.Node]) -> None:
         """Runtimes for the nodes in the store (a takeover): not synced until they replay, and
@@ -240,6 +247,8 @@ class NodeSessions:
             if node.state != DOWN:
                 key = (DeadlineKind.NODE_SESSION, node.spec.node_id)
                 self._deadlines.schedule(key, now + self._ttl())
+            else:  # when it went down is not kept: a full retention from now
+                self._schedule_forget(node.spec.node_id, now)
         self._routes.clear()
 
     def retention_hard_cap_s(self, node_id: str) -> float | None:

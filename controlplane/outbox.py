@@ -112,6 +112,12 @@ class Outbox:
                 return
             yield queue.pending.popleft()
 
+    def forget(self, node_id: str) -> None:
+        """Drops a forgotten node's queue; a watcher still on it ends."""
+        queue = self._queues.pop(node_id, None)
+        if queue is not None:
+            queue.wake.set()
+
     def close(self) -> None:
         """Ends every command stream: their sidecars reconnect to whichever replica leads
         next."""

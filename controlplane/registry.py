@@ -30,8 +30,10 @@ from controlplane.config import RegistryConfig
 from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from controlplane.errors import (
     BatchFull,
+    CommitUndone,
     InvalidArgument,
     RegistryError,
+    StoreRefused,
     StoreUnavailable,
     hint_error,
 )
@@ -68,7 +70,14 @@ class _Mutation:
         self._registry = registry
 
     async def __aenter__(self) -> None:
-        await self._registry._lock.acquire()
+        registry = self._registry
+        await registry._lock.acquire()
+        if registry.store.resync_due:
+            try:
+                await registry._resync()
+            except BaseException:
+                registry._lock.release()
+                raise
 
     async def __aexit__(self, *exc: object) -> None:
         registry = self._registry
@@ -128,6 +137,7 @@ class Registry:
             DeadlineKind.NODE_SESSION: self._on_session_expired,
             DeadlineKind.FORGET_LEASE: self.leases.forget_lease,
             DeadlineKind.FORGET_CONVERSATION: self.leases.forget_conversation,
+            DeadlineKind.FORGET_NODE: self._forget_node,
         }
         metrics.watch_nodes(self.nodes.figures)
 
@@ -154,12 +164,38 @@ class Registry:
         keeps it; commands go out only once their change is durable."""
         try:
             await self.store.commit()
+        except (StoreRefused, CommitUndone) as error:
+            # The store refused a record, not this leader: nothing was written, the cache is
+            # undone, and the next mutation rebuilds what was derived from it (``_resync``).
+            self._log.error("store_commit_refused", error=error.message)
+            raise
         except StoreUnavailable as error:
             self._log.error("store_commit_failed", error=error.message)
             if self._on_store_failure is not None:
                 self._on_store_failure(error)
             raise
         self.outbox.deliver(unsent)
+
+    async def _resync(self) -> None:
+        """After the store refused a record and undid the cache to what is durable: rebuilds
+        the deadlines and node runtimes from the records, as a takeover does, but keeps what
+        only this leader knows of sessions that go on (their applied sequence, their sync)."""
+        self.store.resync_due = False
+        kept = {
+            node_id: (runtime.spec.incarnation, runtime.applied_sequence, runtime.synced)
+            for node_id, runtime in self.nodes.runtime.items()
+        }
+        inherited = self.leases.inherited_claims_until
+        self._deadlines.clear()
+        self.nodes.runtime.clear()
+        self.nodes.restore(await self.store.list_nodes())
+        for node_id, runtime in self.nodes.runtime.items():
+            incarnation, applied, synced = kept.get(node_id, ("", 0, False))
+            if incarnation == runtime.spec.incarnation:
+                runtime.applied_sequence, runtime.synced = applied, synced
+        live = await self.leases.restore()
+        self.leases.inherited_claims_until = inherited
+        self._log.warning("registry_resynced", live_leases=live)
 
     async def restore(self) -> None:
         """Rebuilds deadlines and the routing view from the store (a takeover)."""
@@ -173,7 +209,7 @@ class Registry:
     # ----------------------------------------------------------------- nodes
 
     async def register_node(self, spec: node_pb2.NodeSpec) -> node_pb2.Node:
-        self.nodes.validate_spec(spec)
+        self._validate.node_spec(spec)
         async with self._mutation():
             old = await self.store.get_node(spec.node_id)
             if old is None or old.spec.incarnation != spec.incarnation:
@@ -187,17 +223,21 @@ class Registry:
     async def heartbeat(
         self, node_id: str, incarnation: str, engine_ready: bool, load: node_pb2.NodeLoad
     ) -> node_pb2.Node:
+        self._validate.session(node_id, incarnation)
+        self._validate.load(load)
         async with self._mutation():
             node = await self.nodes.heartbeat(node_id, incarnation, engine_ready, load)
             return self.nodes.view(node)
 
     async def deregister_node(self, node_id: str, incarnation: str) -> node_pb2.Node:
+        self._validate.session(node_id, incarnation)
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
             await self._mark_down(node, "deregistered")
             return self.nodes.view(node)
 
     async def drain_node(self, node_id: str) -> node_pb2.Node:
+        self._validate.id(node_id, "node_id")
         async with self._mutation():
             return self.nodes.view(await self.nodes.drain(node_id))
 
@@ -205,6 +245,7 @@ class Registry:
         return self.nodes.view(await self.nodes.node(node_id))
 
     async def list_nodes(self, role: int = 0, model: str = "") -> list[node_pb2.Node]:
+        self._validate.list_nodes(role, model)
         return await self.nodes.list_nodes(role, model)
 
     async def _mark_down(self, node: node_pb2.Node, why: str) -> None:
@@ -216,6 +257,10 @@ class Registry:
         node = await self.store.get_node(node_id)
         if node is not None and node.state != DOWN:
             await self._mark_down(node, "missed heartbeats")
+
+    async def _forget_node(self, node_id: str) -> None:
+        if await self.nodes.forget(node_id):
+            self.outbox.forget(node_id)
 
     # ----------------------------------------------------------------- leases
 
@@ -230,8 +275,9 @@ class Registry:
         ttl: float | None = None,
         block_hash_stride: int = 1,
     ) -> lease_pb2.Lease:
-        self._validate.id(conversation_id, "conversation_id")
-        blocks = self._validate.retention(handle, block_hashes, token_count)
+        blocks = self._validate.grant(
+            conversation_id, node_id, incarnation, handle, block_hashes, token_count, ttl
+        )
         checkpoints = Checkpoints.of(block_hashes, block_hash_stride)
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
@@ -245,6 +291,8 @@ class Registry:
     async def renew_lease(
         self, lease_id: str = "", conversation_id: str = "", ttl: float | None = None
     ) -> lease_pb2.Lease:
+        self._validate.lease_ref(lease_id, conversation_id)
+        self._validate.ttl(ttl)
         async with self._mutation():
             lease = await self.leases.by_id_or_conversation(lease_id, conversation_id)
             await self.leases.renew(lease, self.leases.ttl(ttl, lease.node_id))
@@ -253,6 +301,7 @@ class Registry:
     async def release_lease(
         self, lease_id: str, node_id: str, incarnation: str, reason: str
     ) -> lease_pb2.Lease:
+        self._validate.release(lease_id, node_id, incarnation, reason)
         async with self._mutation():
             lease = await self.leases.lease(lease_id)
             await self.leases.release(lease, node_id, incarnation, reason)
@@ -261,6 +310,8 @@ class Registry:
     async def revoke_lease(
         self, lease_id: str = "", conversation_id: str = "", reason: str = ""
     ) -> lease_pb2.Lease:
+        self._validate.lease_ref(lease_id, conversation_id)
+        self._validate.text(reason, "reason")
         async with self._mutation():
             lease = await self.leases.by_id_or_conversation(lease_id, conversation_id)
             await self.leases.revoke(lease, reason)
@@ -296,6 +347,7 @@ class Registry:
         events: Sequence[registry_pb2.RetentionEvent],
         full_snapshot: bool,
     ) -> registry_pb2.ReportRetentionResponse:
+        self._validate.session(node_id, incarnation)
         checked = self.retention.check(events)
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
@@ -306,6 +358,7 @@ class Registry:
     async def watch_commands(
         self, node_id: str, incarnation: str
     ) -> AsyncIterator[registry_pb2.LeaseCommand]:
+        self._validate.session(node_id, incarnation)
         await self.nodes.session(node_id, incarnation)
         async for command in self.outbox.watch(node_id, incarnation):
             yield command
@@ -315,10 +368,9 @@ class Registry:
     async def routing_hint(
         self, conversation_id: str, model: str, dry_run: bool = False
     ) -> registry_pb2.RoutingHint:
-        if conversation_id:
-            self._validate.id(conversation_id, "conversation_id")
-            if not dry_run:
-                await self.turns.settled((conversation_id,))
+        self._validate.hint(conversation_id, model)
+        if conversation_id and not dry_run:
+            await self.turns.settled((conversation_id,))
         hint = registry_pb2.RoutingHint()
         async with self._mutation():
             await self.hints.hint(conversation_id, model, dry_run, hint)
@@ -335,25 +387,31 @@ class Registry:
                 f"{len(requests)} hint requests exceed the batch limit of {MAX_HINT_BATCH}"
             )
         response = registry_pb2.BatchGetRoutingHintsResponse()
+        # Each request is checked before any is served: a malformed one is answered with its
+        # error alone, and never fails the batch after others have claimed leases.
+        refused: dict[int, InvalidArgument] = {}
+        for index, request in enumerate(requests):
+            try:
+                self._validate.hint(request.conversation_id, request.model)
+            except InvalidArgument as error:
+                refused[index] = error
         if self.turns:
             await self.turns.settled(
                 r.conversation_id
-                for r in requests
-                if r.conversation_id
-                and not r.dry_run
-                and len(r.conversation_id) <= self.config.max_id_length
+                for i, r in enumerate(requests)
+                if r.conversation_id and not r.dry_run and i not in refused
             )
         answered_bytes = 0
         async with self._mutation():
-            for request in requests:
+            for index, request in enumerate(requests):
                 result = response.results.add()
                 if answered_bytes > HINT_BATCH_BYTES:
                     full = BatchFull(f"the batch's answer passed {HINT_BATCH_BYTES} bytes; retry")
                     result.error.CopyFrom(hint_error(full))
                     continue
                 try:
-                    if request.conversation_id:
-                        self._validate.id(request.conversation_id, "conversation_id")
+                    if index in refused:
+                        raise refused[index]
                     await self.hints.hint(
                         request.conversation_id, request.model, request.dry_run, result.hint
                     )
@@ -365,7 +423,8 @@ class Registry:
     # ----------------------------------------------------------------- deadlines
 
     async def _on_deadlines(self, keys: list[DeadlineKey]) -> None:
-        with contextlib.suppress(StoreUnavailable):  # the replica steps down and reloads
+        # Unavailable: the replica steps down and reloads; refused: the next mutation resyncs.
+        with contextlib.suppress(StoreUnavailable, StoreRefused, CommitUndone):
             async with self._mutation():
                 for kind, key in keys:
                     await self._on_due[kind](key)

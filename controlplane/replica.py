@@ -96,7 +96,21 @@ class Replica:
     # ------------------------------------------------------------ the election loop
 
     async def run(self) -> None:
-        """Campaigns, leads or follows, until cancelled."""
+        """Campaigns, leads or follows, until cancelled. The loop never ends on its own: a
+        failure anywhere in it is logged and the loop starts over (no replica is left with no
+        election running)."""
+        poll_s = self.options.election_ttl_s / 4
+        while True:
+            try:
+                await self._elect()
+            except Exception:
+                log.exception("election_loop_failed")
+                self.metrics.leader.set(0)
+                await asyncio.sleep(poll_s)
+            else:  # pragma: no cover - _elect only ends by raising
+                log.error("election_loop_ended")
+
+    async def _elect(self) -> None:
         poll_s = self.options.election_ttl_s / 4
         follower: asyncio.Task[None] | None = None
         try:

@@ -12,27 +12,27 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from controlplane.errors import InvalidArgument, NotHolder
+from controlplane.errors import InvalidArgument, NotHolder, RegistryError, hint_error
 from controlplane.leases import (
     ENGINE,
     FENCED,
     PRESSURE,
-    RECLAIM_CAUSES,
     RELEASED,
     REVOKED,
     Leases,
 )
-from controlplane.nodes import NodeSessions
+from controlplane.nodes import NodeRuntime, NodeSessions
 from controlplane.outbox import Outbox
 from controlplane.store import Store
-from controlplane.validation import Validation
+from controlplane.validation import MAX_COUNTER, Validation
 from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
-# Events with the block count of each (counted once, when checked).
-CheckedEvents = list[tuple[registry_pb2.RetentionEvent, int]]
+# Events with the block count of each (counted once, when checked), or the error a malformed
+# one is refused with.
+CheckedEvents = list[tuple[registry_pb2.RetentionEvent, int | InvalidArgument]]
 
 
 class RetentionReports:
@@ -55,54 +55,46 @@ class RetentionReports:
         self._log = log
 
     def check(self, events: Sequence[registry_pb2.RetentionEvent]) -> CheckedEvents:
-        """The events in sequence order, each with its block count; refuses the whole report
-        if any event is malformed (check before taking the lock)."""
+        """The events in sequence order, each with its block count or, for a malformed one,
+        the error it alone is refused with (check before taking the lock)."""
         checked: CheckedEvents = []
         for event in events:
-            blocks = 0
-            if event.HasField("retained"):
-                r = event.retained
-                self._validate.id(r.conversation_id, "retained.conversation_id")
-                blocks = self._validate.retention(r.handle, r.block_hashes, r.token_count)
-            elif event.HasField("released"):
-                self._validate.id(event.released.remote_request_id, "released.remote_request_id")
-            elif event.HasField("reclaim"):
-                self._validate.id(event.reclaim.remote_request_id, "reclaim.remote_request_id")
-                if event.reclaim.cause not in RECLAIM_CAUSES:
-                    raise InvalidArgument(
-                        f"event {event.sequence}: a reclaim's cause must be PRESSURE or BUDGET"
-                    )
-            else:
-                raise InvalidArgument(
-                    f"event {event.sequence} is neither retained, released nor a reclaim"
-                )
-            checked.append((event, blocks))
+            try:
+                checked.append((event, self._validate.event(event)))
+            except InvalidArgument as error:
+                checked.append((event, error))
         checked.sort(key=lambda item: item[0].sequence)
         return checked
 
     async def apply(
         self, node: node_pb2.Node, checked: CheckedEvents, full_snapshot: bool
     ) -> registry_pb2.ReportRetentionResponse:
-        """Applies a node's checked events (call under the lock, with the node's session)."""
+        """Applies a node's checked events (call under the lock, with the node's session), each
+        on its own: an event refused (malformed, or at odds with the registry's state) changes
+        nothing and is answered in ``refused``; the others are applied."""
         runtime = self._nodes.current(node)
         # Acks are built in the response itself: copying 100k of them into it afterwards
         # costs a replay as much as building them.
         response = registry_pb2.ReportRetentionResponse()
         snapshot_ids: set[str] = set()
         for event, blocks in checked:
-            stale = event.sequence <= runtime.applied_sequence and not full_snapshot
-            if event.HasField("retained"):
-                self._nodes.require_holder_role(node)
-                lease = await self._retained(node, event.retained, blocks, stale)
-                snapshot_ids.add(lease.lease_id)
-                self._leases.ack(lease, response.leases.add())
-            elif stale:
-                pass
-            elif event.HasField("released"):
-                await self._released(node, event.released)
-            else:
-                await self._reclaim(node, event.reclaim)
-            runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
+            try:
+                if isinstance(blocks, RegistryError):
+                    raise blocks
+                await self._apply_one(node, event, blocks, runtime, full_snapshot, response)
+                if event.HasField("retained"):
+                    snapshot_ids.add(response.leases[-1].lease_id)
+            except RegistryError as error:
+                refused = response.refused.add(sequence=event.sequence)
+                refused.error.CopyFrom(hint_error(error))
+                self._log.warning(
+                    "retention_event_refused",
+                    node=node.spec.node_id,
+                    sequence=event.sequence,
+                    error=error.message,
+                )
+            if event.sequence <= MAX_COUNTER:
+                runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
         if full_snapshot:
             runtime.synced = True
             for lease_id in self._store.live_lease_ids(node.spec.node_id) - snapshot_ids:
@@ -112,6 +104,29 @@ class RetentionReports:
                 )
         response.applied_sequence = runtime.applied_sequence
         return response
+
+    async def _apply_one(
+        self,
+        node: node_pb2.Node,
+        event: registry_pb2.RetentionEvent,
+        blocks: int,
+        runtime: NodeRuntime,
+        full_snapshot: bool,
+        response: registry_pb2.ReportRetentionResponse,
+    ) -> None:
+        """One checked event: every check of it against the registry's state comes before
+        its first change."""
+        stale = event.sequence <= runtime.applied_sequence and not full_snapshot
+        if event.HasField("retained"):
+            self._nodes.require_holder_role(node)
+            lease = await self._retained(node, event.retained, blocks, stale)
+            self._leases.ack(lease, response.leases.add())
+        elif stale:
+            pass
+        elif event.HasField("released"):
+            await self._released(node, event.released)
+        else:
+            await self._reclaim(node, event.reclaim)
 
     async def _retained(
         self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, blocks: int, replay: bool
@@ -148,6 +163,7 @@ class RetentionReports:
                 f"lease {lease.lease_id} is held by node {lease.node_id!r}, "
                 f"not {node.spec.node_id!r}"
             )
+        await self._check_replayed(node, retained, lease)
         if lease is not None and lease.state in LIVE_LEASE_STATES:
             if lease.node_incarnation != node.spec.incarnation:
                 lease.node_incarnation = node.spec.incarnation
@@ -191,6 +207,36 @@ class RetentionReports:
             "lease_restored", lease=lease.lease_id, node=node.spec.node_id, epoch=lease.epoch
         )
         return lease
+
+    async def _check_replayed(
+        self,
+        node: node_pb2.Node,
+        retained: registry_pb2.RetainedBlocks,
+        lease: lease_pb2.Lease | None,
+    ) -> None:
+        """A replayed lease id must name what the engine says it retained: the same
+        conversation, request and epoch; and no other live lease may hold that request."""
+        request_id = retained.handle.remote_request_id
+        if lease is not None and (
+            lease.conversation_id != retained.conversation_id
+            or lease.handle.remote_request_id != request_id
+            or lease.epoch != retained.epoch
+        ):
+            raise InvalidArgument(
+                f"lease {lease.lease_id} is conversation {lease.conversation_id!r} request "
+                f"{lease.handle.remote_request_id!r} at epoch {lease.epoch}, not what was "
+                "replayed"
+            )
+        other = await self._store.find_lease(node.spec.node_id, request_id)
+        if (
+            other is not None
+            and other.lease_id != retained.lease_id
+            and other.state in LIVE_LEASE_STATES
+        ):
+            raise InvalidArgument(
+                f"request {request_id!r} is retained under live lease {other.lease_id}, not "
+                f"{retained.lease_id}"
+            )
 
     async def _released(self, node: node_pb2.Node, released: registry_pb2.ReleasedBlocks) -> None:
         lease = await self._store.find_lease(node.spec.node_id, released.remote_request_id)

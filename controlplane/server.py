@@ -22,10 +22,10 @@ from controlplane.identity import Credentials
 from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
 from controlplane.replica import Replica, ReplicaOptions
-from controlplane.service import Leadership, RegistryServicer, Standalone
+from controlplane.service import Leadership, RegistryServicer, Standalone, add_registry_service
 from controlplane.store import MemoryStore
 from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.v1 import registry_pb2, registry_pb2_grpc
+from kvbroker.v1 import registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
 
@@ -162,9 +162,7 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         )
         replica_task = asyncio.create_task(replica.run(), name="kvbroker-replica")
         leadership = replica
-    registry_pb2_grpc.add_RegistryServiceServicer_to_server(
-        RegistryServicer(leadership, credentials), server
-    )
+    add_registry_service(RegistryServicer(leadership, credentials), server)
     metrics_address = None
     if options.metrics_listen is not None:
         metrics_host, _, metrics_port = options.metrics_listen.rpartition(":")

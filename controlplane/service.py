@@ -18,8 +18,16 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
 
-from controlplane.errors import NoLeader, RegistryError, hint_error, status_metadata
+from controlplane.errors import (
+    InvalidArgument,
+    NoLeader,
+    RegistryError,
+    hint_error,
+    status_metadata,
+)
 from controlplane.identity import Credentials, Principal, authorize, sees_incarnation
 from controlplane.metrics import RegistryMetrics
 from controlplane.registry import Registry
@@ -378,3 +386,61 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     ) -> registry_pb2.GetRoutingHintResponse:
         hint = await registry.routing_hint(request.conversation_id, request.model, request.dry_run)
         return registry_pb2.GetRoutingHintResponse(hint=hint)
+
+
+# ---------------------------------------------------------------- registration
+
+
+def add_registry_service(servicer: RegistryServicer, server: grpc.aio.Server) -> None:
+    """Serves ``servicer`` on ``server`` as the generated ``add_RegistryServiceServicer_to_
+    server`` does, except that requests are decoded here: one that does not decode is refused
+    with INVALID_ARGUMENT and its reason (gRPC's own decoding answers UNKNOWN)."""
+    service = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"]
+    handlers = {}
+    for method in service.methods:
+        request_type = GetMessageClass(method.input_type)
+        serialize = GetMessageClass(method.output_type).SerializeToString
+        behavior = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _decoding_stream(behavior, request_type), response_serializer=serialize
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _decoding(behavior, request_type), response_serializer=serialize
+            )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+
+
+async def _decode(
+    raw: bytes, request_type: type[Message], context: grpc.aio.ServicerContext
+) -> Message:
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as error:
+        name = request_type.DESCRIPTOR.full_name
+        await _abort(context, InvalidArgument(f"the request is not a valid {name}: {error}"))
+        raise  # unreachable: abort raises
+
+
+def _decoding(
+    behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+    request_type: type[Message],
+) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(await _decode(raw, request_type, context), context)
+
+    return handle
+
+
+def _decoding_stream(
+    behavior: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]],
+    request_type: type[Message],
+) -> Callable[[bytes, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for response in behavior(await _decode(raw, request_type, context), context):
+            yield response
+
+    return handle

@@ -15,8 +15,14 @@ a claim, a renewal, a release) always fit. A unit larger than one write (the man
 records of a takeover's replay, a batch of expiries, a node's withdrawal) goes in several, in
 order, each fenced: a leader lost between them leaves a written prefix of independent records,
 which its successor takes over like any other state (sessions restart, holders replay).
-Nothing is dropped silently: a write refused (fenced off, or a record larger than any write)
-undoes the cache to what is durable.
+Nothing is dropped silently: a write refused undoes the cache to what is durable. Two kinds of
+refusal differ in what follows. Fenced off (``Deposed``) or of unknown outcome
+(``StoreUnavailable``): the replica no longer leads, or cannot know what is durable, so it
+steps down. A record the store will not take (``StoreRefused``: larger than any write, or
+refused by etcd as too large): nothing was written, the leader still leads, and the store
+goes on writing; it raises ``resync_due`` so its owner rebuilds what it derived from the
+undone records (``Registry``), and the units written with the refused one fail with
+``CommitUndone`` (retry).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Protocol
 
 import structlog
 
-from controlplane.errors import StoreUnavailable
+from controlplane.errors import CommitUndone, RegistryError, StoreRefused, StoreUnavailable
 from controlplane.state_cache import RecordKind, StateCache
 from kvbroker.v1 import lease_pb2, node_pb2
 
@@ -53,7 +59,7 @@ class Deposed(StoreUnavailable):
     """The write's fence no longer holds: another replica leads, and nothing was written."""
 
 
-class CommitTooLarge(StoreUnavailable):
+class CommitTooLarge(StoreRefused):
     """A unit holds a record larger than the backend takes in one write; nothing of the unit
     was written and the cache was undone to the last durable state."""
 
@@ -67,6 +73,7 @@ class Store(Protocol):
         ...
 
     async def list_nodes(self) -> list[node_pb2.Node]: ...
+    async def delete_node(self, node_id: str) -> None: ...
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation | None: ...
     async def put_conversation(self, conversation: lease_pb2.Conversation) -> None: ...
@@ -98,8 +105,14 @@ class Store(Protocol):
     async def commit(self) -> None:
         """Makes the changes since the last commit durable: all or none when they fit one
         write of the backend, in order otherwise (see the module docstring); raises
-        ``StoreUnavailable`` when it cannot (the caller's view is then ahead of the store)."""
+        ``StoreUnavailable`` when it cannot (the caller's view is then ahead of the store),
+        ``StoreRefused`` or ``CommitUndone`` when a record was refused and the cache undone
+        (then ``resync_due`` is set)."""
         ...
+
+    # Set when a refused write undid records in the cache: whatever the owner derived from
+    # them must be rebuilt (cleared by the owner).
+    resync_due: bool
 
 
 # ---------------------------------------------------------------- backends
@@ -154,8 +167,9 @@ class Backend(Protocol):
     async def write(self, changes: Sequence[Change], fence: int | None) -> int:
         """Writes all of the changes or none, only while ``fence`` (the election's revision)
         still holds; returns the revision written at. Raises ``Deposed`` when the fence has
-        moved or is None (nothing written), ``StoreUnavailable`` when the outcome is unknown.
-        A backend reconnects by itself after a failure."""
+        moved or is None (nothing written), ``StoreRefused`` when the backend refused the
+        changes themselves (nothing written: too large), ``StoreUnavailable`` when the outcome
+        is unknown. A backend reconnects by itself after a failure."""
         ...
 
     def watch(self, after: int) -> AsyncIterator[WatchEvent]:
@@ -223,6 +237,9 @@ class CachedStore:
         self._durable_sequence = 0
         self._flushing: asyncio.Task[None] | None = None
         self._broken: StoreUnavailable | None = None
+        # Sequences of units refused (a record the store will not take), with their error.
+        self._refused: dict[int, RegistryError] = {}
+        self.resync_due = False
         self._loads = 0
 
     # ------------------------------------------------------------ reads
@@ -260,6 +277,9 @@ class CachedStore:
 
     async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
         self._write(RecordKind.NODE, node.spec.node_id, node.SerializeToString(), durable)
+
+    async def delete_node(self, node_id: str) -> None:
+        self._write(RecordKind.NODE, node_id, None, True)
 
     async def put_conversation(self, conversation: lease_pb2.Conversation) -> None:
         raw = conversation.SerializeToString()
@@ -304,12 +324,17 @@ class CachedStore:
         if self._broken is not None:
             raise self._broken
         unit, self._open = self._open, _Unit()
+        own = None
         if unit.changes:  # a unit of soft writes only has nothing to write or undo
             self._sequence += 1
-            unit.sequence = self._sequence
+            own = unit.sequence = self._sequence
             self._sealed.append(unit)
         awaited, loads = self._sequence, self._loads
-        while self._durable_sequence < awaited:
+        while True:
+            if own is not None and own in self._refused:
+                raise self._refused.pop(own)
+            if self._durable_sequence >= awaited:
+                return
             if self._broken is not None:
                 raise self._broken
             if self._loads != loads:
@@ -331,11 +356,12 @@ class CachedStore:
             unit = self._sealed[0]
             if not unit.parts_written:
                 if not all(_fits_alone(change, self.backend) for change in unit.changes.values()):
-                    self._refuse(
+                    self._refuse_records(
                         CommitTooLarge(
                             f"a record exceeds one write of the store ({self.backend.limits}); "
                             "nothing of its commit was written"
-                        )
+                        ),
+                        culprit=unit.sequence,
                     )
                     return
                 log.warning("store_commit_split", writes=len(unit.changes))
@@ -344,6 +370,11 @@ class CachedStore:
             revision = await self.backend.write(changes, self.fence)
         except Deposed as error:
             self._refuse(error)
+            return
+        except StoreRefused as error:
+            # Which record it was is known only when the write held one unit.
+            alone = count <= 1
+            self._refuse_records(error, culprit=self._sealed[0].sequence if alone else None)
             return
         except StoreUnavailable as error:
             # Whether it was written is unknown: the cache may be ahead of the backend, so no
@@ -361,16 +392,39 @@ class CachedStore:
             del unit.changes[change.kind, change.ident]
             unit.before.pop((change.kind, change.ident), None)
 
-    def _refuse(self, error: StoreUnavailable) -> None:
-        """The sealed units' writes were refused (of a unit written in parts, the parts before
-        stay: they are durable and no longer in it): the cache goes back to the last durable
-        state (undoing the unit being built too, which may have read theirs), and the store
-        takes no write until a reload, since its caller's own state has moved on with them."""
+    def _refuse_records(self, error: StoreRefused, culprit: int | None) -> None:
+        """The store refused a record (of unit ``culprit``, when known): the sealed units are
+        undone as ``_refuse`` does, but the store is not broken and goes on writing; the
+        culprit's caller gets ``error``, the others ``CommitUndone``, and the owner is told to
+        rebuild what it derived from the undone records."""
+        for unit in self._sealed:
+            self._refused[unit.sequence] = (
+                error
+                if unit.sequence == culprit
+                else CommitUndone(
+                    f"written together with a record the store refused ({error.message}); "
+                    "nothing of it was written: retry"
+                )
+            )
+        if self._sealed:
+            self._durable_sequence = max(self._durable_sequence, self._sealed[-1].sequence)
+        self._undo()
+        self.resync_due = True
+        log.error("store_records_refused", error=error.message)
+
+    def _undo(self) -> None:
         for unit in [*self._sealed, self._open][::-1]:
             for (kind, ident), raw in unit.before.items():
                 self.cache.apply(kind, ident, raw)
         self._sealed.clear()
         self._open = _Unit()
+
+    def _refuse(self, error: StoreUnavailable) -> None:
+        """The sealed units' writes were refused (of a unit written in parts, the parts before
+        stay: they are durable and no longer in it): the cache goes back to the last durable
+        state (undoing the unit being built too, which may have read theirs), and the store
+        takes no write until a reload, since its caller's own state has moved on with them."""
+        self._undo()
         self._broken = error
         log.error("store_commit_refused", error=error.message)
 
@@ -387,6 +441,7 @@ class CachedStore:
         self._durable_sequence = self._sequence
         self._loads += 1
         self._broken = None
+        self._refused.clear()
         self.revision = revision
         log.info("store_loaded", revision=revision, **fresh.counts())
         return revision

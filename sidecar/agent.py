@@ -11,7 +11,8 @@ a batch lost with a broken connection is never lost to the registry. Events go o
 ``Batcher``: one report in flight, the rest in the next, in the order they came; each report is
 numbered at sending (the registry ignores numbers at or below the last it applied), and only
 in a session whose replay the registry has acknowledged. A report that fails (the registry
-gone, or refusing it) ends the session; the next one's replay carries what it held.
+gone, or refusing it) ends the session; the next one's replay carries what it held. An event
+the registry refuses on its own (it answers per event) is dropped and logged, never replayed.
 """
 
 from __future__ import annotations
@@ -322,6 +323,7 @@ class Agent:
             timeout=_RPC_TIMEOUT_S * 4,
         )
         self._after_report(response.leases)
+        self._drop_refused(events, response.refused)
         self.metrics.replay_size.set(len(events))
         log.info("replayed", leases=len(events))
 
@@ -337,6 +339,39 @@ class Agent:
                         time_to_live=lease.time_to_live,
                         state=lease.state,
                         reason="granted",
+                    )
+                )
+
+    def _drop_refused(
+        self,
+        events: Sequence[registry_pb2.RetentionEvent],
+        refused: Sequence[registry_pb2.RefusedEvent],
+    ) -> None:
+        """Events the registry refused are dropped, not sent again (each would be refused
+        again, in every replay): a refused retention leaves the mirror, and the engine is told
+        to free its blocks, as no lease stands behind them."""
+        if not refused:
+            return
+        by_sequence = {event.sequence: event for event in events}
+        for item in refused:
+            event = by_sequence.get(item.sequence)
+            if event is None:
+                continue
+            log.error(
+                "retention_event_refused",
+                sequence=item.sequence,
+                kind=event.WhichOneof("event"),
+                reason=item.error.reason,
+                error=item.error.message,
+            )
+            if event.HasField("retained"):
+                request_id = event.retained.handle.remote_request_id
+                self._mirror.forget(request_id)
+                self._to_engine(
+                    registry_pb2.LeaseCommand(
+                        remote_request_id=request_id,
+                        state=lease_pb2.LEASE_STATE_RELEASED,
+                        reason=f"refused by the registry: {item.error.message}",
                     )
                 )
 
@@ -362,6 +397,7 @@ class Agent:
                 self._end_session(session, error)
             else:
                 self._after_report(response.leases)
+                self._drop_refused(events, response.refused)
                 self.metrics.reports.inc(len(events))
         self._waiting -= len(batch)
         self.metrics.queue_depth.set(self._waiting)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from controlplane.hints import cached_hint
 from controlplane.metrics import RegistryMetrics
@@ -172,3 +174,62 @@ async def test_the_router_falls_back_only_when_no_leader_answers(
         assert (plan.decision, plan.consistency) == ("MISS", "DEGRADED")
     finally:
         await router.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "raw"),
+    [
+        # A NodeSpec whose node_id is not UTF-8.
+        ("RegisterNode", b"\x0a\x03\x0a\x01\xff"),
+        # Truncated: a field that promises 5 bytes and has 1.
+        ("Heartbeat", b"\x0a\x05a"),
+        # A wire type that no field of it has.
+        ("BatchGetRoutingHints", b"\x0f"),
+    ],
+)
+async def test_an_undecodable_request_is_invalid_argument(
+    channel: grpc.aio.Channel, method: str, raw: bytes
+) -> None:
+    """Refused at the server's edge with its reason, not gRPC's UNKNOWN."""
+    call = channel.unary_unary(f"/kvbroker.v1.RegistryService/{method}")
+    error = await failure(call(raw, timeout=5))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT
+
+
+async def test_an_undecodable_command_watch_is_invalid_argument(
+    channel: grpc.aio.Channel,
+) -> None:
+    call = channel.unary_stream("/kvbroker.v1.RegistryService/WatchLeaseCommands")
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        async for _ in call(b"\x0a\x01\xff", timeout=5):
+            pass
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+_UNARY = sorted(
+    method.name
+    for method in registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].methods
+    if not method.server_streaming
+)
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(method=st.sampled_from(_UNARY), raw=st.binary(max_size=64))
+async def test_fuzzed_bytes_are_never_unknown_or_internal(
+    channel: grpc.aio.Channel, method: str, raw: bytes
+) -> None:
+    """Arbitrary bytes to any method: undecodable, or decoded into arbitrary field values.
+    Answered, or refused with a status and a reason of the registry's; never UNKNOWN or
+    INTERNAL."""
+    call = channel.unary_unary(f"/kvbroker.v1.RegistryService/{method}")
+    try:
+        await call(raw, timeout=5)
+    except grpc.aio.AioRpcError as rpc_error:
+        error = from_grpc_error(rpc_error)
+        assert error.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), error
+        assert error.reason != registry_pb2.ERROR_REASON_UNSPECIFIED, error

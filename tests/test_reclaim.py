@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 
 from kvbroker.common.clock import from_duration
 from kvbroker.testing.factories import Heartbeats, hint, node_spec
@@ -107,9 +106,9 @@ async def test_reclaim_ends_an_active_lease_before_freeing_and_keeps_a_claimed_o
 async def test_a_reclaim_needs_a_reclaim_cause(stub: RegistryServiceStub) -> None:
     decode = node_spec("decode-0")
     async with Heartbeats(stub, decode):
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await report(stub, decode, reclaim(1, "req-1", lease_pb2.LEASE_END_CAUSE_READ))
-        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        answer = await report(stub, decode, reclaim(1, "req-1", lease_pb2.LEASE_END_CAUSE_READ))
+        assert [refused.sequence for refused in answer.refused] == [1]
+        assert answer.refused[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 async def test_a_hint_waits_for_the_retention_of_a_turn_still_finishing(

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from controlplane.config import RegistryConfig
-from controlplane.errors import LeaseEnded, NoReadyNode, SessionLost
+from controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyNode, SessionLost
 from controlplane.registry import Registry
 from controlplane.store import MemoryStore
 from kvbroker.common.clock import from_duration
@@ -250,3 +250,31 @@ async def test_a_successor_offers_a_holder_s_leases_only_after_its_replay() -> N
     assert hint.consistency == registry_pb2.HINT_CONSISTENCY_EXACT
     figures = {f.node_id: f for f in successor.nodes.figures()}
     assert figures[h.decode.node_id].live_leases == 1
+
+
+async def test_a_node_down_past_the_retention_is_forgotten_with_its_series() -> None:
+    """Node ids that come and go (pods with new names) do not stay as DOWN entries and metric
+    series forever; one that comes back in time is kept."""
+    h = Harness()
+    await h.fleet()
+    await h.grant("c", "req-1")
+    returning = node_spec("decode-1", port=5601)
+    await h.registry.register_node(returning)
+    await h.advance(CONFIG.session_ttl_s + 1, beating=(h.prefill,))
+    for spec in (h.decode, returning):
+        assert (await h.registry.get_node(spec.node_id)).state == node_pb2.NODE_STATE_DOWN
+    await h.advance(CONFIG.forget_down_nodes_after_s / 2, beating=(h.prefill,))
+    returning.incarnation = "back"
+    await h.registry.register_node(returning)
+    await h.advance(CONFIG.forget_down_nodes_after_s / 2 + 10, beating=(h.prefill, returning))
+
+    with pytest.raises(NodeNotRegistered):
+        await h.registry.get_node(h.decode.node_id)
+    assert {n.spec.node_id for n in await h.registry.list_nodes()} == {"prefill-0", "decode-1"}
+    assert h.decode.node_id not in h.registry.nodes.runtime
+    series = {
+        sample.labels.get("node")
+        for family in h.registry.metrics.registry.collect()
+        for sample in family.samples
+    }
+    assert h.decode.node_id not in series and "decode-1" in series

@@ -335,6 +335,8 @@ class ScriptedRegistry(registry_pb2_grpc.RegistryServiceServicer):
         self.release = asyncio.Event()
         self.release.set()
         self.refuse = 0
+        # Request ids whose retained events are refused one by one (answered per event).
+        self.refuse_ids: set[str] = set()
 
     async def RegisterNode(
         self, request: registry_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
@@ -378,6 +380,16 @@ class ScriptedRegistry(registry_pb2_grpc.RegistryServiceServicer):
         for event in request.events:
             if event.HasField("retained"):
                 request_id = event.retained.handle.remote_request_id
+                if request_id in self.refuse_ids:
+                    response.refused.add(
+                        sequence=event.sequence,
+                        error=registry_pb2.HintError(
+                            code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                            message="conversation_id is too long",
+                            reason=registry_pb2.ERROR_REASON_INVALID_ARGUMENT,
+                        ),
+                    )
+                    continue
                 response.leases.add(
                     lease_id=f"lease-{request_id}",
                     epoch=1,
@@ -542,3 +554,52 @@ async def test_a_sidecar_whose_loop_dies_logs_why_and_exits_non_zero(tmp_path: P
     records = [json.loads(line) for line in lines if line.startswith("{")]
     [failed] = [record for record in records if record.get("event") == "sidecar_failed"]
     assert failed["level"] == "error" and "a bug in the probe" in failed["exception"]
+
+
+async def test_a_refused_event_is_dropped_not_the_session() -> None:
+    """The registry refuses one event of a report: the sidecar drops it from its mirror and
+    tells the engine to free its blocks; the session goes on, and no replay carries it."""
+    registry = ScriptedRegistry()
+    registry.refuse_ids = {"bad"}
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = SidecarConfig(
+        "decode-0", node_pb2.NODE_ROLE_DECODE, "http://127.0.0.1:9", model="tiny-qwen3"
+    )
+    agent = Agent(config, RegistryEndpoint.parse(f"127.0.0.1:{port}"))
+    agent.attach_engine(engine_info("decode-0"), [])
+    to_engine: list[tuple[str, int]] = []
+
+    async def watch_deadlines() -> None:
+        async for command in agent.deadlines():
+            to_engine.append((command.remote_request_id, command.state))
+
+    watching = asyncio.create_task(watch_deadlines())
+    running = asyncio.create_task(agent.run())
+    try:
+        assert await registry.report(0) == (True, [])
+        await asyncio.wait_for(agent.connected.wait(), 10)
+        agent.submit([event("retained", "a"), event("retained", "bad"), event("retained", "c")])
+        full, sent = await registry.report(1)
+        assert not full and [rid for _, _, rid, _ in sent] == ["a", "bad", "c"]
+        await eventually(lambda: _at_least(lambda: len(to_engine), 3), within=5)
+        assert ("bad", lease_pb2.LEASE_STATE_RELEASED) in to_engine
+        assert ("a", lease_pb2.LEASE_STATE_ACTIVE) in to_engine
+        # The session goes on: the next report goes out in it, with no replay before.
+        agent.submit([event("released", "a")])
+        full, sent = await registry.report(2)
+        assert not full and [rid for _, _, rid, _ in sent] == ["a"]
+        assert registry.registrations == 1
+        # A later replay (the engine re-attaches) no longer carries the refused event.
+        agent.attach_engine(engine_info("decode-0"), [])
+        agent._mirror.replace([event("retained", "c").retained])
+        full, sent = await registry.report(3)
+        assert full and [rid for _, _, rid, _ in sent] == ["c"]
+    finally:
+        watching.cancel()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await agent.close()
+        await server.stop(0)

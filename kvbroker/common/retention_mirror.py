@@ -78,6 +78,12 @@ class RetentionMirror:
                 deadline = time.monotonic() + from_duration(command.time_to_live)
                 self._deadlines[command.remote_request_id] = (deadline, command.state in _LIVE)
 
+    def forget(self, remote_request_id: str) -> None:
+        """Drops a retained request the registry refused: no replay carries it again."""
+        with self._lock:
+            self._retained.pop(remote_request_id, None)
+            self._deadlines.pop(remote_request_id, None)
+
     def replace(self, retained: Iterable[registry_pb2.RetainedBlocks]) -> None:
         """The engine re-attached: what it retains now is the whole truth."""
         with self._lock:

@@ -328,12 +328,22 @@ class ReportRetentionRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RetentionEvent, _Mapping]]] = ..., full_snapshot: _Optional[bool] = ...) -> None: ...
 
 class ReportRetentionResponse(_message.Message):
-    __slots__ = ("applied_sequence", "leases")
+    __slots__ = ("applied_sequence", "leases", "refused")
     APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     applied_sequence: int
     leases: _containers.RepeatedCompositeFieldContainer[_lease_pb2.Lease]
-    def __init__(self, applied_sequence: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[_lease_pb2.Lease, _Mapping]]] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedEvent]
+    def __init__(self, applied_sequence: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[_lease_pb2.Lease, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[RefusedEvent, _Mapping]]] = ...) -> None: ...
+
+class RefusedEvent(_message.Message):
+    __slots__ = ("sequence", "error")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    error: HintError
+    def __init__(self, sequence: _Optional[int] = ..., error: _Optional[_Union[HintError, _Mapping]] = ...) -> None: ...
 
 class WatchLeaseCommandsRequest(_message.Message):
     __slots__ = ("node_id", "incarnation")
