@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controlplane.idle_ttl import IdleTtlConfig
+from kvbroker.common import ids
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class RegistryConfig:
     conversation_retention_s: float = 3600.0
     # Bad-input guards.
     max_block_hashes: int = 65_536
-    max_id_length: int = 256
+    max_id_length: int = ids.MAX_ID_LENGTH
     # Commands queued for a node whose sidecar is not watching; older ones are dropped.
     max_pending_commands: int = 10_000
     # Expiries handled per batch before yielding to RPCs (etcd's lessor rate-limits likewise).

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from controlplane.config import RegistryConfig
 from controlplane.errors import InvalidArgument
+from kvbroker.common import ids
 from kvbroker.v1 import lease_pb2
 
 
@@ -19,12 +20,10 @@ class Validation:
 
     def id(self, value: str, what: str) -> str:
         """``value`` if it is a usable id."""
-        if not value:
-            raise InvalidArgument(f"{what} is required")
-        limit = self._config.max_id_length
-        if len(value) > limit:
-            raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
-        return value
+        try:
+            return ids.check_id(value, what, self._config.max_id_length)
+        except ids.InvalidId as error:
+            raise InvalidArgument(str(error)) from None
 
     def retention(
         self, handle: lease_pb2.KvHandle, block_hashes: Sequence[bytes], token_count: int
