@@ -25,7 +25,7 @@ class RouterConfig:
     # A request body over this many bytes is refused with 413 (it is copied to both legs).
     max_body_bytes: int = 32 * 1024 * 1024
     # How often the node list is refreshed: what the router routes by while the registry is
-    # away, and tells an unknown model by.
+    # away, tells an unknown model by, and what /health's view of the registry comes from.
     node_refresh_s: float = 5.0
 
     def host_and_port(self) -> tuple[str, int]:

@@ -8,7 +8,7 @@ decode node, and streams the answer back. The retention report comes from the de
 through its sidecar, never from the response, so streaming works.
 
 If the registry is unreachable the request is still served as plain P/D from the last known
-node list, labelled DEGRADED in metrics and logs.
+node list, labelled DEGRADED in metrics and logs, and ``/health`` says ``degraded``.
 
 Errors follow OpenAI's conventions (``router.errors``): 400 for a request that is not valid,
 404 ``model_not_found`` for a model no node serves, 413 for a body over the limit, 502 for an
@@ -120,6 +120,8 @@ class Router:
 
     def __post_init__(self) -> None:
         self.known_nodes: list[node_pb2.Node] = []
+        # Why the registry could not be reached at the last call to it (None: it answered).
+        self.registry_away: str | None = "not reached yet"
         self._turn = 0
         self._refresher: asyncio.Task[None] | None = None
 
@@ -156,9 +158,20 @@ class Router:
         model; on failure the last list stays."""
         try:
             response = await self.stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=2)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as error:
+            self.registry_away = error.details() or error.code().name
             return
         self.known_nodes = list(response.nodes)
+        self.registry_away = None
+
+    def can_route_alone(self) -> bool:
+        """Whether the last node list has a ready prefill and decode node (of any model): what
+        the router needs to serve plain P/D while the registry is away."""
+        try:
+            routing.candidates(map(routing.RoutedNode.of_node, self.known_nodes), "")
+        except routing.NoReadyNode:
+            return False
+        return True
 
     # ------------------------------------------------------------ routing
 
@@ -211,8 +224,10 @@ class Router:
             if error.code() not in _REGISTRY_AWAY:
                 raise
             if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE:
+                self.registry_away = None
                 raise  # the registry answered: there is nowhere to send the request
             return self._degraded_plan(model, error.message or error.code().name)
+        self.registry_away = None
         return Plan(
             prefill=hint.prefill,
             decode=hint.decode,
@@ -224,6 +239,7 @@ class Router:
 
     def _degraded_plan(self, model: str, why: str) -> Plan:
         """Plain P/D by the registry's own routing rule, over the last node list it gave."""
+        self.registry_away = why
         nodes = [routing.RoutedNode.of_node(n) for n in self.known_nodes]
         try:
             routes = routing.candidates(nodes, model)
@@ -522,7 +538,18 @@ class Handlers:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        """200 ``ok`` while the registry answers; 200 ``degraded`` while it does not but the
+        last node list can still route plain P/D (a load balancer should keep this router:
+        every other one is in the same place); 503 ``unavailable`` when neither, as every
+        request would get a 503."""
+        away = self.router.registry_away
+        if away is None:
+            return JSONResponse({"status": "ok"})
+        detail = {"registry": f"unreachable: {away}"}
+        if self.router.can_route_alone():
+            serving = "plain P/D from the last known node list, without KV reuse"
+            return JSONResponse({"status": "degraded", **detail, "serving": serving})
+        return JSONResponse({"status": "unavailable", **detail}, 503)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

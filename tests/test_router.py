@@ -501,6 +501,32 @@ async def test_a_hung_decode_node_is_504(fleet: Fleet, stub: RegistryServiceStub
     assert hung.received == 2
 
 
+async def test_health_says_degraded_while_the_registry_is_away(
+    fleet: Fleet, registry_server: RunningRegistry
+) -> None:
+    async with httpx.AsyncClient() as client:
+        healthy = await client.get(f"{fleet.router_url}/health")
+        assert (healthy.status_code, healthy.json()["status"]) == (200, "ok")
+        await registry_server.server.stop(0)
+        await asyncio.sleep(0.5)  # the next node refresh fails
+        degraded = await client.get(f"{fleet.router_url}/health")
+        # Still serving plain P/D from its node list: a load balancer should keep it.
+        assert (degraded.status_code, degraded.json()["status"]) == (200, "degraded")
+        served = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
+        assert served.headers["x-kvbroker-consistency"] == "DEGRADED"
+
+
+async def test_health_is_503_when_the_router_can_serve_nothing() -> None:
+    router = Router(RegistryEndpoint.parse(f"127.0.0.1:{free_port()}"))  # nothing listens
+    port = free_port()
+    async with serving(build_app(router), port), httpx.AsyncClient() as client:
+        await asyncio.sleep(0.3)
+        response = await client.get(f"http://127.0.0.1:{port}/health")
+        served = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
+    assert (response.status_code, response.json()["status"]) == (503, "unavailable")
+    assert_openai_error(served, 503, "registry_unavailable")
+
+
 def test_the_cli_flags_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[RouterConfig] = []
     monkeypatch.setattr("router.server.serve", lambda endpoint, config: seen.append(config))
