@@ -12,12 +12,15 @@ from typing import Any, cast
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from typer.testing import CliRunner
 
+from controlplane.config import RegistryConfig
 from controlplane.server import RunningRegistry
 from kvbroker.cli.main import app as cli
 from kvbroker.common.grpc_client import RegistryEndpoint
@@ -539,3 +542,33 @@ def test_the_cli_flags_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) 
     assert (seen[0].decode_timeout_s, seen[0].max_body_bytes) == (90.0, 1000)
     assert CliRunner().invoke(cli, ["router", "run"]).exit_code == 0
     assert seen[1] == RouterConfig()
+
+
+# The event loop, and so the fleet's heartbeats, stops between examples while hypothesis
+# draws the next one: a session TTL longer than any such pause keeps the nodes ready.
+@pytest.mark.parametrize("registry_config", [RegistryConfig(session_ttl_s=60.0)])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    st.binary(max_size=100)
+    | st.recursive(
+        st.none() | st.booleans() | st.floats() | st.text(st.characters(exclude_categories=())),
+        lambda children: (
+            st.lists(children, max_size=3)
+            | st.dictionaries(st.sampled_from(["model", "stream", "session_id", "x"]), children)
+        ),
+        max_leaves=10,
+    ).map(lambda value: json.dumps(value, allow_nan=True).encode())
+)
+async def test_no_body_gets_a_500_through_the_router(fleet: Fleet, raw: bytes) -> None:
+    """The fuzzing of tests/test_router_requests.py, through the served router: whatever the
+    body, the client gets a completion or OpenAI's error object, never a 500."""
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"{fleet.router_url}/v1/chat/completions", content=raw)
+    assert response.status_code in (200, 400, 404), response.text
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
