@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controlplane.idle_ttl import IdleTtlConfig
+from kvbroker.common import ids
 
 # etcd's default --max-request-bytes is 1.5 MiB; ``EtcdBackend`` keeps 0.5 MiB of it for a
 # transaction's framing, and a record needs room for its key.
@@ -44,7 +45,7 @@ class RegistryConfig:
     conversation_retention_s: float = 3600.0
     # Bad-input guards.
     max_block_hashes: int = 65_536
-    max_id_length: int = 256
+    max_id_length: int = ids.MAX_ID_LENGTH
     # Free text a request carries (a reason, a model name, a URL), in bytes as stored.
     max_text_bytes: int = 2048
     # The largest record (a lease with its block hashes) the registry stores: below one write

@@ -19,6 +19,7 @@ from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from controlplane.config import RegistryConfig
 from controlplane.errors import InvalidArgument
+from kvbroker.common import ids
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 # Epochs and sequences stay far below uint64's end, so incrementing one never overflows.
@@ -55,12 +56,10 @@ class Validation:
 
     def id(self, value: str, what: str) -> str:
         """``value`` if it is a usable id."""
-        if not value:
-            raise InvalidArgument(f"{what} is required")
-        limit = self._config.max_id_length
-        if len(value) > limit:
-            raise InvalidArgument(f"{what} is {len(value)} characters long; the limit is {limit}")
-        return value
+        try:
+            return ids.check_id(value, what, self._config.max_id_length)
+        except ids.InvalidId as error:
+            raise InvalidArgument(str(error)) from None
 
     def optional_id(self, value: str, what: str) -> str:
         return self.id(value, what) if value else value

@@ -14,8 +14,18 @@ class RouterConfig:
     # How long a request waits for a ready node when the registry has none for its model
     # (0: refuse it at once).
     ready_node_wait_s: float = 3.0
-    upstream_timeout_s: float = 600.0
-    # How often the fallback node list is refreshed (used only while the registry is away).
+    # Engine (vLLM) HTTP timeouts. Connecting to an engine; past it the engine is unreachable.
+    connect_timeout_s: float = 5.0
+    # The prefill leg's answer (queueing and prefill): past it the leg goes to another prefill
+    # node, and the client gets a 504 when there is none.
+    prefill_timeout_s: float = 120.0
+    # The decode leg: the whole answer when not streaming, the gap between two chunks when
+    # streaming (504 before the first chunk; after it, an error event ends the stream).
+    decode_timeout_s: float = 600.0
+    # A request body over this many bytes is refused with 413 (it is copied to both legs).
+    max_body_bytes: int = 32 * 1024 * 1024
+    # How often the node list is refreshed: what the router routes by while the registry is
+    # away, tells an unknown model by, and what /health's view of the registry comes from.
     node_refresh_s: float = 5.0
 
     def host_and_port(self) -> tuple[str, int]:

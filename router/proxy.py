@@ -8,16 +8,23 @@ decode node, and streams the answer back. The retention report comes from the de
 through its sidecar, never from the response, so streaming works.
 
 If the registry is unreachable the request is still served as plain P/D from the last known
-node list, labelled DEGRADED in metrics and logs.
+node list, labelled DEGRADED in metrics and logs, and ``/health`` says ``degraded``.
+
+Errors follow OpenAI's conventions (``router.errors``): 400 for a request that is not valid,
+404 ``model_not_found`` for a model no node serves, 413 for a body over the limit, 502 for an
+engine that failed or answered garbage, 503 when nothing can route the request, 504 for an
+engine that timed out; an engine's own error answer passes through with its status. A 500 is
+a bug in the router, logged with its traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +33,8 @@ import httpx
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -42,21 +50,54 @@ from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from router.config import RouterConfig
+from router.errors import (
+    ApiError,
+    ErrorCode,
+    ErrorType,
+    invalid_request,
+    upstream_failed,
+)
 from router.metrics import RouterMetrics
+from router.requests import (
+    Completion,
+    encode,
+    parse_completion,
+    parse_object,
+    read_body,
+    session_id,
+)
 
 log = structlog.get_logger("kvbroker.router")
 
-SESSION_HEADER = "x-session-id"
 # The registry is away (or cannot route for now) on these, unless it said no node is ready.
 _REGISTRY_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # How often a request waiting for a ready node asks the registry again.
 _READY_NODE_POLL_S = 0.1
+_JSON = {"content-type": "application/json"}
 
 
 class UpstreamError(Exception):
+    """An engine's own error answer (a JSON object with a status other than 200): passed
+    through as it is, since it speaks OpenAI's shape already (vLLM's validation errors)."""
+
     def __init__(self, status: int, body: bytes, content_type: str) -> None:
         super().__init__(f"upstream answered {status}")
         self.status, self.body, self.content_type = status, body, content_type
+
+    def response(self) -> Response:
+        return Response(self.body, self.status, media_type=self.content_type)
+
+
+class RegistryDown(Exception):
+    pass
+
+
+class ModelNotFound(Exception):
+    """No node the registry lists serves the model asked for."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.")
+        self.model = model
 
 
 @dataclass
@@ -79,6 +120,8 @@ class Router:
 
     def __post_init__(self) -> None:
         self.known_nodes: list[node_pb2.Node] = []
+        # Why the registry could not be reached at the last call to it (None: it answered).
+        self.registry_away: str | None = "not reached yet"
         self._turn = 0
         self._refresher: asyncio.Task[None] | None = None
 
@@ -88,7 +131,15 @@ class Router:
         self.stub = registry_stub(self._channel)
         # Concurrent turns share BatchGetRoutingHints calls; an idle router sends each alone.
         self.hints = HintBatcher(self.stub, self.config.hint_timeout_s)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.upstream_timeout_s))
+        # The decode leg's timeouts are the client's; the prefill leg passes its own.
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                self.config.decode_timeout_s, connect=self.config.connect_timeout_s
+            )
+        )
+        self._prefill_timeout = httpx.Timeout(
+            self.config.prefill_timeout_s, connect=self.config.connect_timeout_s
+        )
         self._refresher = asyncio.create_task(self._refresh_nodes())
 
     async def close(self) -> None:
@@ -99,12 +150,28 @@ class Router:
 
     async def _refresh_nodes(self) -> None:
         while True:
-            try:
-                response = await self.stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=2)
-                self.known_nodes = list(response.nodes)
-            except grpc.aio.AioRpcError:
-                pass  # keep the last list
+            await self.refresh_nodes()
             await asyncio.sleep(self.config.node_refresh_s)
+
+    async def refresh_nodes(self) -> None:
+        """The registry's node list, for routing while it is away and for telling an unknown
+        model; on failure the last list stays."""
+        try:
+            response = await self.stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=2)
+        except grpc.aio.AioRpcError as error:
+            self.registry_away = error.details() or error.code().name
+            return
+        self.known_nodes = list(response.nodes)
+        self.registry_away = None
+
+    def can_route_alone(self) -> bool:
+        """Whether the last node list has a ready prefill and decode node (of any model): what
+        the router needs to serve plain P/D while the registry is away."""
+        try:
+            routing.candidates(map(routing.RoutedNode.of_node, self.known_nodes), "")
+        except routing.NoReadyNode:
+            return False
+        return True
 
     # ------------------------------------------------------------ routing
 
@@ -112,7 +179,8 @@ class Router:
         """The request's plan. While the registry has no ready node for the model, the request
         waits up to ``ready_node_wait_s`` for one: a node re-establishing its session after a
         registry failover, or an engine restarting, is a gap of a second or two that should
-        delay requests, not fail them."""
+        delay requests, not fail them. A model no listed node serves is not waited for
+        (``ModelNotFound``)."""
         deadline = time.monotonic() + self.config.ready_node_wait_s
         while True:
             try:
@@ -120,10 +188,30 @@ class Router:
             except RegistryCallError as error:
                 if error.reason != registry_pb2.ERROR_REASON_NO_READY_NODE:
                     raise
+                if not await self._may_serve(model):
+                    raise ModelNotFound(model) from error
                 if time.monotonic() + _READY_NODE_POLL_S > deadline:
                     raise
                 self.metrics.ready_node_waits.inc()
             await asyncio.sleep(_READY_NODE_POLL_S)
+
+    def _known_model(self, model: str) -> bool:
+        """True unless the node list names nodes and none of them serves ``model``. The
+        registry says only that no node is ready; a fleet with no nodes listed yet (starting)
+        or with the model's nodes all down is not "no such model"."""
+        return (
+            not model
+            or not self.known_nodes
+            or any(node.spec.model == model for node in self.known_nodes)
+        )
+
+    async def _may_serve(self, model: str) -> bool:
+        """``_known_model`` on a fresh list when the last one says no (its nodes may have
+        registered since)."""
+        if self._known_model(model):
+            return True
+        await self.refresh_nodes()
+        return self._known_model(model)
 
     async def _plan_once(self, conversation: str, model: str) -> Plan:
         request = registry_pb2.GetRoutingHintRequest(conversation_id=conversation, model=model)
@@ -136,8 +224,10 @@ class Router:
             if error.code() not in _REGISTRY_AWAY:
                 raise
             if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE:
+                self.registry_away = None
                 raise  # the registry answered: there is nowhere to send the request
             return self._degraded_plan(model, error.message or error.code().name)
+        self.registry_away = None
         return Plan(
             prefill=hint.prefill,
             decode=hint.decode,
@@ -149,10 +239,13 @@ class Router:
 
     def _degraded_plan(self, model: str, why: str) -> Plan:
         """Plain P/D by the registry's own routing rule, over the last node list it gave."""
+        self.registry_away = why
         nodes = [routing.RoutedNode.of_node(n) for n in self.known_nodes]
         try:
             routes = routing.candidates(nodes, model)
         except routing.NoReadyNode as error:
+            if not self._known_model(model):
+                raise ModelNotFound(model) from error
             raise RegistryDown(why) from error
         self._turn += 1
         prefill, decode = routing.choose(routes, self._turn)
@@ -179,7 +272,15 @@ class Router:
 
     # ------------------------------------------------------------ legs
 
-    async def prefill(self, url: str, body: dict[str, Any], lease: lease_pb2.Lease | None) -> Any:
+    async def prefill(
+        self,
+        node: node_pb2.NodeSpec,
+        path: str,
+        body: dict[str, Any],
+        lease: lease_pb2.Lease | None,
+    ) -> Any:
+        """P's ``kv_transfer_params``. Raises ``httpx.HTTPError`` when P cannot be reached or
+        does not answer within ``prefill_timeout_s``."""
         leg = dict(body)
         leg.pop("stream", None)
         leg.pop("stream_options", None)
@@ -187,33 +288,92 @@ class Router:
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
         leg["kv_transfer_params"] = prefill_params(lease)
-        response = await self.http.post(url, json=leg)
-        if response.status_code != 200:
-            raise UpstreamError(
-                response.status_code,
-                response.content,
-                response.headers.get("content-type", "application/json"),
-            )
-        return response.json().get("kv_transfer_params")
+        response = await self.http.post(
+            node.http_base_url + path,
+            content=encode(leg),
+            headers=_JSON,
+            timeout=self._prefill_timeout,
+        )
+        return engine_answer(response, "prefill", node).get("kv_transfer_params")
 
 
-class RegistryDown(Exception):
-    pass
+def engine_answer(response: httpx.Response, leg: str, node: node_pb2.NodeSpec) -> dict[str, Any]:
+    """An engine's answer, read: a JSON object when it is 200; its own error answer (a JSON
+    object) as ``UpstreamError``; anything else, which no client could use, as a 502."""
+    try:
+        answer = json.loads(response.content)
+    except ValueError:  # not JSON, or not text
+        answer = None
+    if not isinstance(answer, dict):
+        raise upstream_failed(
+            f"the {leg} node {node.node_id} answered {response.status_code} with a body that "
+            "is not a JSON object",
+            ErrorCode.UPSTREAM_INVALID_RESPONSE,
+        )
+    if response.status_code != 200:
+        raise UpstreamError(
+            response.status_code,
+            response.content,
+            response.headers.get("content-type", "application/json"),
+        )
+    return answer
 
 
-def _conversation_id(request: Request, body: dict[str, Any]) -> str:
-    for value in (
-        body.get("session_id"),
-        request.headers.get(SESSION_HEADER),
-        body.get("conversation_id"),
-    ):
-        if isinstance(value, str) and value:
-            return value
-    return ""
+def leg_failed(leg: str, node: node_pb2.NodeSpec, error: httpx.HTTPError) -> ApiError:
+    """A leg that got no answer: 504 when the engine timed out, 502 when it could not be
+    reached or its connection broke."""
+    if isinstance(error, httpx.TimeoutException):
+        code, what = ErrorCode.UPSTREAM_TIMEOUT, f"timed out ({type(error).__name__})"
+    elif isinstance(error, httpx.ConnectError):
+        code, what = ErrorCode.UPSTREAM_UNREACHABLE, f"is unreachable ({error})"
+    else:
+        code, what = ErrorCode.UPSTREAM_FAILED, f"failed ({error!r})"
+    return upstream_failed(f"the {leg} node {node.node_id} {what}", code)
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def _guarded(endpoint: Endpoint) -> Endpoint:
+    """Answers an ``ApiError`` raised anywhere under the endpoint, and anything else (a bug)
+    with a logged traceback and a typed 500, instead of Starlette's plain-text 500 that also
+    drops the client's keep-alive connection."""
+
+    @functools.wraps(endpoint)
+    async def guarded(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except ApiError as error:
+            return error.response()
+        except ClientDisconnect:
+            return Response(status_code=400)  # nobody is left to read an answer
+        except Exception:
+            log.exception("router_bug", path=request.url.path)
+            return _internal_error().response()
+
+    return guarded
+
+
+def _internal_error() -> ApiError:
+    return ApiError(
+        500,
+        "the router failed on this request (a bug; it is logged)",
+        ErrorType.SERVER,
+        ErrorCode.INTERNAL_ERROR,
+    )
+
+
+async def _http_exception(request: Request, error: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)
+    codes = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
+    api_error = ApiError(
+        error.status_code,
+        error.detail,
+        ErrorType.INVALID_REQUEST,
+        codes.get(error.status_code, ErrorCode.INVALID_VALUE),
+    )
+    return JSONResponse(api_error.body(), error.status_code, headers=error.headers)
 
 
 class Handlers:
@@ -221,47 +381,37 @@ class Handlers:
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        self.config = router.config
         self.metrics = router.metrics
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(
+            request.stream(), request.headers.get("content-length"), self.config.max_body_bytes
+        )
 
     async def completions(self, request: Request) -> Response:
         started = time.perf_counter()
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "invalid_request_error")
-        conversation = _conversation_id(request, body)
-        body.pop("conversation_id", None)
-        model = str(body.get("model") or "")
-        try:
-            plan = await self.router.plan(conversation, model)
-        except RegistryDown as error:
-            return _error(503, f"registry unreachable and no known nodes: {error}", "unavailable")
-        except RegistryCallError as error:
-            return _error(503, error.message or "no route", "unavailable")
+        completion = parse_completion(await self._body(request), request.headers)
+        plan = await self._plan(completion)
         self.metrics.hints.labels(plan.decision, plan.consistency).inc()
         hint_done = time.perf_counter()
         self.metrics.overhead_seconds.observe(hint_done - started)
 
         path = request.url.path
         try:
-            prefill_node, kv_params = await self._prefill_with_fallback(plan, path, body, model)
+            prefill_node, kv_params = await self._prefill_with_fallback(plan, path, completion)
         except UpstreamError as error:
-            return Response(error.body, error.status, media_type=error.content_type)
-        except httpx.TransportError as error:
-            message = f"prefill node {plan.prefill.node_id} unreachable: {error}"
-            return _error(503, message, "unavailable")
+            return error.response()
         prefill_done = time.perf_counter()
         self.metrics.prefill_seconds.observe(prefill_done - hint_done)
 
-        decode_body = dict(body)
+        decode_body = dict(completion.body)
         decode_body["kv_transfer_params"] = kv_params
-        if conversation:
-            decode_body["session_id"] = conversation
+        if completion.conversation:
+            decode_body["session_id"] = completion.conversation
         log.info(
             "routed",
-            conversation=conversation or None,
+            conversation=completion.conversation or None,
             decision=plan.decision,
             consistency=plan.consistency,
             reason=plan.reason,
@@ -274,15 +424,18 @@ class Handlers:
             "x-kvbroker-consistency": plan.consistency,
             "x-kvbroker-prefill-ms": f"{1000 * (prefill_done - hint_done):.1f}",
         }
-        decode_url = plan.decode.http_base_url + path
-        if body.get("stream"):
-            stream = _stream_decode(self.router, decode_url, decode_body, started, prefill_done)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        leg = self.router.http.build_request(
+            "POST", plan.decode.http_base_url + path, content=encode(decode_body), headers=_JSON
+        )
         try:
-            response = await self.router.http.post(decode_url, json=decode_body)
-        except httpx.TransportError as error:
-            message = f"decode node {plan.decode.node_id} failed: {error}"
-            return _error(502, message, "upstream_error")
+            if completion.stream:
+                return await self._stream(leg, plan.decode, headers, started, prefill_done)
+            response = await self.router.http.send(leg)
+            engine_answer(response, "decode", plan.decode)
+        except httpx.HTTPError as error:
+            raise leg_failed("decode", plan.decode, error) from error
+        except UpstreamError as error:
+            return error.response()
         done = time.perf_counter()
         self.metrics.decode_seconds.observe(done - prefill_done)
         self.metrics.ttft_seconds.observe(done - started)
@@ -293,21 +446,91 @@ class Handlers:
             headers=headers,
         )
 
-    async def _prefill_with_fallback(
-        self, plan: Plan, path: str, body: dict[str, Any], model: str
-    ) -> tuple[node_pb2.NodeSpec, Any]:
-        """P's params; when P is unreachable, another ready P recomputes (no reuse)."""
+    async def _plan(self, completion: Completion) -> Plan:
+        """The router's plan, or the registry's refusal as the client's answer."""
         try:
-            return plan.prefill, await self.router.prefill(
-                plan.prefill.http_base_url + path, body, plan.lease
+            return await self.router.plan(completion.conversation, completion.model)
+        except ModelNotFound as error:
+            raise ApiError(
+                404, str(error), ErrorType.INVALID_REQUEST, ErrorCode.MODEL_NOT_FOUND, "model"
+            ) from error
+        except RegistryDown as error:
+            raise ApiError(
+                503,
+                f"registry unreachable and no known node can serve the request: {error}",
+                ErrorType.UNAVAILABLE,
+                ErrorCode.REGISTRY_UNAVAILABLE,
+            ) from error
+        except RegistryCallError as error:
+            if error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT:
+                raise invalid_request(error.message, ErrorCode.INVALID_VALUE) from error
+            code = (
+                ErrorCode.NO_READY_NODE
+                if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+                else ErrorCode.REGISTRY_UNAVAILABLE
             )
-        except httpx.TransportError:
-            fallback = self.router.other_prefill(plan.prefill.node_id, model)
+            raise ApiError(503, error.message or "no route", ErrorType.UNAVAILABLE, code) from error
+
+    async def _prefill_with_fallback(
+        self, plan: Plan, path: str, completion: Completion
+    ) -> tuple[node_pb2.NodeSpec, Any]:
+        """P's params; when P is unreachable or does not answer within ``prefill_timeout_s``,
+        another ready P recomputes (no reuse)."""
+        body = completion.body
+        try:
+            return plan.prefill, await self.router.prefill(plan.prefill, path, body, plan.lease)
+        except httpx.TransportError as error:
+            fallback = self.router.other_prefill(plan.prefill.node_id, completion.model)
             if fallback is None:
-                raise
-            log.warning("prefill_node_failed", node=plan.prefill.node_id, retry=fallback.node_id)
+                raise leg_failed("prefill", plan.prefill, error) from error
+            log.warning(
+                "prefill_node_failed",
+                node=plan.prefill.node_id,
+                error=repr(error),
+                retry=fallback.node_id,
+            )
             self.metrics.prefill_failovers.inc()
-            return fallback, await self.router.prefill(fallback.http_base_url + path, body, None)
+        except httpx.HTTPError as error:
+            raise leg_failed("prefill", plan.prefill, error) from error
+        try:
+            return fallback, await self.router.prefill(fallback, path, body, None)
+        except httpx.HTTPError as error:
+            raise leg_failed("prefill", fallback, error) from error
+
+    async def _stream(
+        self,
+        leg: httpx.Request,
+        node: node_pb2.NodeSpec,
+        headers: dict[str, str],
+        started: float,
+        prefill_done: float,
+    ) -> Response:
+        """The decode leg streamed. Until its first chunk has arrived nothing is sent to the
+        client, so a failure up to then gets its own status (an engine's error answer, 502,
+        504); after it, the status line has gone and the stream ends with an error event
+        instead (``_relay``)."""
+        response = await self.router.http.send(leg, stream=True)
+        try:
+            if response.status_code != 200:
+                await response.aread()
+                engine_answer(response, "decode", node)  # raises: not a 200
+            content_type = response.headers.get("content-type", "")
+            if not content_type.startswith("text/event-stream"):
+                raise upstream_failed(
+                    f"the decode node {node.node_id} answered a stream with {content_type!r}",
+                    ErrorCode.UPSTREAM_INVALID_RESPONSE,
+                )
+            chunks = response.aiter_raw()
+            first = await anext(chunks, b"")
+        except BaseException:
+            await response.aclose()
+            raise
+        self.metrics.ttft_seconds.observe(time.perf_counter() - started)
+        return StreamingResponse(
+            _relay(self.router, response, first, chunks, node, prefill_done),
+            media_type=content_type,
+            headers=headers,
+        )
 
     async def models(self, request: Request) -> Response:
         names = sorted({n.spec.model for n in self.router.known_nodes if n.spec.model})
@@ -315,31 +538,45 @@ class Handlers:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        """200 ``ok`` while the registry answers; 200 ``degraded`` while it does not but the
+        last node list can still route plain P/D (a load balancer should keep this router:
+        every other one is in the same place); 503 ``unavailable`` when neither, as every
+        request would get a 503."""
+        away = self.router.registry_away
+        if away is None:
+            return JSONResponse({"status": "ok"})
+        detail = {"registry": f"unreachable: {away}"}
+        if self.router.can_route_alone():
+            serving = "plain P/D from the last known node list, without KV reuse"
+            return JSONResponse({"status": "degraded", **detail, "serving": serving})
+        return JSONResponse({"status": "unavailable", **detail}, 503)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def keepalive(self, request: Request) -> Response:
         """An agent busy in a long tool call keeps its conversation's KV retained."""
-        session = request.path_params["session_id"]
-        payload: Any = {}
-        if await request.body():
-            try:
-                payload = await request.json()
-            except json.JSONDecodeError:
-                return _error(400, "the request body is not valid JSON", "invalid_request_error")
+        session = session_id(request.path_params["session_id"])
+        raw = await self._body(request)
+        payload = parse_object(raw) if raw else {}
         renew = registry_pb2.RenewLeaseRequest(conversation_id=session)
-        ttl = payload.get("ttl_seconds") if isinstance(payload, dict) else None
+        ttl = payload.get("ttl_seconds")
         if ttl is not None:
-            if not isinstance(ttl, int | float) or ttl <= 0:
-                return _error(400, "ttl_seconds must be a positive number", "invalid_request_error")
-            renew.time_to_live.FromNanoseconds(int(ttl * 1e9))
+            if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+                raise invalid_request(
+                    "ttl_seconds must be a positive number", ErrorCode.INVALID_VALUE, "ttl_seconds"
+                )
+            try:
+                renew.time_to_live.FromNanoseconds(int(ttl * 1e9))
+            except (ValueError, OverflowError):
+                raise invalid_request(
+                    "ttl_seconds is out of range", ErrorCode.INVALID_VALUE, "ttl_seconds"
+                ) from None
         return await self._lease_call(self.router.stub.RenewLease(renew, timeout=2), session)
 
     async def close_session(self, request: Request) -> Response:
         """Explicit close: D frees the conversation's blocks at once."""
-        session = request.path_params["session_id"]
+        session = session_id(request.path_params["session_id"])
         revoke = registry_pb2.RevokeLeaseRequest(
             conversation_id=session, reason="session closed by client"
         )
@@ -350,10 +587,11 @@ class Handlers:
         try:
             lease = (await call).lease
         except grpc.aio.AioRpcError as error:
-            status = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.FAILED_PRECONDITION: 409}
-            return _error(
-                status.get(error.code(), 503), error.details() or error.code().name, "session_error"
+            status, code = _LEASE_CALL_ERRORS.get(
+                error.code(), (503, ErrorCode.REGISTRY_UNAVAILABLE)
             )
+            message = error.details() or error.code().name
+            raise ApiError(status, message, ErrorType.SESSION, code) from error
         return JSONResponse(
             {
                 "session_id": session,
@@ -365,18 +603,32 @@ class Handlers:
         )
 
 
+_LEASE_CALL_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, ErrorCode.INVALID_VALUE),
+    grpc.StatusCode.NOT_FOUND: (404, ErrorCode.SESSION_NOT_FOUND),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, ErrorCode.SESSION_CONFLICT),
+}
+
+
 def build_app(router: Router) -> Starlette:
     handlers = Handlers(router)
     return Starlette(
         routes=[
-            Route("/v1/chat/completions", handlers.completions, methods=["POST"]),
-            Route("/v1/completions", handlers.completions, methods=["POST"]),
-            Route("/v1/models", handlers.models, methods=["GET"]),
-            Route("/health", handlers.health, methods=["GET"]),
-            Route("/metrics", handlers.prometheus, methods=["GET"]),
-            Route("/v1/sessions/{session_id}/keepalive", handlers.keepalive, methods=["POST"]),
-            Route("/v1/sessions/{session_id}", handlers.close_session, methods=["DELETE"]),
+            Route("/v1/chat/completions", _guarded(handlers.completions), methods=["POST"]),
+            Route("/v1/completions", _guarded(handlers.completions), methods=["POST"]),
+            Route("/v1/models", _guarded(handlers.models), methods=["GET"]),
+            Route("/health", _guarded(handlers.health), methods=["GET"]),
+            Route("/metrics", _guarded(handlers.prometheus), methods=["GET"]),
+            Route(
+                "/v1/sessions/{session_id}/keepalive",
+                _guarded(handlers.keepalive),
+                methods=["POST"],
+            ),
+            Route(
+                "/v1/sessions/{session_id}", _guarded(handlers.close_session), methods=["DELETE"]
+            ),
         ],
+        exception_handlers={HTTPException: _http_exception},
         lifespan=lambda app: _lifespan(router),
     )
 
@@ -390,28 +642,33 @@ async def _lifespan(router: Router) -> AsyncIterator[None]:
         await router.close()
 
 
-async def _stream_decode(
-    router: Router, url: str, body: dict[str, Any], started: float, prefill_done: float
+async def _relay(
+    router: Router,
+    response: httpx.Response,
+    first: bytes,
+    chunks: AsyncIterator[bytes],
+    node: node_pb2.NodeSpec,
+    prefill_done: float,
 ) -> AsyncIterator[bytes]:
-    first = True
+    """The rest of a streamed decode leg. A failure now cannot change the status (200, sent
+    with the first chunk): the stream ends with OpenAI's error object as an event, then
+    ``[DONE]``, as vLLM ends a stream that failed."""
+    last = first
     try:
-        async with router.http.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                payload = await response.aread()
-                yield b"data: " + payload + b"\n\n"
-                return
-            async for chunk in response.aiter_raw():
-                if first:
-                    router.metrics.ttft_seconds.observe(time.perf_counter() - started)
-                    first = False
-                yield chunk
+        if first:
+            yield first
+        async for chunk in chunks:
+            last = chunk
+            yield chunk
         router.metrics.decode_seconds.observe(time.perf_counter() - prefill_done)
+        return
     except httpx.HTTPError as error:
-        event = {
-            "error": {
-                "message": f"decode node failed mid-stream: {error}",
-                "type": "upstream_error",
-                "code": 502,
-            }
-        }
-        yield b"data: " + json.dumps(event).encode() + b"\n\n"
+        failure = leg_failed("decode", node, error)
+    except Exception:
+        log.exception("router_bug", leg="decode stream")
+        failure = _internal_error()
+    finally:
+        await response.aclose()
+    # A chunk cut short would swallow the event: end it first.
+    separator = b"" if last.endswith(b"\n\n") else b"\n\n"
+    yield separator + failure.sse() + b"data: [DONE]\n\n"

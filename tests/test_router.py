@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from typer.testing import CliRunner
 
+from controlplane.config import RegistryConfig
 from controlplane.server import RunningRegistry
+from kvbroker.cli.main import app as cli
 from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.ids import MAX_ID_LENGTH
 from kvbroker.common.ports import free_port
 from kvbroker.testing.engine import FakeEngine, serving
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
@@ -35,8 +48,14 @@ class Fleet:
 
 
 @pytest.fixture
+def router_config() -> RouterConfig:
+    """The fleet's router settings; a test parametrizes this name to change them."""
+    return RouterConfig(node_refresh_s=0.1)
+
+
+@pytest.fixture
 async def fleet(
-    stub: RegistryServiceStub, registry_server: RunningRegistry
+    stub: RegistryServiceStub, registry_server: RunningRegistry, router_config: RouterConfig
 ) -> AsyncIterator[Fleet]:
     prefills = [FakeEngine("prefill-0"), FakeEngine("prefill-1")]
     decode = FakeEngine("decode-0")
@@ -47,9 +66,7 @@ async def fleet(
         spec = node_spec(engine.name, role, port=engine.port)
         spec.http_base_url = engine.url
         specs.append(spec)
-    router = Router(
-        RegistryEndpoint.parse(registry_server.address), RouterConfig(node_refresh_s=0.1)
-    )
+    router = Router(RegistryEndpoint.parse(registry_server.address), router_config)
     port = free_port()
     heartbeats = Heartbeats(stub, *specs)
     async with (
@@ -204,10 +221,13 @@ async def test_decode_dying_mid_stream_ends_with_an_error_event(fleet: Fleet) ->
         ) as response,
     ):
         events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
-    assert len(events) == 3
-    last = json.loads(events[-1][6:])
-    assert last["error"]["type"] == "upstream_error"
-    assert "mid-stream" in last["error"]["message"]
+    # The status line went out with the first chunk: the failure is an event, then [DONE].
+    assert response.status_code == 200
+    assert len(events) == 4
+    error = json.loads(events[2].removeprefix("data: "))["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "upstream_failed")
+    assert set(error) == {"message", "type", "param", "code"}
+    assert events[3] == "data: [DONE]"
 
 
 async def test_registry_down_serves_plain_pd_labelled_degraded(
@@ -248,18 +268,307 @@ async def test_keepalive_and_close(fleet: Fleet, stub: RegistryServiceStub) -> N
         assert "unknown" in unknown.json()["error"]["message"]
 
 
-async def test_malformed_requests_get_400(fleet: Fleet) -> None:
-    async with httpx.AsyncClient() as client:
-        garbage = await client.post(f"{fleet.router_url}/v1/chat/completions", content=b"{no")
-        assert garbage.status_code == 400
-        assert "not valid JSON" in garbage.json()["error"]["message"]
-        listed = await client.post(f"{fleet.router_url}/v1/completions", json=[1, 2])
-        assert listed.status_code == 400
-    assert not fleet.decode.received
-
-
 async def test_models_and_health(fleet: Fleet) -> None:
     async with httpx.AsyncClient() as client:
         models = (await client.get(f"{fleet.router_url}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [MODEL]
         assert (await client.get(f"{fleet.router_url}/health")).status_code == 200
+
+
+# ------------------------------------------------------------ errors, OpenAI's way
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    """The response is OpenAI's error object with this status and code; returns the error."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    return cast(dict[str, Any], error)
+
+
+NOT_REQUESTS = {
+    "NaN": b'{"model": "tiny-qwen3", "temperature": NaN}',
+    "Infinity": b'{"model": "tiny-qwen3", "temperature": -Infinity}',
+    "a number beyond a float": b'{"model": "tiny-qwen3", "temperature": 1e999}',
+    "an integer of 5,000 digits": b'{"model": "tiny-qwen3", "seed": ' + b"7" * 5000 + b"}",
+    "nesting past the parser's stack": b"[" * 100_000,
+    "nesting past the router's limit": b'{"a":' * 200 + b"1" + b"}" * 200,
+    "invalid UTF-8": b'{"model": "tiny-qwen3\xff", "messages": []}',
+    "a lone surrogate": b'{"model": "tiny-qwen3", "messages": [{"content": "\\ud800"}]}',
+    "not JSON": b"{no",
+    "not an object": b"[1, 2]",
+}
+
+
+async def test_bodies_that_are_not_requests_get_400_on_a_kept_connection(fleet: Fleet) -> None:
+    async with httpx.AsyncClient() as client:
+        for name, body in NOT_REQUESTS.items():
+            response = await client.post(f"{fleet.router_url}/v1/chat/completions", content=body)
+            error = assert_openai_error(response, 400, "invalid_json")
+            assert error["type"] == "invalid_request_error", name
+            # A refusal is an answer: the connection stays open for the next request.
+            assert response.headers.get("connection") != "close", name
+        for field, value in (("model", 5), ("stream", "yes")):
+            response = await client.post(
+                f"{fleet.router_url}/v1/chat/completions", json={**CHAT, field: value}
+            )
+            assert assert_openai_error(response, 400, "invalid_value")["param"] == field
+        served = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
+        assert served.status_code == 200
+    assert len(fleet.decode.received) == 1
+
+
+async def test_session_ids_follow_the_registrys_rule(fleet: Fleet) -> None:
+    url = f"{fleet.router_url}/v1/chat/completions"
+    async with httpx.AsyncClient() as client:
+        for body, headers in (
+            ({**CHAT, "session_id": "s" * (MAX_ID_LENGTH + 1)}, {}),
+            ({**CHAT, "conversation_id": "c" * (MAX_ID_LENGTH + 1)}, {}),
+            (CHAT, {"x-session-id": "h" * (MAX_ID_LENGTH + 1)}),
+            ({**CHAT, "session_id": 7}, {}),
+        ):
+            response = await client.post(url, json=body, headers=headers)
+            assert_openai_error(response, 400, "invalid_session_id")
+        longest = await client.post(url, json={**CHAT, "session_id": "s" * MAX_ID_LENGTH})
+        assert longest.status_code == 200
+        overlong = "k" * (MAX_ID_LENGTH + 1)
+        kept = await client.post(f"{fleet.router_url}/v1/sessions/{overlong}/keepalive")
+        assert_openai_error(kept, 400, "invalid_session_id")
+        closed = await client.delete(f"{fleet.router_url}/v1/sessions/{overlong}")
+        assert_openai_error(closed, 400, "invalid_session_id")
+        for ttl in (float("nan"), True, 1e300):
+            bad = await client.post(
+                f"{fleet.router_url}/v1/sessions/agent/keepalive",
+                content=json.dumps({"ttl_seconds": ttl}),
+            )
+            assert bad.status_code == 400
+    assert len(fleet.decode.received) == 1
+
+
+@pytest.mark.parametrize("router_config", [RouterConfig(node_refresh_s=0.1, max_body_bytes=4096)])
+async def test_a_body_over_the_limit_is_413(fleet: Fleet) -> None:
+    big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: counted as it arrives
+        for start in range(0, len(big), 1000):
+            yield big[start : start + 1000]
+
+    url = f"{fleet.router_url}/v1/chat/completions"
+    async with httpx.AsyncClient() as client:
+        assert_openai_error(await client.post(url, content=big), 413, "request_too_large")
+        assert_openai_error(await client.post(url, content=chunked()), 413, "request_too_large")
+        assert (await client.post(url, json=CHAT)).status_code == 200
+    assert len(fleet.decode.received) == 1
+
+
+async def test_a_model_no_node_serves_is_404_model_not_found_at_once(fleet: Fleet) -> None:
+    async with httpx.AsyncClient() as client:
+        started = time.monotonic()
+        response = await client.post(
+            f"{fleet.router_url}/v1/chat/completions", json={**CHAT, "model": "gpt-17"}
+        )
+    # Not the wait for a ready node: no node of that model is listed at all.
+    assert time.monotonic() - started < RouterConfig.ready_node_wait_s
+    error = assert_openai_error(response, 404, "model_not_found")
+    assert (error["type"], error["param"]) == ("invalid_request_error", "model")
+    assert not fleet.decode.received
+
+
+async def exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> int:
+    """Sends one HTTP/1.1 request on an open connection and reads its answer; its status."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+        if line.startswith(b"content-length:")
+    )  # fmt: skip
+    await reader.readexactly(length)
+    return int(head.split()[1])
+
+
+async def test_a_bug_is_a_typed_500_that_keeps_the_connection(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(conversation: str, model: str) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(fleet.router, "plan", broken)
+    url = f"{fleet.router_url}/v1/chat/completions"
+    async with httpx.AsyncClient() as client:
+        failed = await client.post(url, json=CHAT)
+        assert assert_openai_error(failed, 500, "internal_error")["type"] == "server_error"
+        missing = await client.get(f"{fleet.router_url}/v1/nothing-here")
+        assert_openai_error(missing, 404, "not_found")
+        wrong = await client.get(url)
+        assert_openai_error(wrong, 405, "method_not_allowed")
+    # Starlette's own 500 closed the connection; the router's keeps it for the next request.
+    body = json.dumps(CHAT).encode()
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
+    post += b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    reader, writer = await asyncio.open_connection(*fleet.router_url[7:].split(":"))
+    try:
+        assert await exchange(reader, writer, post) == 500
+        models = b"GET /v1/models HTTP/1.1\r\nhost: router\r\n\r\n"
+        assert await exchange(reader, writer, models) == 200
+    finally:
+        writer.close()
+
+
+async def test_a_decode_error_before_the_stream_starts_keeps_its_status(fleet: Fleet) -> None:
+    error = {"error": {"message": "max_tokens too large", "type": "BadRequestError"}}
+    fleet.decode.fail_with = (400, error)
+    async with httpx.AsyncClient() as client:
+        response = await client.post(
+            f"{fleet.router_url}/v1/chat/completions", json={**CHAT, "stream": True}
+        )
+    assert response.status_code == 400
+    assert response.json() == error
+
+
+class Misbehaving:
+    """An engine that hangs (until released at the end of the test) or answers garbage."""
+
+    def __init__(self, name: str, role: node_pb2.NodeRole, *, hang: bool) -> None:
+        self.port = free_port()
+        self.spec = node_spec(name, role, port=self.port)
+        self.spec.http_base_url = f"http://127.0.0.1:{self.port}"
+        self.hang = hang
+        self.received = 0
+        self._release = asyncio.Event()
+
+    async def _completions(self, request: Request) -> Response:
+        self.received += 1
+        if self.hang:
+            await asyncio.wait_for(self._release.wait(), 30)
+        return Response(b"<html>502 Bad Gateway</html>", 200, media_type="text/html")
+
+    @contextlib.asynccontextmanager
+    async def serving(self, stub: RegistryServiceStub) -> AsyncIterator[None]:
+        routes = [
+            Route(path, self._completions, methods=["POST"])
+            for path in ("/v1/chat/completions", "/v1/completions")
+        ]
+        async with serving(Starlette(routes=routes), self.port), Heartbeats(stub, self.spec):
+            await asyncio.sleep(0.3)  # the router's node refresh
+            try:
+                yield
+            finally:
+                self._release.set()
+
+
+async def test_an_engine_answering_garbage_is_502(fleet: Fleet, stub: RegistryServiceStub) -> None:
+    # The fleet's nodes report a queue, so every hint picks the idle misbehaving node.
+    fleet.heartbeats.load = node_pb2.NodeLoad(running_requests=50)
+    url = f"{fleet.router_url}/v1/chat/completions"
+    async with httpx.AsyncClient() as client:
+        for role in (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_DECODE):
+            garbage = Misbehaving(f"garbage-{role}", role, hang=False)
+            async with garbage.serving(stub):
+                for body in (CHAT, {**CHAT, "stream": True}):
+                    response = await client.post(url, json=body)
+                    assert_openai_error(response, 502, "upstream_invalid_response")
+            assert garbage.received >= 2
+
+
+@pytest.mark.parametrize("router_config", [RouterConfig(node_refresh_s=0.1, prefill_timeout_s=0.5)])
+async def test_a_hung_prefill_node_fails_over_after_the_prefill_timeout(
+    fleet: Fleet, stub: RegistryServiceStub
+) -> None:
+    fleet.heartbeats.load = node_pb2.NodeLoad(running_requests=50)
+    hung = Misbehaving("prefill-hung", node_pb2.NODE_ROLE_PREFILL, hang=True)
+    async with hung.serving(stub), httpx.AsyncClient() as client:
+        started = time.monotonic()
+        response = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
+        took = time.monotonic() - started
+        metrics = (await client.get(f"{fleet.router_url}/metrics")).text
+    assert response.status_code == 200
+    assert 0.5 <= took < 3
+    assert hung.received == 1
+    assert "kvbroker_router_prefill_failovers_total 1.0" in metrics
+
+
+@pytest.mark.parametrize("router_config", [RouterConfig(node_refresh_s=0.1, decode_timeout_s=0.5)])
+async def test_a_hung_decode_node_is_504(fleet: Fleet, stub: RegistryServiceStub) -> None:
+    fleet.heartbeats.load = node_pb2.NodeLoad(running_requests=50)
+    hung = Misbehaving("decode-hung", node_pb2.NODE_ROLE_DECODE, hang=True)
+    url = f"{fleet.router_url}/v1/chat/completions"
+    async with hung.serving(stub), httpx.AsyncClient() as client:
+        for body in (CHAT, {**CHAT, "stream": True}):
+            started = time.monotonic()
+            response = await client.post(url, json=body)
+            assert time.monotonic() - started < 3
+            assert_openai_error(response, 504, "upstream_timeout")
+    assert hung.received == 2
+
+
+async def test_health_says_degraded_while_the_registry_is_away(
+    fleet: Fleet, registry_server: RunningRegistry
+) -> None:
+    async with httpx.AsyncClient() as client:
+        healthy = await client.get(f"{fleet.router_url}/health")
+        assert (healthy.status_code, healthy.json()["status"]) == (200, "ok")
+        await registry_server.server.stop(0)
+        await asyncio.sleep(0.5)  # the next node refresh fails
+        degraded = await client.get(f"{fleet.router_url}/health")
+        # Still serving plain P/D from its node list: a load balancer should keep it.
+        assert (degraded.status_code, degraded.json()["status"]) == (200, "degraded")
+        served = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
+        assert served.headers["x-kvbroker-consistency"] == "DEGRADED"
+
+
+async def test_health_is_503_when_the_router_can_serve_nothing() -> None:
+    router = Router(RegistryEndpoint.parse(f"127.0.0.1:{free_port()}"))  # nothing listens
+    port = free_port()
+    async with serving(build_app(router), port), httpx.AsyncClient() as client:
+        await asyncio.sleep(0.3)
+        response = await client.get(f"http://127.0.0.1:{port}/health")
+        served = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
+    assert (response.status_code, response.json()["status"]) == (503, "unavailable")
+    assert_openai_error(served, 503, "registry_unavailable")
+
+
+def test_the_cli_flags_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[RouterConfig] = []
+    monkeypatch.setattr("router.server.serve", lambda endpoint, config: seen.append(config))
+    # Logging set up for the CLI's output would outlive CliRunner's captured stdout.
+    monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
+    flags = ["--connect-timeout", "1.5", "--prefill-timeout", "30", "--decode-timeout", "90"]
+    result = CliRunner().invoke(cli, ["router", "run", *flags, "--max-body-bytes", "1000"])
+    assert result.exit_code == 0, result.output
+    assert (seen[0].connect_timeout_s, seen[0].prefill_timeout_s) == (1.5, 30.0)
+    assert (seen[0].decode_timeout_s, seen[0].max_body_bytes) == (90.0, 1000)
+    assert CliRunner().invoke(cli, ["router", "run"]).exit_code == 0
+    assert seen[1] == RouterConfig()
+
+
+# The event loop, and so the fleet's heartbeats, stops between examples while hypothesis
+# draws the next one: a session TTL longer than any such pause keeps the nodes ready.
+@pytest.mark.parametrize("registry_config", [RegistryConfig(session_ttl_s=60.0)])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    st.binary(max_size=100)
+    | st.recursive(
+        st.none() | st.booleans() | st.floats() | st.text(st.characters(exclude_categories=())),
+        lambda children: (
+            st.lists(children, max_size=3)
+            | st.dictionaries(st.sampled_from(["model", "stream", "session_id", "x"]), children)
+        ),
+        max_leaves=10,
+    ).map(lambda value: json.dumps(value, allow_nan=True).encode())
+)
+async def test_no_body_gets_a_500_through_the_router(fleet: Fleet, raw: bytes) -> None:
+    """The fuzzing of tests/test_router_requests.py, through the served router: whatever the
+    body, the client gets a completion or OpenAI's error object, never a 500."""
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"{fleet.router_url}/v1/chat/completions", content=raw)
+    assert response.status_code in (200, 400, 404), response.text
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}

@@ -40,6 +40,36 @@ def router_run(
             help="How long a request waits for a ready node before a 503, s (0: no wait).",
         ),
     ] = RouterConfig.ready_node_wait_s,
+    connect_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_ROUTER_CONNECT_TIMEOUT",
+            help="How long connecting to an engine may take before it counts as unreachable, s.",
+        ),
+    ] = RouterConfig.connect_timeout_s,
+    prefill_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_ROUTER_PREFILL_TIMEOUT",
+            help="How long a prefill node may take to answer before the leg goes to another "
+            "prefill node (504 when there is none), s.",
+        ),
+    ] = RouterConfig.prefill_timeout_s,
+    decode_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_ROUTER_DECODE_TIMEOUT",
+            help="How long a decode node may go silent (the whole answer when not streaming, "
+            "between chunks when streaming) before a 504 or an error event, s.",
+        ),
+    ] = RouterConfig.decode_timeout_s,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar="KVBROKER_ROUTER_MAX_BODY_BYTES",
+            help="Largest request body accepted; a larger one gets 413.",
+        ),
+    ] = RouterConfig.max_body_bytes,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -48,7 +78,13 @@ def router_run(
 ) -> None:
     """Serve /v1/chat/completions and /v1/completions, routing turns by the registry."""
     config = RouterConfig(
-        listen=listen, hint_timeout_s=hint_timeout, ready_node_wait_s=ready_node_wait
+        listen=listen,
+        hint_timeout_s=hint_timeout,
+        ready_node_wait_s=ready_node_wait,
+        connect_timeout_s=connect_timeout,
+        prefill_timeout_s=prefill_timeout,
+        decode_timeout_s=decode_timeout,
+        max_body_bytes=max_body_bytes,
     )
     try:
         config.host_and_port()
