@@ -15,6 +15,7 @@ from kvbroker.cli.options import (
     TimeoutOpt,
     TlsCaOpt,
     TokenOpt,
+    finite,
 )
 from kvbroker.cli.output import (
     OutputFormat,
@@ -193,7 +194,10 @@ def lease_renew(
     target: TargetArg,
     conversation: ConversationFlag = False,
     ttl: Annotated[
-        float, typer.Option(min=0, help="New time to live, seconds (0: registry default).")
+        float,
+        typer.Option(
+            min=0, callback=finite, help="New time to live, seconds (0: registry default)."
+        ),
     ] = 0.0,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,

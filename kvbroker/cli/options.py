@@ -1,8 +1,10 @@
 """Flags that several commands share, declared once so that each reads and documents the same
-way everywhere (every flag also has its ``KVBROKER_*`` environment variable)."""
+way everywhere (every flag also has its ``KVBROKER_*`` environment variable), and the checks
+that turn a bad value into a usage error (exit 2) before anything runs."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, cast
 
@@ -13,6 +15,31 @@ from kvbroker.common.logging import LogFormat, configure_logging
 
 # Where `registry serve` listens and the other commands look for it, unless told otherwise.
 DEFAULT_REGISTRY = "127.0.0.1:7070"
+
+
+def finite(value: float | None) -> float | None:
+    """A typer callback: refuses inf and nan, which min= and max= let through."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def positive(value: float | None) -> float | None:
+    """A typer callback: a finite number above 0 (typer's min= cannot exclude 0 itself)."""
+    checked = finite(value)
+    if checked is not None and checked <= 0:
+        raise typer.BadParameter(f"{checked} is not above 0")
+    return checked
+
+
+def host_port(value: str | None) -> str | None:
+    """A typer callback for listen addresses: HOST:PORT, the port a number below 65536."""
+    if value:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise typer.BadParameter(f"{value!r} is not HOST:PORT")
+    return value
+
 
 RegistryOpt = Annotated[
     str,
@@ -29,7 +56,12 @@ TokenOpt = Annotated[
 TlsCaOpt = Annotated[
     Path | None,
     typer.Option(
-        "--tls-ca", envvar="KVBROKER_TLS_CA", help="CA bundle to verify the registry's TLS."
+        "--tls-ca",
+        envvar="KVBROKER_TLS_CA",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        help="CA bundle to verify the registry's TLS.",
     ),
 ]
 OutputOpt = Annotated[
@@ -38,12 +70,16 @@ OutputOpt = Annotated[
 ]
 TimeoutOpt = Annotated[
     float,
-    typer.Option("--timeout", envvar="KVBROKER_TIMEOUT", help="Deadline per call, seconds."),
+    typer.Option(
+        "--timeout", envvar="KVBROKER_TIMEOUT", callback=positive, help="Deadline per call, s."
+    ),
 ]
 DEFAULT_TIMEOUT_S = 5.0
 MetricsListenOpt = Annotated[
     str | None,
-    typer.Option(envvar="KVBROKER_METRICS_LISTEN", help="Prometheus HTTP HOST:PORT."),
+    typer.Option(
+        envvar="KVBROKER_METRICS_LISTEN", callback=host_port, help="Prometheus HTTP HOST:PORT."
+    ),
 ]
 LogLevelOpt = Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")]
 DEFAULT_LOG_LEVEL = "info"

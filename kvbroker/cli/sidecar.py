@@ -21,15 +21,22 @@ from kvbroker.cli.options import (
     TlsCaOpt,
     TokenOpt,
     apply_logging_flags,
+    host_port,
 )
 from kvbroker.cli.output import fail
 from kvbroker.common.labels import by_lower_label
+from kvbroker.common.ports import ensure_free
 from kvbroker.v1 import node_pb2
 from sidecar.config import SidecarConfig
 
 sidecar_app = typer.Typer(help="Run the agent beside a vLLM server.", no_args_is_help=True)
 
 _NODE_ROLES = by_lower_label(node_pb2.NodeRole)
+
+
+def _listen_address(value: str) -> str:
+    """--listen: unix:PATH, or HOST:PORT (checked as every listen address is)."""
+    return value if not value or value.startswith("unix:") else str(host_port(value))
 
 
 class Role(StrEnum):
@@ -55,6 +62,7 @@ def sidecar_run(
         str,
         typer.Option(
             envvar="KVBROKER_SIDECAR_LISTEN",
+            callback=_listen_address,
             help="Local endpoint for the engine [default: unix:/tmp/kvbroker-NODE.sock].",
         ),
     ] = "",
@@ -80,6 +88,11 @@ def sidecar_run(
 
     node_id = node_id or f"{socket.gethostname()}-{role.value}"
     listen = listen or f"unix:/tmp/kvbroker-{node_id}.sock"
+    if not listen.startswith("unix:"):
+        try:
+            ensure_free(listen)
+        except OSError as error:
+            fail(f"cannot serve the sidecar on {listen}: {error}")
     apply_logging_flags(log_level, log_format)
     config = SidecarConfig(
         node_id=node_id,

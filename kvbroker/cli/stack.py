@@ -9,13 +9,14 @@ import json
 import signal
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from kvbroker.cli.output import fail
+from kvbroker.cli.output import fail, say
 
 if TYPE_CHECKING:
     from kvbroker.stack import Stack
@@ -78,7 +79,7 @@ def run_with_stack(
     async def run() -> None:
         stack = Stack(
             StackConfig(workdir=workdir, model_dir=model, reuse=reuse, registry_replicas=replicas),
-            progress=lambda message: console.print(f"[dim]·[/] {message}"),
+            progress=partial(say, console),
         )
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -87,10 +88,10 @@ def run_with_stack(
             with console.status("starting the stack"):
                 await until_signal(stack.start(), stop)
             if not stop.is_set():
-                console.print(f"[dim]·[/] stack ready: router {stack.router_url}")
+                say(console, f"stack ready: router {stack.router_url}")
                 await until_signal(body(stack, console), stop)
         finally:
-            console.print("[dim]·[/] stopping the stack")
+            say(console, "stopping the stack")
             await stack.stop()
 
     try:
