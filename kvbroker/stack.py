@@ -97,6 +97,9 @@ class StackConfig:
     engine_args: tuple[str, ...] = ()
     # More kv_connector_extra_config keys for both engines (e.g. the retention budget).
     connector_extra: dict[str, object] = field(default_factory=dict)
+    # The registry's bearer token; its children get it in their environment, never in argv
+    # (which every user of the machine can read in the process list).
+    token: str | None = None
     # CPU binding of the two engines; on a 2-core host one core each.
     prefill_cpus: str = "0"
     decode_cpus: str = "1" if (os.cpu_count() or 1) > 1 else "0"
@@ -131,6 +134,33 @@ class Stack:
 
     def _log(self, name: str) -> Path:
         return self.config.workdir / f"{name}.log"
+
+    def kvbroker_env(self) -> dict[str, str]:
+        """The environment of the stack's kvbroker processes: the token through
+        KVBROKER_TOKEN, and neither a token nor a token file inherited from this process
+        (an empty variable counts as unset)."""
+        return {"KVBROKER_TOKEN": self.config.token or "", "KVBROKER_TOKEN_FILE": ""}
+
+    def registry_child(self, name: str, address: str, store: list[str]) -> ChildProcess:
+        argv = registry_command(address, *store, *self.config.registry_flags)
+        return ChildProcess(name, argv, self._log(name), env=self.kvbroker_env())
+
+    def sidecar_child(self, engine: EngineSpec) -> ChildProcess:
+        name = f"sidecar-{engine.role}"
+        argv = sidecar_command(
+            self.registry_address, self.url(engine), engine.role, f"{engine.role}-0",
+            self.socket_path(engine),
+        )  # fmt: skip
+        return ChildProcess(name, argv, self._log(name), env=self.kvbroker_env())
+
+    def router_child(self) -> ChildProcess:
+        return ChildProcess(
+            "router",
+            router_command(self.registry_address, self.router_url.removeprefix("http://")),
+            self._log("router"),
+            ready=[router_routing(self.router_url, self.config.served_model, within_s=600)],
+            env=self.kvbroker_env(),
+        )
 
     def _kv_transfer_config(self, engine: EngineSpec) -> str:
         extra: dict[str, object] = {
@@ -203,20 +233,11 @@ class Stack:
         self.progress(f"starting the registry on {self.registry_address}")
         for index, address in enumerate(self.registry_addresses):
             name = "registry" if len(self.registry_addresses) == 1 else f"registry-{index}"
-            registry = ChildProcess(
-                name,
-                registry_command(address, *store, *self.config.registry_flags),
-                self._log(name),
-            )
+            registry = self.registry_child(name, address, store)
             self._registries[address] = registry
             await self._child(registry).start()
         for engine in (self.prefill, self.decode):
-            name = f"sidecar-{engine.role}"
-            argv = sidecar_command(
-                self.registry_address, self.url(engine), engine.role, f"{engine.role}-0",
-                self.socket_path(engine),
-            )  # fmt: skip
-            await self._child(ChildProcess(name, argv, self._log(name))).start()
+            await self._child(self.sidecar_child(engine)).start()
         self.progress("starting the prefill and decode vLLM servers (about a minute)")
         engines = [
             ChildProcess(
@@ -229,12 +250,7 @@ class Stack:
             for e in (self.prefill, self.decode)
         ]
         self._engines = {child.name: child for child in engines}
-        router = ChildProcess(
-            "router",
-            router_command(self.registry_address, self.router_url.removeprefix("http://")),
-            self._log("router"),
-            ready=[router_routing(self.router_url, self.config.served_model, within_s=600)],
-        )
+        router = self.router_child()
         # Started in this order, ready in any.
         await asyncio.gather(*(self._child(child).start() for child in (*engines, router)))
         self.progress("engines up; waiting for their sidecars to register")
@@ -253,7 +269,8 @@ class Stack:
         await self.stop()
 
     async def _wait_registered(self, timeout_s: float = 60) -> None:
-        async with open_channel(RegistryEndpoint.parse(self.registry_address)) as channel:
+        endpoint = RegistryEndpoint.parse(self.registry_address, self.config.token)
+        async with open_channel(endpoint) as channel:
             stub = registry_stub(channel)
 
             async def both_ready() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
 import grpc
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from kvbroker.cli.sidecar import Role
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.labels import by_lower_label
+from kvbroker.common.tasks import poll_until
+from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import node_pb2
@@ -153,6 +156,7 @@ def usage_error(result: CliResult, flag: str) -> None:
         ("node", "ls", "--timeout", "0"),
         ("hint", "c", "--timeout", "inf"),
         ("node", "ls", "--tls-ca", "/no/such/ca.pem"),
+        ("node", "ls", "--token-file", "/no/such/token"),
         ("registry", "serve", "--listen", "bogus"),
         ("registry", "serve", "--listen", "127.0.0.1:0", "--lease-ttl", "inf"),
         ("registry", "serve", "--listen", "127.0.0.1:0", "--claim-timeout", "-5"),
@@ -214,7 +218,7 @@ async def test_environment_configures_the_cli(registry_process: RegistryProcess)
     assert result.json() == []
 
 
-async def test_bearer_token_is_enforced() -> None:
+async def test_bearer_token_is_enforced(tmp_path: Path) -> None:
     secured = await spawn_registry("--token", "s3cret")
     try:
         denied = await run_cli("node", "ls", "--registry", secured.address)
@@ -224,6 +228,26 @@ async def test_bearer_token_is_enforced() -> None:
         assert wrong.code == 1 and "UNAUTHENTICATED" in wrong.stderr
         allowed = await run_cli("node", "ls", "--registry", secured.address, "--token", "s3cret")
         assert allowed.code == 0, allowed.stderr
+
+        token_file = tmp_path / "token"
+        token_file.write_text("s3cret\n")
+        from_file = await run_cli(
+            "node", "ls", "--registry", secured.address, "--token-file", str(token_file)
+        )
+        assert from_file.code == 0, from_file.stderr
+        from_env = await run_cli(
+            "lease", "ls", "--registry", secured.address,
+            env={"KVBROKER_TOKEN_FILE": str(token_file)},
+        )  # fmt: skip
+        assert from_env.code == 0, from_env.stderr
+        both = await run_cli(
+            "node", "ls", "--registry", secured.address, "--token", "s3cret",
+            "--token-file", str(token_file),
+        )  # fmt: skip
+        assert both.code == 2 and "not both" in both.stderr
+        (tmp_path / "empty").write_text("\n")
+        empty = await run_cli("node", "ls", "--token-file", str(tmp_path / "empty"))
+        assert empty.code == 2 and "is empty" in empty.stderr
 
         # Health probes need no token.
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -235,6 +259,36 @@ async def test_bearer_token_is_enforced() -> None:
         assert status.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await secured.stop()
+
+
+async def test_the_stack_hands_its_token_over_in_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never in argv, which every user can read in the process list; a token file this
+    process was given is not inherited beside it."""
+    (tmp_path / "token").write_text("s3cret")
+    stack = Stack(StackConfig(workdir=tmp_path, token="s3cret"))
+    registry = stack.registry_child("registry", stack.registry_address, [])
+    children = [registry, stack.sidecar_child(stack.decode), stack.router_child()]
+    for child in children:
+        assert not any("s3cret" in arg for arg in child.argv), child.name
+        assert child.env["KVBROKER_TOKEN"] == "s3cret"
+    monkeypatch.setenv("KVBROKER_TOKEN_FILE", str(tmp_path / "token"))
+    await registry.start()
+    monkeypatch.delenv("KVBROKER_TOKEN_FILE")
+    try:
+
+        async def refuses_without_token() -> bool:
+            listed = await run_cli("node", "ls", "--registry", stack.registry_address)
+            return listed.code == 1 and "UNAUTHENTICATED" in listed.stderr
+
+        await poll_until(refuses_without_token, 30, "the registry up, asking for the token")
+        allowed = await run_cli(
+            "node", "ls", "--registry", stack.registry_address, env={"KVBROKER_TOKEN": "s3cret"}
+        )
+        assert allowed.code == 0, allowed.stderr
+    finally:
+        await registry.stop()
 
 
 async def test_serve_rejects_bad_flags() -> None:

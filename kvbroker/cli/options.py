@@ -51,7 +51,23 @@ RegistryOpt = Annotated[
 ]
 TokenOpt = Annotated[
     str | None,
-    typer.Option("--token", envvar="KVBROKER_TOKEN", help="Bearer token for the registry."),
+    typer.Option(
+        "--token",
+        envvar="KVBROKER_TOKEN",
+        help="Bearer token for the registry (visible in the process list: prefer "
+        "KVBROKER_TOKEN or --token-file).",
+    ),
+]
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        envvar="KVBROKER_TOKEN_FILE",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        help="A file holding the bearer token (instead of --token).",
+    ),
 ]
 TlsCaOpt = Annotated[
     Path | None,
@@ -87,6 +103,18 @@ LogFormatOpt = Annotated[
     str, typer.Option(envvar="KVBROKER_LOG_FORMAT", help="auto, json or console.")
 ]
 DEFAULT_LOG_FORMAT = "auto"
+
+
+def bearer_token(token: str | None, token_file: Path | None) -> str | None:
+    """The token --token or --token-file gives (exit 2 when both do, or the file is empty)."""
+    if token_file is None:
+        return token
+    if token:
+        fail("give --token or --token-file, not both", 2)
+    read = token_file.read_text().strip()
+    if not read:
+        fail(f"--token-file {str(token_file)!r} is empty", 2)
+    return read
 
 
 def apply_logging_flags(level: str, fmt: str) -> None:

@@ -18,8 +18,10 @@ from kvbroker.cli.options import (
     LogFormatOpt,
     LogLevelOpt,
     MetricsListenOpt,
+    TokenFileOpt,
     TokenOpt,
     apply_logging_flags,
+    bearer_token,
     finite,
     host_port,
     positive,
@@ -42,6 +44,7 @@ def registry_serve(
     ] = DEFAULT_REGISTRY,
     metrics_listen: MetricsListenOpt = None,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_cert: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_CERT")] = None,
     tls_key: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_KEY")] = None,
     tls_client_ca: Annotated[
@@ -149,6 +152,7 @@ def registry_serve(
 ) -> None:
     """Serve the registry: standalone in memory, or one replica of several sharing etcd.
     Prints one JSON line with its addresses."""
+    token = bearer_token(token, token_file)
     if (tls_cert is None) != (tls_key is None):
         fail("--tls-cert and --tls-key go together", 2)
     try:

@@ -19,8 +19,10 @@ from kvbroker.cli.options import (
     MetricsListenOpt,
     RegistryOpt,
     TlsCaOpt,
+    TokenFileOpt,
     TokenOpt,
     apply_logging_flags,
+    bearer_token,
     host_port,
 )
 from kvbroker.cli.output import fail
@@ -76,6 +78,7 @@ def sidecar_run(
     metrics_listen: MetricsListenOpt = None,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
@@ -83,7 +86,7 @@ def sidecar_run(
     """Register this node, keep its session, and link its engine to the registry."""
     if not engine_url.startswith(("http://", "https://")):
         fail(f"--engine-url {engine_url!r} is not an http(s) URL", 2)
-    endpoint = registry_endpoint(registry, token, tls_ca)
+    endpoint = registry_endpoint(registry, bearer_token(token, token_file), tls_ca)
     from sidecar.server import serve_forever as serve_sidecar
 
     node_id = node_id or f"{socket.gethostname()}-{role.value}"
