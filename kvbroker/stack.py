@@ -20,7 +20,16 @@ import httpx
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Answers, ChildProcess, http_ok, stop_all
+from kvbroker.common.supervisor import (
+    Announces,
+    Answers,
+    ChildProcess,
+    ChildStartError,
+    StartFailure,
+    http_ok,
+    start_together,
+    stop_all,
+)
 from kvbroker.common.tasks import poll_until
 from kvbroker.v1.node_pb2 import NODE_STATE_READY
 from kvbroker.v1.registry_pb2 import ListNodesRequest, ListNodesResponse
@@ -111,16 +120,21 @@ class Stack:
         self.progress = progress or (lambda message: None)
         # Every child started so far, in the order started.
         self.children: list[ChildProcess] = []
-        replicas = max(config.registry_replicas, 1)
-        self.registry_addresses = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
-        self.registry_address = ",".join(self.registry_addresses)
-        self.etcd = LocalEtcd(config.workdir) if replicas > 1 else None
         self._registries: dict[str, ChildProcess] = {}
         self._engines: dict[str, ChildProcess] = {}
-        self.router_url = f"http://127.0.0.1:{free_port()}"
-        self.prefill = EngineSpec("prefill", config.prefill_cpus)
-        self.decode = EngineSpec("decode", config.decode_cpus)
         self.model_dir: Path | None = config.model_dir
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Free ports for every server, chosen now and bound by the children later (so another
+        process may take one first: ``start`` then tries once more on fresh ones)."""
+        replicas = max(self.config.registry_replicas, 1)
+        self.registry_addresses = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
+        self.registry_address = ",".join(self.registry_addresses)
+        self.etcd = LocalEtcd(self.config.workdir) if replicas > 1 else None
+        self.router_url = f"http://127.0.0.1:{free_port()}"
+        self.prefill = EngineSpec("prefill", self.config.prefill_cpus)
+        self.decode = EngineSpec("decode", self.config.decode_cpus)
 
     def url(self, engine: EngineSpec) -> str:
         return f"http://127.0.0.1:{engine.http_port}"
@@ -143,7 +157,9 @@ class Stack:
 
     def registry_child(self, name: str, address: str, store: list[str]) -> ChildProcess:
         argv = registry_command(address, *store, *self.config.registry_flags)
-        return ChildProcess(name, argv, self._log(name), env=self.kvbroker_env())
+        return ChildProcess(
+            name, argv, self._log(name), ready=[Announces()], env=self.kvbroker_env()
+        )
 
     def sidecar_child(self, engine: EngineSpec) -> ChildProcess:
         name = f"sidecar-{engine.role}"
@@ -151,7 +167,9 @@ class Stack:
             self.registry_address, self.url(engine), engine.role, f"{engine.role}-0",
             self.socket_path(engine),
         )  # fmt: skip
-        return ChildProcess(name, argv, self._log(name), env=self.kvbroker_env())
+        return ChildProcess(
+            name, argv, self._log(name), ready=[Announces()], env=self.kvbroker_env()
+        )
 
     def router_child(self) -> ChildProcess:
         return ChildProcess(
@@ -221,10 +239,29 @@ class Stack:
         ]  # fmt: skip
 
     async def start(self) -> None:
+        """Starts every process and returns once the stack serves. A child that will never be
+        ready fails the start at once with its log; a start that fails stops everything it
+        started, and one that failed on a port another process took tries once more on fresh
+        ports."""
         self.config.workdir.mkdir(parents=True, exist_ok=True)
         if self.model_dir is None:
             self.progress("making the test model (cached after the first run)")
             self.model_dir = await asyncio.to_thread(make_test_model)
+        try:
+            try:
+                await self._start_children()
+            except ChildStartError as error:
+                if error.failure is not StartFailure.PORT_IN_USE:
+                    raise
+                self.progress(f"{error.name} found its port taken; starting again on fresh ports")
+                await self.stop()
+                self._pick_ports()
+                await self._start_children()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_children(self) -> None:
         store: list[str] = []
         if self.etcd is not None:
             self.progress(f"starting etcd on {self.etcd.url}")
@@ -251,18 +288,14 @@ class Stack:
         ]
         self._engines = {child.name: child for child in engines}
         router = self.router_child()
-        # Started in this order, ready in any.
-        await asyncio.gather(*(self._child(child).start() for child in (*engines, router)))
+        # Started in this order, ready in any; the first to fail ends the others' waits.
+        starting = [self._child(child) for child in (*engines, router)]
+        await start_together(starting)
         self.progress("engines up; waiting for their sidecars to register")
         await self._wait_registered()
 
     async def __aenter__(self) -> Stack:
-        """Starts the stack; a start that fails stops what it had started."""
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -300,6 +333,8 @@ class Stack:
     async def stop(self) -> None:
         await stop_all(self.children, grace_s=15)
         self.children.clear()
+        self._registries.clear()
+        self._engines.clear()
 
     def describe(self) -> dict[str, object]:
         return {
