@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvbroker.bench.retention import TraceConfig
-from kvbroker.cli.options import finite, positive
+from kvbroker.cli.options import finite, positive_seconds, seconds
 from kvbroker.cli.output import fail, say
 from kvbroker.cli.stack import run_with_stack
 
@@ -69,7 +69,7 @@ def bench_retention(
         int, typer.Option(min=1, help="Conversations in the trace.")
     ] = TraceConfig.conversations,
     fixed_ttl: Annotated[
-        float, typer.Option(callback=finite, min=1, help="The fixed TTL to compare, s.")
+        float, typer.Option(callback=seconds, min=1, help="The fixed TTL to compare, s.")
     ] = 480,
     seed: Annotated[int, typer.Option(help="Trace seed.")] = TraceConfig.seed,
 ) -> None:
@@ -93,7 +93,7 @@ def bench_registry(
     ] = "100000,250000,500000,1000000",
     restart_leases: Annotated[int, typer.Option(help="Leases replayed after restart.")] = 100_000,
     seconds: Annotated[
-        float, typer.Option(callback=positive, help="Seconds per load level.")
+        float, typer.Option(callback=positive_seconds, help="Seconds per load level.")
     ] = 10.0,
     etcd: Annotated[
         bool,
@@ -164,12 +164,12 @@ def bench_failover(
         "results/failover"
     ),
     seconds: Annotated[
-        float, typer.Option(callback=finite, min=10, help="How long the load and kills last.")
+        float, typer.Option(callback=seconds, min=10, help="How long the load and kills last.")
     ] = 120,
     replicas: Annotated[int, typer.Option(min=2, help="Registry replicas.")] = 3,
     conversations: Annotated[int, typer.Option(min=1, help="Concurrent conversations.")] = 8,
     kill_every: Annotated[
-        float, typer.Option(callback=finite, min=2, help="Seconds between kills.")
+        float, typer.Option(callback=seconds, min=2, help="Seconds between kills.")
     ] = 8,
     restart_etcd: Annotated[
         bool, typer.Option(help="Restart etcd once, a third of the way in.")
@@ -222,7 +222,7 @@ def bench_agentic(
     max_gap: Annotated[
         float | None,
         typer.Option(
-            callback=finite,
+            callback=seconds,
             min=0.1,
             help="Longest compressed gap, s [default: 1.2 x the fixed cap].",
         ),

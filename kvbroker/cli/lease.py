@@ -17,7 +17,7 @@ from kvbroker.cli.options import (
     TokenFileOpt,
     TokenOpt,
     bearer_token,
-    finite,
+    seconds,
 )
 from kvbroker.cli.output import (
     OutputFormat,
@@ -199,9 +199,7 @@ def lease_renew(
     conversation: ConversationFlag = False,
     ttl: Annotated[
         float,
-        typer.Option(
-            min=0, callback=finite, help="New time to live, seconds (0: registry default)."
-        ),
+        typer.Option(callback=seconds, help="New time to live, seconds (0: registry default)."),
     ] = 0.0,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,

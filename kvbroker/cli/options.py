@@ -15,6 +15,9 @@ from kvbroker.common.logging import LogFormat, configure_logging
 
 # Where `registry serve` listens and the other commands look for it, unless told otherwise.
 DEFAULT_REGISTRY = "127.0.0.1:7070"
+# The longest duration a flag may give (ten years): protobuf Durations and gRPC deadlines
+# overflow not far above it, and nothing the registry keeps or a call waits for is longer.
+MAX_SECONDS = 10 * 365 * 24 * 3600
 
 
 def finite(value: float | None) -> float | None:
@@ -24,11 +27,19 @@ def finite(value: float | None) -> float | None:
     return value
 
 
-def positive(value: float | None) -> float | None:
-    """A typer callback: a finite number above 0 (typer's min= cannot exclude 0 itself)."""
+def seconds(value: float | None) -> float | None:
+    """A typer callback for durations: finite, from 0 to MAX_SECONDS."""
     checked = finite(value)
-    if checked is not None and checked <= 0:
-        raise typer.BadParameter(f"{checked} is not above 0")
+    if checked is not None and not 0 <= checked <= MAX_SECONDS:
+        raise typer.BadParameter(f"{checked} is not between 0 and {MAX_SECONDS} seconds")
+    return checked
+
+
+def positive_seconds(value: float | None) -> float | None:
+    """A typer callback for durations that must pass: above 0 (min= cannot exclude 0)."""
+    checked = seconds(value)
+    if checked == 0:
+        raise typer.BadParameter("0 is not above 0 seconds")
     return checked
 
 
@@ -38,6 +49,14 @@ def host_port(value: str | None) -> str | None:
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise typer.BadParameter(f"{value!r} is not HOST:PORT")
+    return value
+
+
+def pem_certificates(value: Path | None) -> Path | None:
+    """A typer callback for --tls-ca: a file of PEM certificates (with anything else gRPC
+    fails every call with a handshake error that reads like an unreachable registry)."""
+    if value is not None and b"-----BEGIN CERTIFICATE-----" not in value.read_bytes():
+        raise typer.BadParameter(f"{str(value)!r} holds no PEM certificate")
     return value
 
 
@@ -77,6 +96,7 @@ TlsCaOpt = Annotated[
         exists=True,
         dir_okay=False,
         readable=True,
+        callback=pem_certificates,
         help="CA bundle to verify the registry's TLS.",
     ),
 ]
@@ -87,7 +107,10 @@ OutputOpt = Annotated[
 TimeoutOpt = Annotated[
     float,
     typer.Option(
-        "--timeout", envvar="KVBROKER_TIMEOUT", callback=positive, help="Deadline per call, s."
+        "--timeout",
+        envvar="KVBROKER_TIMEOUT",
+        callback=positive_seconds,
+        help="Deadline per call, s.",
     ),
 ]
 DEFAULT_TIMEOUT_S = 5.0

@@ -22,9 +22,9 @@ from kvbroker.cli.options import (
     TokenOpt,
     apply_logging_flags,
     bearer_token,
-    finite,
     host_port,
-    positive,
+    positive_seconds,
+    seconds,
 )
 from kvbroker.cli.output import fail
 from kvbroker.common.ports import ensure_free
@@ -55,7 +55,7 @@ def registry_serve(
         float,
         typer.Option(
             envvar="KVBROKER_LEASE_TTL",
-            callback=positive,
+            callback=positive_seconds,
             help="Idle TTL, seconds: a lease not renewed this long ends (until one is learned).",
         ),
     ] = RegistryConfig.default_lease_ttl_s,
@@ -69,35 +69,40 @@ def registry_serve(
     min_idle_ttl: Annotated[
         float,
         typer.Option(
-            envvar="KVBROKER_MIN_IDLE_TTL", callback=positive, help="Shortest learned idle TTL."
+            envvar="KVBROKER_MIN_IDLE_TTL",
+            callback=positive_seconds,
+            help="Shortest learned idle TTL.",
         ),
     ] = RegistryConfig.min_idle_ttl_s,
     max_idle_ttl: Annotated[
         float,
         typer.Option(
-            envvar="KVBROKER_MAX_IDLE_TTL", callback=positive, help="Longest learned idle TTL."
+            envvar="KVBROKER_MAX_IDLE_TTL",
+            callback=positive_seconds,
+            help="Longest learned idle TTL.",
         ),
     ] = RegistryConfig.max_idle_ttl_s,
     turn_settle_timeout: Annotated[
         float,
         typer.Option(
             envvar="KVBROKER_TURN_SETTLE_TIMEOUT",
-            min=0,
-            callback=finite,
+            callback=seconds,
             help="A hint waits this long for the previous turn's retention, seconds.",
         ),
     ] = RegistryConfig.turn_settle_timeout_s,
     max_lease_ttl: Annotated[
         float,
         typer.Option(
-            envvar="KVBROKER_MAX_LEASE_TTL", callback=positive, help="Longest TTL a call may ask."
+            envvar="KVBROKER_MAX_LEASE_TTL",
+            callback=positive_seconds,
+            help="Longest TTL a call may ask.",
         ),
     ] = RegistryConfig.max_lease_ttl_s,
     claim_timeout: Annotated[
         float,
         typer.Option(
             envvar="KVBROKER_CLAIM_TIMEOUT",
-            callback=positive,
+            callback=positive_seconds,
             help="How long a hint protects a read.",
         ),
     ] = RegistryConfig.claim_timeout_s,
@@ -105,21 +110,24 @@ def registry_serve(
         float,
         typer.Option(
             envvar="KVBROKER_REVOKE_GRACE",
-            min=0,
-            callback=finite,
+            callback=seconds,
             help="Blocks kept after a revoke, seconds.",
         ),
     ] = RegistryConfig.revoke_grace_s,
     heartbeat_interval: Annotated[
         float,
         typer.Option(
-            envvar="KVBROKER_HEARTBEAT_INTERVAL", callback=positive, help="Sidecar heartbeat."
+            envvar="KVBROKER_HEARTBEAT_INTERVAL",
+            callback=positive_seconds,
+            help="Sidecar heartbeat.",
         ),
     ] = RegistryConfig.heartbeat_interval_s,
     session_ttl: Annotated[
         float,
         typer.Option(
-            envvar="KVBROKER_SESSION_TTL", callback=positive, help="Silence before a node is DOWN."
+            envvar="KVBROKER_SESSION_TTL",
+            callback=positive_seconds,
+            help="Silence before a node is DOWN.",
         ),
     ] = RegistryConfig.session_ttl_s,
     store: Annotated[
