@@ -20,7 +20,16 @@ import httpx
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Answers, ChildProcess, http_ok, stop_all
+from kvbroker.common.supervisor import (
+    Announces,
+    Answers,
+    ChildProcess,
+    ChildStartError,
+    StartFailure,
+    http_ok,
+    start_together,
+    stop_all,
+)
 from kvbroker.common.tasks import poll_until
 from kvbroker.v1.node_pb2 import NODE_STATE_READY
 from kvbroker.v1.registry_pb2 import ListNodesRequest, ListNodesResponse
@@ -97,6 +106,9 @@ class StackConfig:
     engine_args: tuple[str, ...] = ()
     # More kv_connector_extra_config keys for both engines (e.g. the retention budget).
     connector_extra: dict[str, object] = field(default_factory=dict)
+    # The registry's bearer token; its children get it in their environment, never in argv
+    # (which every user of the machine can read in the process list).
+    token: str | None = None
     # CPU binding of the two engines; on a 2-core host one core each.
     prefill_cpus: str = "0"
     decode_cpus: str = "1" if (os.cpu_count() or 1) > 1 else "0"
@@ -108,16 +120,21 @@ class Stack:
         self.progress = progress or (lambda message: None)
         # Every child started so far, in the order started.
         self.children: list[ChildProcess] = []
-        replicas = max(config.registry_replicas, 1)
-        self.registry_addresses = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
-        self.registry_address = ",".join(self.registry_addresses)
-        self.etcd = LocalEtcd(config.workdir) if replicas > 1 else None
         self._registries: dict[str, ChildProcess] = {}
         self._engines: dict[str, ChildProcess] = {}
-        self.router_url = f"http://127.0.0.1:{free_port()}"
-        self.prefill = EngineSpec("prefill", config.prefill_cpus)
-        self.decode = EngineSpec("decode", config.decode_cpus)
         self.model_dir: Path | None = config.model_dir
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Free ports for every server, chosen now and bound by the children later (so another
+        process may take one first: ``start`` then tries once more on fresh ones)."""
+        replicas = max(self.config.registry_replicas, 1)
+        self.registry_addresses = [f"127.0.0.1:{free_port()}" for _ in range(replicas)]
+        self.registry_address = ",".join(self.registry_addresses)
+        self.etcd = LocalEtcd(self.config.workdir) if replicas > 1 else None
+        self.router_url = f"http://127.0.0.1:{free_port()}"
+        self.prefill = EngineSpec("prefill", self.config.prefill_cpus)
+        self.decode = EngineSpec("decode", self.config.decode_cpus)
 
     def url(self, engine: EngineSpec) -> str:
         return f"http://127.0.0.1:{engine.http_port}"
@@ -131,6 +148,37 @@ class Stack:
 
     def _log(self, name: str) -> Path:
         return self.config.workdir / f"{name}.log"
+
+    def kvbroker_env(self) -> dict[str, str]:
+        """The environment of the stack's kvbroker processes: the token through
+        KVBROKER_TOKEN, and neither a token nor a token file inherited from this process
+        (an empty variable counts as unset)."""
+        return {"KVBROKER_TOKEN": self.config.token or "", "KVBROKER_TOKEN_FILE": ""}
+
+    def registry_child(self, name: str, address: str, store: list[str]) -> ChildProcess:
+        argv = registry_command(address, *store, *self.config.registry_flags)
+        return ChildProcess(
+            name, argv, self._log(name), ready=[Announces()], env=self.kvbroker_env()
+        )
+
+    def sidecar_child(self, engine: EngineSpec) -> ChildProcess:
+        name = f"sidecar-{engine.role}"
+        argv = sidecar_command(
+            self.registry_address, self.url(engine), engine.role, f"{engine.role}-0",
+            self.socket_path(engine),
+        )  # fmt: skip
+        return ChildProcess(
+            name, argv, self._log(name), ready=[Announces()], env=self.kvbroker_env()
+        )
+
+    def router_child(self) -> ChildProcess:
+        return ChildProcess(
+            "router",
+            router_command(self.registry_address, self.router_url.removeprefix("http://")),
+            self._log("router"),
+            ready=[router_routing(self.router_url, self.config.served_model, within_s=600)],
+            env=self.kvbroker_env(),
+        )
 
     def _kv_transfer_config(self, engine: EngineSpec) -> str:
         extra: dict[str, object] = {
@@ -191,10 +239,29 @@ class Stack:
         ]  # fmt: skip
 
     async def start(self) -> None:
+        """Starts every process and returns once the stack serves. A child that will never be
+        ready fails the start at once with its log; a start that fails stops everything it
+        started, and one that failed on a port another process took tries once more on fresh
+        ports."""
         self.config.workdir.mkdir(parents=True, exist_ok=True)
         if self.model_dir is None:
             self.progress("making the test model (cached after the first run)")
             self.model_dir = await asyncio.to_thread(make_test_model)
+        try:
+            try:
+                await self._start_children()
+            except ChildStartError as error:
+                if error.failure is not StartFailure.PORT_IN_USE:
+                    raise
+                self.progress(f"{error.name} found its port taken; starting again on fresh ports")
+                await self.stop()
+                self._pick_ports()
+                await self._start_children()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_children(self) -> None:
         store: list[str] = []
         if self.etcd is not None:
             self.progress(f"starting etcd on {self.etcd.url}")
@@ -203,20 +270,11 @@ class Stack:
         self.progress(f"starting the registry on {self.registry_address}")
         for index, address in enumerate(self.registry_addresses):
             name = "registry" if len(self.registry_addresses) == 1 else f"registry-{index}"
-            registry = ChildProcess(
-                name,
-                registry_command(address, *store, *self.config.registry_flags),
-                self._log(name),
-            )
+            registry = self.registry_child(name, address, store)
             self._registries[address] = registry
             await self._child(registry).start()
         for engine in (self.prefill, self.decode):
-            name = f"sidecar-{engine.role}"
-            argv = sidecar_command(
-                self.registry_address, self.url(engine), engine.role, f"{engine.role}-0",
-                self.socket_path(engine),
-            )  # fmt: skip
-            await self._child(ChildProcess(name, argv, self._log(name))).start()
+            await self._child(self.sidecar_child(engine)).start()
         self.progress("starting the prefill and decode vLLM servers (about a minute)")
         engines = [
             ChildProcess(
@@ -229,31 +287,23 @@ class Stack:
             for e in (self.prefill, self.decode)
         ]
         self._engines = {child.name: child for child in engines}
-        router = ChildProcess(
-            "router",
-            router_command(self.registry_address, self.router_url.removeprefix("http://")),
-            self._log("router"),
-            ready=[router_routing(self.router_url, self.config.served_model, within_s=600)],
-        )
-        # Started in this order, ready in any.
-        await asyncio.gather(*(self._child(child).start() for child in (*engines, router)))
+        router = self.router_child()
+        # Started in this order, ready in any; the first to fail ends the others' waits.
+        starting = [self._child(child) for child in (*engines, router)]
+        await start_together(starting)
         self.progress("engines up; waiting for their sidecars to register")
         await self._wait_registered()
 
     async def __aenter__(self) -> Stack:
-        """Starts the stack; a start that fails stops what it had started."""
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
     async def _wait_registered(self, timeout_s: float = 60) -> None:
-        async with open_channel(RegistryEndpoint.parse(self.registry_address)) as channel:
+        endpoint = RegistryEndpoint.parse(self.registry_address, self.config.token)
+        async with open_channel(endpoint) as channel:
             stub = registry_stub(channel)
 
             async def both_ready() -> bool:
@@ -283,6 +333,8 @@ class Stack:
     async def stop(self) -> None:
         await stop_all(self.children, grace_s=15)
         self.children.clear()
+        self._registries.clear()
+        self._engines.clear()
 
     def describe(self) -> dict[str, object]:
         return {

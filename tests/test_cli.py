@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from pathlib import Path
 
 import grpc
+import pytest
 
 from kvbroker.cli.sidecar import Role
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.labels import by_lower_label
+from kvbroker.common.tasks import poll_until
+from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import node_pb2
-from tests.conftest import run_cli, spawn_registry
+from tests.conftest import CliResult, run_cli, spawn_registry
 
 
 async def test_operator_session(registry_process: RegistryProcess) -> None:
@@ -96,6 +101,106 @@ async def test_clear_errors_and_exit_codes(registry_process: RegistryProcess) ->
     assert f"cannot reach the registry at {address}" in down.stderr
 
 
+async def test_stored_strings_print_as_they_are_not_as_markup(
+    registry_process: RegistryProcess,
+) -> None:
+    """Node ids, conversation ids and reasons come from users: rich must not read them as
+    markup (a "[/]" raised, so a revoke that had succeeded exited 1)."""
+    address = registry_process.address
+    decode = node_spec("decode-[/]0")
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        async with Heartbeats(stub, decode):
+            lease = await grant(stub, decode, "conv-[bold]x", "req-1")
+            nodes = await run_cli("node", "ls", "--registry", address)
+            assert nodes.code == 0, nodes.stderr
+            assert "decode-[/]0" in nodes.stdout
+            listed = await run_cli("lease", "ls", "--registry", address)
+            assert listed.code == 0, listed.stderr
+            assert "decode-[/]0" in listed.stdout and "conv-[bold]x" in listed.stdout
+            revoked = await run_cli(
+                "lease", "revoke", lease.lease_id, "--reason", "[bold]done[/] [/]",
+                "--registry", address,
+            )  # fmt: skip
+            assert revoked.code == 0, revoked.stderr
+            assert "REVOKED ([bold]done[/] [/])" in revoked.stdout
+            assert "decode-[/]0" in revoked.stdout
+    missing = await run_cli("lease", "show", "[/]gone[red]", "--registry", address)
+    assert missing.code == 1 and "lease '[/]gone[red]' does not exist" in missing.stderr
+
+
+async def test_a_refusal_with_unavailable_is_not_an_unreachable_registry(
+    registry_process: RegistryProcess,
+) -> None:
+    """The registry answers UNAVAILABLE with a reason when no node can take a turn: it was
+    reached, and said no."""
+    hinted = await run_cli("hint", "conv", "--claim", "--registry", registry_process.address)
+    assert hinted.code == 1
+    assert "NO_READY_NODE" in hinted.stderr and "cannot reach" not in hinted.stderr
+
+
+def usage_error(result: CliResult, flag: str) -> None:
+    """Exit 2 with a message naming ``flag`` on one line, and no traceback."""
+    assert result.code == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert any(flag in line and "Invalid value" in line for line in result.stderr.splitlines())
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("lease", "renew", "x", "--ttl", "inf"),
+        ("lease", "renew", "x", "--ttl", "nan"),
+        ("lease", "renew", "x", "--ttl", "-1"),
+        ("lease", "renew", "x", "--ttl", "1e20"),
+        ("node", "ls", "--timeout", "-1"),
+        ("node", "ls", "--timeout", "0"),
+        ("hint", "c", "--timeout", "inf"),
+        ("node", "ls", "--timeout", "1e20"),
+        ("node", "ls", "--tls-ca", __file__),
+        ("node", "ls", "--tls-ca", "/no/such/ca.pem"),
+        ("node", "ls", "--token-file", "/no/such/token"),
+        ("registry", "serve", "--listen", "bogus"),
+        ("registry", "serve", "--listen", "127.0.0.1:0", "--lease-ttl", "inf"),
+        ("registry", "serve", "--listen", "127.0.0.1:0", "--claim-timeout", "-5"),
+        ("registry", "serve", "--listen", "127.0.0.1:0", "--max-lease-ttl", "1e300"),
+        ("registry", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "9090"),
+        (
+            "sidecar",
+            "run",
+            "--engine-url",
+            "http://127.0.0.1:1",
+            "--role",
+            "decode",
+            "--listen",
+            "bogus",
+        ),
+    ],
+    ids=" ".join,
+)
+async def test_bad_flags_are_usage_errors(args: tuple[str, ...]) -> None:
+    """Refused while the flags are read, before anything is reached or served."""
+    usage_error(await run_cli(*args), next(a for a in reversed(args) if a.startswith("--")))
+
+
+async def test_serving_on_a_port_in_use_says_so() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "{}:{}".format(*taken.getsockname())
+        result = await run_cli("registry", "serve", "--listen", address)
+    assert result.code == 1 and "Traceback" not in result.stderr
+    assert f"cannot serve on {address}" in result.stderr and "in use" in result.stderr
+
+
+async def test_a_second_registry_on_the_same_port_is_refused(
+    registry_process: RegistryProcess,
+) -> None:
+    """gRPC binds with SO_REUSEPORT: without the check the second would share the port."""
+    result = await run_cli("registry", "serve", "--listen", registry_process.address)
+    assert result.code == 1 and "in use" in result.stderr
+
+
 async def test_registry_serve_refuses_bad_store_settings(tmp_path) -> None:  # type: ignore[no-untyped-def]
     bogus = await run_cli("registry", "serve", "--listen", "127.0.0.1:0", "--store", "redis://x")
     assert bogus.code == 2 and "neither 'memory' nor etcd://HOST:PORT" in bogus.stderr
@@ -117,7 +222,7 @@ async def test_environment_configures_the_cli(registry_process: RegistryProcess)
     assert result.json() == []
 
 
-async def test_bearer_token_is_enforced() -> None:
+async def test_bearer_token_is_enforced(tmp_path: Path) -> None:
     secured = await spawn_registry("--token", "s3cret")
     try:
         denied = await run_cli("node", "ls", "--registry", secured.address)
@@ -127,6 +232,26 @@ async def test_bearer_token_is_enforced() -> None:
         assert wrong.code == 1 and "UNAUTHENTICATED" in wrong.stderr
         allowed = await run_cli("node", "ls", "--registry", secured.address, "--token", "s3cret")
         assert allowed.code == 0, allowed.stderr
+
+        token_file = tmp_path / "token"
+        token_file.write_text("s3cret\n")
+        from_file = await run_cli(
+            "node", "ls", "--registry", secured.address, "--token-file", str(token_file)
+        )
+        assert from_file.code == 0, from_file.stderr
+        from_env = await run_cli(
+            "lease", "ls", "--registry", secured.address,
+            env={"KVBROKER_TOKEN_FILE": str(token_file)},
+        )  # fmt: skip
+        assert from_env.code == 0, from_env.stderr
+        both = await run_cli(
+            "node", "ls", "--registry", secured.address, "--token", "s3cret",
+            "--token-file", str(token_file),
+        )  # fmt: skip
+        assert both.code == 2 and "not both" in both.stderr
+        (tmp_path / "empty").write_text("\n")
+        empty = await run_cli("node", "ls", "--token-file", str(tmp_path / "empty"))
+        assert empty.code == 2 and "is empty" in empty.stderr
 
         # Health probes need no token.
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -138,6 +263,36 @@ async def test_bearer_token_is_enforced() -> None:
         assert status.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await secured.stop()
+
+
+async def test_the_stack_hands_its_token_over_in_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never in argv, which every user can read in the process list; a token file this
+    process was given is not inherited beside it."""
+    (tmp_path / "token").write_text("s3cret")
+    stack = Stack(StackConfig(workdir=tmp_path, token="s3cret"))
+    registry = stack.registry_child("registry", stack.registry_address, [])
+    children = [registry, stack.sidecar_child(stack.decode), stack.router_child()]
+    for child in children:
+        assert not any("s3cret" in arg for arg in child.argv), child.name
+        assert child.env["KVBROKER_TOKEN"] == "s3cret"
+    monkeypatch.setenv("KVBROKER_TOKEN_FILE", str(tmp_path / "token"))
+    await registry.start()
+    monkeypatch.delenv("KVBROKER_TOKEN_FILE")
+    try:
+
+        async def refuses_without_token() -> bool:
+            listed = await run_cli("node", "ls", "--registry", stack.registry_address)
+            return listed.code == 1 and "UNAUTHENTICATED" in listed.stderr
+
+        await poll_until(refuses_without_token, 30, "the registry up, asking for the token")
+        allowed = await run_cli(
+            "node", "ls", "--registry", stack.registry_address, env={"KVBROKER_TOKEN": "s3cret"}
+        )
+        assert allowed.code == 0, allowed.stderr
+    finally:
+        await registry.stop()
 
 
 async def test_serve_rejects_bad_flags() -> None:

@@ -1,5 +1,6 @@
-"""The child-process supervisor on small Python children: readiness, early exits, stopping a
-whole process group, restarts."""
+"""The child-process supervisor on small Python children: readiness, early exits, children
+that will never be ready, stopping a whole process group, restarts; and the stack's start
+failing fast (its engines replaced by such children)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.common.supervisor import Announces, Answers, ChildProcess
+from kvbroker.common.supervisor import (
+    Announces,
+    Answers,
+    ChildProcess,
+    ChildStartError,
+    StartFailure,
+)
+from kvbroker.stack import EngineSpec, Stack, StackConfig
 
 # Starts a grandchild in its own process group, logs to stderr, announces itself, then waits.
 SERVER = """
@@ -69,10 +77,6 @@ async def test_a_child_that_exits_before_it_is_ready_fails_the_start_with_its_lo
     tmp_path: Path,
 ) -> None:
     script = "import sys; print('no model here', file=sys.stderr); sys.exit(3)"
-
-    async def never() -> bool:
-        return False
-
     child = ChildProcess(
         "broken",
         [sys.executable, "-c", script],
@@ -100,3 +104,108 @@ async def test_a_probe_that_is_never_satisfied_times_out() -> None:
     finally:
         await child.stop()
     assert not child.running
+
+
+async def never() -> bool:
+    return False
+
+
+# A vLLM server whose NIXL listener thread died on a taken port: it says so, then serves
+# nothing and never exits.
+TAKEN_PORT_AND_HANGS = """
+import sys, time
+print("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5600')",
+      file=sys.stderr, flush=True)
+time.sleep(120)
+"""
+THREAD_DIES_AND_HANGS = """
+import threading, time
+def listen():
+    raise OSError("listener broke")
+threading.Thread(target=listen, name="handshake").start()
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "failure", "cause"),
+    [
+        (TAKEN_PORT_AND_HANGS, StartFailure.PORT_IN_USE, "Address already in use"),
+        (THREAD_DIES_AND_HANGS, StartFailure.FATAL, "Exception in thread handshake"),
+        (
+            "import sys; print('[Errno 98] address already in use', file=sys.stderr); sys.exit(1)",
+            StartFailure.PORT_IN_USE,
+            "exited with 1",
+        ),
+    ],
+    ids=["taken port, hangs", "dead thread, hangs", "taken port, exits"],
+)
+async def test_a_child_that_will_never_be_ready_fails_the_start_at_once(
+    tmp_path: Path, script: str, failure: StartFailure, cause: str
+) -> None:
+    child = ChildProcess(
+        "engine",
+        [sys.executable, "-c", script],
+        tmp_path / "engine.log",
+        ready=[Answers(never, "the engine healthy", within_s=60)],
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(ChildStartError) as error:
+            await child.start()
+        assert time.monotonic() - started < 10  # not the probe's 60 s
+        assert error.value.failure is failure and error.value.name == "engine"
+        assert cause in str(error.value)
+    finally:
+        await child.stop()
+
+
+async def test_a_marker_from_an_earlier_start_does_not_fail_a_restart(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("")
+    child = ChildProcess("server", [sys.executable, "-c", SERVER], log, ready=[Announces()])
+    await child.start()
+    await child.stop()
+    with log.open("a") as earlier:
+        earlier.write("OSError: [Errno 98] Address already in use\n")
+    await child.start()  # the old line is not this start's
+    await child.stop()
+
+
+class FakeEngineStack(Stack):
+    """The stack with each vLLM server replaced by a script that finds its NIXL port taken
+    and hangs; every child it starts is kept, to be checked after the start failed."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.started: list[ChildProcess] = []
+        self.messages: list[str] = []
+        super().__init__(config, progress=self.messages.append)
+
+    def engine_argv(self, engine: EngineSpec) -> list[str]:
+        return [sys.executable, "-c", TAKEN_PORT_AND_HANGS]
+
+    def _child(self, child: ChildProcess) -> ChildProcess:
+        self.started.append(child)
+        return super()._child(child)
+
+
+async def test_a_stack_start_on_a_taken_port_tries_fresh_ports_once_then_stops_everything(
+    tmp_path: Path,
+) -> None:
+    stack = FakeEngineStack(StackConfig(workdir=tmp_path, model_dir=tmp_path))
+    first_ports = (stack.registry_address, stack.prefill, stack.router_url)
+    started = time.monotonic()
+    with pytest.raises(ChildStartError) as error:
+        await stack.start()
+    assert time.monotonic() - started < 60  # not the engines' 600 s
+    assert error.value.failure is StartFailure.PORT_IN_USE
+    assert "Address already in use" in str(error.value)
+    # Once again on fresh ports, then given up.
+    assert sum("fresh ports" in message for message in stack.messages) == 1
+    assert (stack.registry_address, stack.prefill, stack.router_url) != first_ports
+    names = [child.name for child in stack.started]
+    assert names.count("registry") == 2 and names.count("vllm-prefill") == 2
+    assert "router" in names and "sidecar-decode" in names
+    assert all(not child.running for child in stack.started)
+    assert all(not group_alive(child.pid) for child in stack.started)
+    assert stack.children == []

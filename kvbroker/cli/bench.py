@@ -7,15 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvbroker.bench.retention import TraceConfig
-from kvbroker.cli.output import fail
+from kvbroker.cli.options import finite, positive_seconds, seconds
+from kvbroker.cli.output import fail, say
 from kvbroker.cli.stack import run_with_stack
 
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
@@ -51,7 +54,7 @@ def bench_multiturn(
         )
         charts = plot(rows, output, f"TTFT vs prompt length ({stack.config.served_model}, CPU)")
         console.print(
-            f"records, summary and charts in {output}: {', '.join(c.name for c in charts)}"
+            Text(f"records, summary and charts in {output}: {', '.join(c.name for c in charts)}")
         )
 
     run_with_stack(True, model, workdir, body)
@@ -65,7 +68,9 @@ def bench_retention(
     conversations: Annotated[
         int, typer.Option(min=1, help="Conversations in the trace.")
     ] = TraceConfig.conversations,
-    fixed_ttl: Annotated[float, typer.Option(min=1, help="The fixed TTL to compare, s.")] = 480,
+    fixed_ttl: Annotated[
+        float, typer.Option(callback=seconds, min=1, help="The fixed TTL to compare, s.")
+    ] = 480,
     seed: Annotated[int, typer.Option(help="Trace seed.")] = TraceConfig.seed,
 ) -> None:
     """Simulate decode retention on an agentic trace: fixed TTL vs kvbroker idle leases."""
@@ -87,7 +92,9 @@ def bench_registry(
         str, typer.Option(help="Live-lease counts at which RSS is read.")
     ] = "100000,250000,500000,1000000",
     restart_leases: Annotated[int, typer.Option(help="Leases replayed after restart.")] = 100_000,
-    seconds: Annotated[float, typer.Option(help="Seconds per load level.")] = 10.0,
+    seconds: Annotated[
+        float, typer.Option(callback=positive_seconds, help="Seconds per load level.")
+    ] = 10.0,
     etcd: Annotated[
         bool,
         typer.Option(help="Run the registry as a replica on its own etcd (load levels only)."),
@@ -104,10 +111,10 @@ def bench_registry(
     console = Console()
 
     async def bench() -> dict[str, Any]:
-        say = lambda message: console.print(f"[dim]·[/] {message}")  # noqa: E731
+        progress = partial(say, console)
         if not etcd:
             return await run_registry_bench(
-                rate_list, live_leases, points, restart_leases, seconds, progress=say
+                rate_list, live_leases, points, restart_leases, seconds, progress=progress
             )
         from kvbroker.common.local_etcd import LocalEtcd
 
@@ -116,7 +123,7 @@ def bench_registry(
             await server.start()
             try:
                 return await run_registry_bench(
-                    rate_list, live_leases, [], 0, seconds, progress=say, store=server.url
+                    rate_list, live_leases, [], 0, seconds, progress=progress, store=server.url
                 )
             finally:
                 await server.stop()
@@ -148,7 +155,7 @@ def bench_registry(
             f"{restart['recovery_s']:.2f} s (process start {restart['startup_s']:.2f} s)"
         )
     paths = write(result, output)
-    console.print(f"written: {', '.join(str(p) for p in paths)}")
+    console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))
 
 
 @bench_app.command("failover")
@@ -156,10 +163,14 @@ def bench_failover(
     output: Annotated[Path, typer.Option(help="Where failover.json goes.")] = Path(
         "results/failover"
     ),
-    seconds: Annotated[float, typer.Option(min=10, help="How long the load and kills last.")] = 120,
+    seconds: Annotated[
+        float, typer.Option(callback=seconds, min=10, help="How long the load and kills last.")
+    ] = 120,
     replicas: Annotated[int, typer.Option(min=2, help="Registry replicas.")] = 3,
     conversations: Annotated[int, typer.Option(min=1, help="Concurrent conversations.")] = 8,
-    kill_every: Annotated[float, typer.Option(min=2, help="Seconds between kills.")] = 8,
+    kill_every: Annotated[
+        float, typer.Option(callback=seconds, min=2, help="Seconds between kills.")
+    ] = 8,
     restart_etcd: Annotated[
         bool, typer.Option(help="Restart etcd once, a third of the way in.")
     ] = True,
@@ -179,9 +190,7 @@ def bench_failover(
         seed=seed,
     )
     try:
-        report = asyncio.run(
-            run_soak(config, progress=lambda message: console.print(f"[dim]·[/] {message}"))
-        )
+        report = asyncio.run(run_soak(config, progress=partial(say, console)))
     except (RuntimeError, TimeoutError) as error:
         fail(str(error))
     table = Table(title="registry replicas under kills", title_justify="left")
@@ -191,8 +200,8 @@ def bench_failover(
         table.add_row(*row)
     console.print(table)
     for failure in report.failures:
-        console.print(f"[red]·[/] {failure}")
-    console.print(f"written: {write_report(report, output)}")
+        say(console, failure, "red")
+    console.print(Text(f"written: {write_report(report, output)}"))
     bad = report.failed_requests + report.leases_lost + report.stale_hints + report.stale_reads
     raise typer.Exit(1 if bad else 0)
 
@@ -208,13 +217,19 @@ def bench_agentic(
     sessions: Annotated[int, typer.Option(min=1, help="Agent sessions in the trace.")] = 20,
     concurrency: Annotated[int, typer.Option(min=1, help="Sessions running at once.")] = 6,
     time_scale: Annotated[
-        float, typer.Option(min=1, help="Trace seconds per wall-clock second.")
+        float, typer.Option(callback=finite, min=1, help="Trace seconds per wall-clock second.")
     ] = 12.0,
     max_gap: Annotated[
         float | None,
-        typer.Option(min=0.1, help="Longest compressed gap, s [default: 1.2 x the fixed cap]."),
+        typer.Option(
+            callback=seconds,
+            min=0.1,
+            help="Longest compressed gap, s [default: 1.2 x the fixed cap].",
+        ),
     ] = None,
-    mean_turns: Annotated[float, typer.Option(min=2, help="Mean turns per session.")] = 6.0,
+    mean_turns: Annotated[
+        float, typer.Option(callback=finite, min=2, help="Mean turns per session.")
+    ] = 6.0,
     max_turns: Annotated[int, typer.Option(min=1, help="Turns per session at most.")] = 12,
     kv_blocks: Annotated[
         int, typer.Option(min=64, help="KV blocks (128 tokens) per engine; 64 fit 8,192 tokens.")
@@ -223,11 +238,15 @@ def bench_agentic(
     turn_tokens: Annotated[int, typer.Option(min=1, help="New context per turn, tokens.")] = 250,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 16,
     stall_ms: Annotated[
-        float, typer.Option(min=1, help="A decode leg longer than this waited for blocks.")
+        float,
+        typer.Option(
+            callback=finite, min=1, help="A decode leg longer than this waited for blocks."
+        ),
     ] = 2000.0,
     retention_max_fraction: Annotated[
         float | None,
         typer.Option(
+            callback=finite,
             min=0.01,
             max=1.0,
             help="The kvbroker arm's retention budget, a share of D's cache "
@@ -275,9 +294,9 @@ def bench_agentic(
         fail("interrupted; every stack was stopped", 130)
     print_table([summarise(result) for result in results], stall_ms, console)
     paths = write_agentic(results, config, output)
-    console.print(f"written: {', '.join(str(p) for p in paths)}")
+    console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))
     errors = [message for result in results for message in result.errors]
     for message in errors[:5]:
-        console.print(f"[red]·[/] {message}", highlight=False)
+        say(console, message, "red")
     if errors:
         fail(f"{len(errors)} sessions ended on a failed request (all in summary.json)")

@@ -14,7 +14,9 @@ from kvbroker.cli.options import (
     RegistryOpt,
     TimeoutOpt,
     TlsCaOpt,
+    TokenFileOpt,
     TokenOpt,
+    bearer_token,
 )
 from kvbroker.cli.output import OutputFormat, emit_fields, render, to_dict
 from kvbroker.common.labels import label
@@ -30,6 +32,7 @@ def hint(
     ] = False,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
@@ -42,7 +45,7 @@ def hint(
         )
         return (await stub.GetRoutingHint(request, timeout=timeout)).hint  # type: ignore[no-any-return]
 
-    result = call_registry(registry, token, tls_ca, rpc)
+    result = call_registry(registry, bearer_token(token, token_file), tls_ca, rpc)
 
     def table() -> None:
         fields = [

@@ -14,7 +14,10 @@ from kvbroker.cli.options import (
     RegistryOpt,
     TimeoutOpt,
     TlsCaOpt,
+    TokenFileOpt,
     TokenOpt,
+    bearer_token,
+    seconds,
 )
 from kvbroker.cli.output import (
     OutputFormat,
@@ -129,6 +132,7 @@ def lease_ls(
     limit: Annotated[int, typer.Option(min=1, help="At most this many leases.")] = 1000,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
@@ -158,7 +162,7 @@ def lease_ls(
                 break
         return leases
 
-    leases = call_registry(registry, token, tls_ca, rpc)
+    leases = call_registry(registry, bearer_token(token, token_file), tls_ca, rpc)
     render(
         output,
         [to_dict(lease) for lease in leases],
@@ -173,6 +177,7 @@ def lease_show(
     lease_id: Annotated[str, typer.Argument(help="The lease id.")],
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
@@ -185,7 +190,7 @@ def lease_show(
         )
         return response.lease  # type: ignore[no-any-return]
 
-    _show_lease(call_registry(registry, token, tls_ca, rpc), output)
+    _show_lease(call_registry(registry, bearer_token(token, token_file), tls_ca, rpc), output)
 
 
 @lease_app.command("renew")
@@ -193,10 +198,12 @@ def lease_renew(
     target: TargetArg,
     conversation: ConversationFlag = False,
     ttl: Annotated[
-        float, typer.Option(min=0, help="New time to live, seconds (0: registry default).")
+        float,
+        typer.Option(callback=seconds, help="New time to live, seconds (0: registry default)."),
     ] = 0.0,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
@@ -211,7 +218,7 @@ def lease_renew(
     async def rpc(stub: Any) -> lease_pb2.Lease:
         return (await stub.RenewLease(request, timeout=timeout)).lease  # type: ignore[no-any-return]
 
-    _show_lease(call_registry(registry, token, tls_ca, rpc), output)
+    _show_lease(call_registry(registry, bearer_token(token, token_file), tls_ca, rpc), output)
 
 
 @lease_app.command("revoke")
@@ -221,6 +228,7 @@ def lease_revoke(
     reason: Annotated[str, typer.Option(help="Recorded on the lease.")] = "revoked by operator",
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
@@ -235,4 +243,4 @@ def lease_revoke(
     async def rpc(stub: Any) -> lease_pb2.Lease:
         return (await stub.RevokeLease(request, timeout=timeout)).lease  # type: ignore[no-any-return]
 
-    _show_lease(call_registry(registry, token, tls_ca, rpc), output)
+    _show_lease(call_registry(registry, bearer_token(token, token_file), tls_ca, rpc), output)

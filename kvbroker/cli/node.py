@@ -14,7 +14,9 @@ from kvbroker.cli.options import (
     RegistryOpt,
     TimeoutOpt,
     TlsCaOpt,
+    TokenFileOpt,
     TokenOpt,
+    bearer_token,
 )
 from kvbroker.cli.output import OutputFormat, emit_table, fail, render, to_dict, when
 from kvbroker.common.labels import by_lower_label, label
@@ -72,6 +74,7 @@ def node_ls(
     role: Annotated[str, typer.Option(help="Only prefill, decode or both nodes.")] = "",
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
@@ -85,7 +88,7 @@ def node_ls(
         request = registry_pb2.ListNodesRequest(role=wanted)
         return list((await stub.ListNodes(request, timeout=timeout)).nodes)
 
-    nodes = call_registry(registry, token, tls_ca, rpc)
+    nodes = call_registry(registry, bearer_token(token, token_file), tls_ca, rpc)
     render(
         output,
         [to_dict(n) for n in nodes],
@@ -98,6 +101,7 @@ def node_drain(
     node_id: Annotated[str, typer.Argument(help="The node to drain.")],
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
@@ -108,7 +112,7 @@ def node_drain(
         request = registry_pb2.DrainNodeRequest(node_id=node_id)
         return (await stub.DrainNode(request, timeout=timeout)).node  # type: ignore[no-any-return]
 
-    node = call_registry(registry, token, tls_ca, rpc)
+    node = call_registry(registry, bearer_token(token, token_file), tls_ca, rpc)
     render(
         output, to_dict(node), lambda: emit_table("nodes", _NODE_COLUMNS, _node_rows([node]), "")
     )

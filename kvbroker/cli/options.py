@@ -1,8 +1,10 @@
 """Flags that several commands share, declared once so that each reads and documents the same
-way everywhere (every flag also has its ``KVBROKER_*`` environment variable)."""
+way everywhere (every flag also has its ``KVBROKER_*`` environment variable), and the checks
+that turn a bad value into a usage error (exit 2) before anything runs."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, cast
 
@@ -13,6 +15,50 @@ from kvbroker.common.logging import LogFormat, configure_logging
 
 # Where `registry serve` listens and the other commands look for it, unless told otherwise.
 DEFAULT_REGISTRY = "127.0.0.1:7070"
+# The longest duration a flag may give (ten years): protobuf Durations and gRPC deadlines
+# overflow not far above it, and nothing the registry keeps or a call waits for is longer.
+MAX_SECONDS = 10 * 365 * 24 * 3600
+
+
+def finite(value: float | None) -> float | None:
+    """A typer callback: refuses inf and nan, which min= and max= let through."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def seconds(value: float | None) -> float | None:
+    """A typer callback for durations: finite, from 0 to MAX_SECONDS."""
+    checked = finite(value)
+    if checked is not None and not 0 <= checked <= MAX_SECONDS:
+        raise typer.BadParameter(f"{checked} is not between 0 and {MAX_SECONDS} seconds")
+    return checked
+
+
+def positive_seconds(value: float | None) -> float | None:
+    """A typer callback for durations that must pass: above 0 (min= cannot exclude 0)."""
+    checked = seconds(value)
+    if checked == 0:
+        raise typer.BadParameter("0 is not above 0 seconds")
+    return checked
+
+
+def host_port(value: str | None) -> str | None:
+    """A typer callback for listen addresses: HOST:PORT, the port a number below 65536."""
+    if value:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise typer.BadParameter(f"{value!r} is not HOST:PORT")
+    return value
+
+
+def pem_certificates(value: Path | None) -> Path | None:
+    """A typer callback for --tls-ca: a file of PEM certificates (with anything else gRPC
+    fails every call with a handshake error that reads like an unreachable registry)."""
+    if value is not None and b"-----BEGIN CERTIFICATE-----" not in value.read_bytes():
+        raise typer.BadParameter(f"{str(value)!r} holds no PEM certificate")
+    return value
+
 
 RegistryOpt = Annotated[
     str,
@@ -24,12 +70,34 @@ RegistryOpt = Annotated[
 ]
 TokenOpt = Annotated[
     str | None,
-    typer.Option("--token", envvar="KVBROKER_TOKEN", help="Bearer token for the registry."),
+    typer.Option(
+        "--token",
+        envvar="KVBROKER_TOKEN",
+        help="Bearer token for the registry (visible in the process list: prefer "
+        "KVBROKER_TOKEN or --token-file).",
+    ),
+]
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        envvar="KVBROKER_TOKEN_FILE",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        help="A file holding the bearer token (instead of --token).",
+    ),
 ]
 TlsCaOpt = Annotated[
     Path | None,
     typer.Option(
-        "--tls-ca", envvar="KVBROKER_TLS_CA", help="CA bundle to verify the registry's TLS."
+        "--tls-ca",
+        envvar="KVBROKER_TLS_CA",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        callback=pem_certificates,
+        help="CA bundle to verify the registry's TLS.",
     ),
 ]
 OutputOpt = Annotated[
@@ -38,12 +106,19 @@ OutputOpt = Annotated[
 ]
 TimeoutOpt = Annotated[
     float,
-    typer.Option("--timeout", envvar="KVBROKER_TIMEOUT", help="Deadline per call, seconds."),
+    typer.Option(
+        "--timeout",
+        envvar="KVBROKER_TIMEOUT",
+        callback=positive_seconds,
+        help="Deadline per call, s.",
+    ),
 ]
 DEFAULT_TIMEOUT_S = 5.0
 MetricsListenOpt = Annotated[
     str | None,
-    typer.Option(envvar="KVBROKER_METRICS_LISTEN", help="Prometheus HTTP HOST:PORT."),
+    typer.Option(
+        envvar="KVBROKER_METRICS_LISTEN", callback=host_port, help="Prometheus HTTP HOST:PORT."
+    ),
 ]
 LogLevelOpt = Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")]
 DEFAULT_LOG_LEVEL = "info"
@@ -51,6 +126,18 @@ LogFormatOpt = Annotated[
     str, typer.Option(envvar="KVBROKER_LOG_FORMAT", help="auto, json or console.")
 ]
 DEFAULT_LOG_FORMAT = "auto"
+
+
+def bearer_token(token: str | None, token_file: Path | None) -> str | None:
+    """The token --token or --token-file gives (exit 2 when both do, or the file is empty)."""
+    if token_file is None:
+        return token
+    if token:
+        fail("give --token or --token-file, not both", 2)
+    read = token_file.read_text().strip()
+    if not read:
+        fail(f"--token-file {str(token_file)!r} is empty", 2)
+    return read
 
 
 def apply_logging_flags(level: str, fmt: str) -> None:

@@ -1,4 +1,8 @@
-"""Rendering for people (rich tables) and scripts (JSON), and the CLI's error exits."""
+"""Rendering for people (rich tables) and scripts (JSON), and the CLI's error exits.
+
+Everything shown comes from the registry or the command line (node ids, reasons, error
+messages), so it is handed to rich as ``Text``, never as a markup string: a ``[/]`` in a node
+id must print as itself, not end a style (or raise)."""
 
 from __future__ import annotations
 
@@ -15,13 +19,22 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvbroker.common.clock import from_duration, from_timestamp
+from kvbroker.common.grpc_client import from_grpc_error
+from kvbroker.common.labels import label
+from kvbroker.v1 import registry_pb2
 
-# Exit codes: 0 ok, 1 the registry refused the request, 2 usage error (typer's), 3 registry
-# unreachable.
+# Exit codes: 0 ok, 1 the registry refused the request, 2 usage error (typer's), 3 the registry
+# cannot be reached or cannot serve now (try again later).
 EXIT_REJECTED = 1
 EXIT_UNREACHABLE = 3
+
+# Transport failures: no registry answered (a registry's own UNAVAILABLE carries a reason).
+_UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# The registry answered but cannot serve anything now; the same call may work later.
+_NOT_SERVING = (registry_pb2.ERROR_REASON_NO_LEADER, registry_pb2.ERROR_REASON_STORE_UNAVAILABLE)
 
 
 class OutputFormat(StrEnum):
@@ -30,18 +43,37 @@ class OutputFormat(StrEnum):
 
 
 def fail(message: str, code: int = EXIT_REJECTED) -> NoReturn:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """One line on stderr, ``message`` as it is (no markup), and exit ``code``."""
+    Console(stderr=True).print(
+        Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True
+    )
     raise typer.Exit(code)
 
 
+def say(console: Console, message: str, mark: str = "dim") -> None:
+    """One line of progress (or, with ``mark="red"``, a failure): a mark, then ``message``
+    as it is."""
+    console.print(Text.assemble(("·", mark), " ", message), highlight=False)
+
+
 def fail_rpc(error: grpc.aio.AioRpcError, registry: str) -> NoReturn:
-    code = error.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    """Exits on a failed registry call, deciding on its status and reason, never the text."""
+    failure = from_grpc_error(error)
+    code = failure.code()
+    if failure.reason == registry_pb2.ERROR_REASON_UNSPECIFIED and code in _UNREACHED:
         fail(
-            f"cannot reach the registry at {registry} ({code.name}): {error.details()}",
+            f"cannot reach the registry at {registry} ({code.name}): {failure.message}",
             EXIT_UNREACHABLE,
         )
-    fail(f"{error.details()} ({code.name})")
+    why = code.name
+    if failure.reason != registry_pb2.ERROR_REASON_UNSPECIFIED:
+        why += f", {label(registry_pb2.ErrorReason, failure.reason)}"
+    if failure.reason in _NOT_SERVING:
+        fail(
+            f"the registry at {registry} cannot serve now: {failure.message} ({why})",
+            EXIT_UNREACHABLE,
+        )
+    fail(f"{failure.message} ({why})")
 
 
 def to_dict(message: Message) -> dict[str, Any]:
@@ -69,22 +101,22 @@ def emit_table(
 ) -> None:
     console = Console()
     if not rows:
-        console.print(f"[dim]{empty}[/]")
+        console.print(Text(empty, style="dim"))
         return
-    table = Table(title=title, title_justify="left", header_style="bold")
+    table = Table(title=Text(title), title_justify="left", header_style="bold")
     for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))
     console.print(table)
 
 
 def emit_fields(title: str, fields: Sequence[tuple[str, str]]) -> None:
-    table = Table(title=title, title_justify="left", show_header=False, box=None)
+    table = Table(title=Text(title), title_justify="left", show_header=False, box=None)
     table.add_column(style="bold")
     table.add_column()
     for name, value in fields:
-        table.add_row(name, value)
+        table.add_row(Text(name), Text(value))
     Console().print(table)
 
 

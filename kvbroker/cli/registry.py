@@ -18,10 +18,16 @@ from kvbroker.cli.options import (
     LogFormatOpt,
     LogLevelOpt,
     MetricsListenOpt,
+    TokenFileOpt,
     TokenOpt,
     apply_logging_flags,
+    bearer_token,
+    host_port,
+    positive_seconds,
+    seconds,
 )
 from kvbroker.cli.output import fail
+from kvbroker.common.ports import ensure_free
 
 registry_app = typer.Typer(help="Run the registry.", no_args_is_help=True)
 
@@ -29,10 +35,16 @@ registry_app = typer.Typer(help="Run the registry.", no_args_is_help=True)
 @registry_app.command("serve")
 def registry_serve(
     listen: Annotated[
-        str, typer.Option(envvar="KVBROKER_LISTEN", help="gRPC address HOST:PORT (port 0: any).")
+        str,
+        typer.Option(
+            envvar="KVBROKER_LISTEN",
+            callback=host_port,
+            help="gRPC address HOST:PORT (port 0: any).",
+        ),
     ] = DEFAULT_REGISTRY,
     metrics_listen: MetricsListenOpt = None,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_cert: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_CERT")] = None,
     tls_key: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_KEY")] = None,
     tls_client_ca: Annotated[
@@ -62,6 +74,7 @@ def registry_serve(
         float,
         typer.Option(
             envvar="KVBROKER_LEASE_TTL",
+            callback=positive_seconds,
             help="Idle TTL, seconds: a lease not renewed this long ends (until one is learned).",
         ),
     ] = RegistryConfig.default_lease_ttl_s,
@@ -73,35 +86,68 @@ def registry_serve(
         ),
     ] = RegistryConfig.learn_idle_ttl,
     min_idle_ttl: Annotated[
-        float, typer.Option(envvar="KVBROKER_MIN_IDLE_TTL", help="Shortest learned idle TTL.")
+        float,
+        typer.Option(
+            envvar="KVBROKER_MIN_IDLE_TTL",
+            callback=positive_seconds,
+            help="Shortest learned idle TTL.",
+        ),
     ] = RegistryConfig.min_idle_ttl_s,
     max_idle_ttl: Annotated[
-        float, typer.Option(envvar="KVBROKER_MAX_IDLE_TTL", help="Longest learned idle TTL.")
+        float,
+        typer.Option(
+            envvar="KVBROKER_MAX_IDLE_TTL",
+            callback=positive_seconds,
+            help="Longest learned idle TTL.",
+        ),
     ] = RegistryConfig.max_idle_ttl_s,
     turn_settle_timeout: Annotated[
         float,
         typer.Option(
             envvar="KVBROKER_TURN_SETTLE_TIMEOUT",
+            callback=seconds,
             help="A hint waits this long for the previous turn's retention, seconds.",
         ),
     ] = RegistryConfig.turn_settle_timeout_s,
     max_lease_ttl: Annotated[
-        float, typer.Option(envvar="KVBROKER_MAX_LEASE_TTL", help="Longest TTL a call may ask.")
+        float,
+        typer.Option(
+            envvar="KVBROKER_MAX_LEASE_TTL",
+            callback=positive_seconds,
+            help="Longest TTL a call may ask.",
+        ),
     ] = RegistryConfig.max_lease_ttl_s,
     claim_timeout: Annotated[
         float,
-        typer.Option(envvar="KVBROKER_CLAIM_TIMEOUT", help="How long a hint protects a read."),
+        typer.Option(
+            envvar="KVBROKER_CLAIM_TIMEOUT",
+            callback=positive_seconds,
+            help="How long a hint protects a read.",
+        ),
     ] = RegistryConfig.claim_timeout_s,
     revoke_grace: Annotated[
         float,
-        typer.Option(envvar="KVBROKER_REVOKE_GRACE", help="Blocks kept after a revoke, seconds."),
+        typer.Option(
+            envvar="KVBROKER_REVOKE_GRACE",
+            callback=seconds,
+            help="Blocks kept after a revoke, seconds.",
+        ),
     ] = RegistryConfig.revoke_grace_s,
     heartbeat_interval: Annotated[
-        float, typer.Option(envvar="KVBROKER_HEARTBEAT_INTERVAL", help="Sidecar heartbeat.")
+        float,
+        typer.Option(
+            envvar="KVBROKER_HEARTBEAT_INTERVAL",
+            callback=positive_seconds,
+            help="Sidecar heartbeat.",
+        ),
     ] = RegistryConfig.heartbeat_interval_s,
     session_ttl: Annotated[
         float,
-        typer.Option(envvar="KVBROKER_SESSION_TTL", help="Silence before a node is DOWN."),
+        typer.Option(
+            envvar="KVBROKER_SESSION_TTL",
+            callback=positive_seconds,
+            help="Silence before a node is DOWN.",
+        ),
     ] = RegistryConfig.session_ttl_s,
     store: Annotated[
         str,
@@ -114,6 +160,7 @@ def registry_serve(
         str | None,
         typer.Option(
             envvar="KVBROKER_ADVERTISE",
+            callback=host_port,
             help="HOST:PORT other replicas forward to (default: the listen address).",
         ),
     ] = None,
@@ -132,6 +179,7 @@ def registry_serve(
 ) -> None:
     """Serve the registry: standalone in memory, or one replica of several sharing etcd.
     Prints one JSON line with its addresses."""
+    token = bearer_token(token, token_file)
     if (tls_cert is None) != (tls_key is None):
         fail("--tls-cert and --tls-key go together", 2)
     try:
@@ -160,6 +208,10 @@ def registry_serve(
             fail(str(error), 2)
     if election_ttl < 1:
         fail("--election-ttl must be at least 1 second", 2)
+    try:
+        ensure_free(listen)
+    except OSError as error:
+        fail(f"cannot serve on {listen}: {error}")
     apply_logging_flags(log_level, log_format)
     tls = TlsFiles(tls_cert, tls_key, tls_client_ca, tls_peer_ca) if tls_cert and tls_key else None
     options = ServerOptions(

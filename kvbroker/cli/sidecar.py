@@ -19,17 +19,26 @@ from kvbroker.cli.options import (
     MetricsListenOpt,
     RegistryOpt,
     TlsCaOpt,
+    TokenFileOpt,
     TokenOpt,
     apply_logging_flags,
+    bearer_token,
+    host_port,
 )
 from kvbroker.cli.output import fail
 from kvbroker.common.labels import by_lower_label
+from kvbroker.common.ports import ensure_free
 from kvbroker.v1 import node_pb2
 from sidecar.config import SidecarConfig
 
 sidecar_app = typer.Typer(help="Run the agent beside a vLLM server.", no_args_is_help=True)
 
 _NODE_ROLES = by_lower_label(node_pb2.NodeRole)
+
+
+def _listen_address(value: str) -> str:
+    """--listen: unix:PATH, or HOST:PORT (checked as every listen address is)."""
+    return value if not value or value.startswith("unix:") else str(host_port(value))
 
 
 class Role(StrEnum):
@@ -55,6 +64,7 @@ def sidecar_run(
         str,
         typer.Option(
             envvar="KVBROKER_SIDECAR_LISTEN",
+            callback=_listen_address,
             help="Local endpoint for the engine [default: unix:/tmp/kvbroker-NODE.sock].",
         ),
     ] = "",
@@ -68,6 +78,7 @@ def sidecar_run(
     metrics_listen: MetricsListenOpt = None,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
@@ -75,11 +86,16 @@ def sidecar_run(
     """Register this node, keep its session, and link its engine to the registry."""
     if not engine_url.startswith(("http://", "https://")):
         fail(f"--engine-url {engine_url!r} is not an http(s) URL", 2)
-    endpoint = registry_endpoint(registry, token, tls_ca)
+    endpoint = registry_endpoint(registry, bearer_token(token, token_file), tls_ca)
     from sidecar.server import serve_forever as serve_sidecar
 
     node_id = node_id or f"{socket.gethostname()}-{role.value}"
     listen = listen or f"unix:/tmp/kvbroker-{node_id}.sock"
+    if not listen.startswith("unix:"):
+        try:
+            ensure_free(listen)
+        except OSError as error:
+            fail(f"cannot serve the sidecar on {listen}: {error}")
     apply_logging_flags(log_level, log_format)
     config = SidecarConfig(
         node_id=node_id,

@@ -9,13 +9,15 @@ import json
 import signal
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from kvbroker.cli.output import fail
+from kvbroker.cli.options import TokenFileOpt, TokenOpt, bearer_token
+from kvbroker.cli.output import fail, say
 
 if TYPE_CHECKING:
     from kvbroker.stack import Stack
@@ -39,6 +41,8 @@ def up(
         int,
         typer.Option(min=1, help="Registry replicas; more than one also starts an etcd."),
     ] = 1,
+    token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Start registry, prefill and decode vLLM servers with sidecars, and the router, on this
     machine; print one JSON line when ready; stop everything on Ctrl-C or SIGTERM."""
@@ -47,7 +51,10 @@ def up(
         print(json.dumps(stack.describe()), flush=True)
         await asyncio.Event().wait()  # until a signal
 
-    run_with_stack(reuse is Switch.on, model, workdir, serve, Console(stderr=True), replicas)
+    run_with_stack(
+        reuse is Switch.on, model, workdir, serve, Console(stderr=True), replicas,
+        bearer_token(token, token_file),
+    )  # fmt: skip
 
 
 def run_with_stack(
@@ -57,6 +64,7 @@ def run_with_stack(
     body: Callable[[Stack, Console], Awaitable[None]],
     console: Console | None = None,
     replicas: int = 1,
+    token: str | None = None,
 ) -> None:
     """Starts the stack, runs ``body(stack, console)``, and always stops the stack: when the
     body ends, fails, or Ctrl-C / SIGTERM arrives (also while the engines are starting)."""
@@ -77,8 +85,14 @@ def run_with_stack(
 
     async def run() -> None:
         stack = Stack(
-            StackConfig(workdir=workdir, model_dir=model, reuse=reuse, registry_replicas=replicas),
-            progress=lambda message: console.print(f"[dim]·[/] {message}"),
+            StackConfig(
+                workdir=workdir,
+                model_dir=model,
+                reuse=reuse,
+                registry_replicas=replicas,
+                token=token,
+            ),
+            progress=partial(say, console),
         )
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -87,10 +101,10 @@ def run_with_stack(
             with console.status("starting the stack"):
                 await until_signal(stack.start(), stop)
             if not stop.is_set():
-                console.print(f"[dim]·[/] stack ready: router {stack.router_url}")
+                say(console, f"stack ready: router {stack.router_url}")
                 await until_signal(body(stack, console), stop)
         finally:
-            console.print("[dim]·[/] stopping the stack")
+            say(console, "stopping the stack")
             await stack.stop()
 
     try:

@@ -44,3 +44,20 @@ def free_port() -> int:
     with socket.socket() as s:  # a crowded range: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def ensure_free(address: str) -> None:
+    """Raises OSError (address in use) when a server already listens on ``address`` (HOST:PORT;
+    port 0 is always free). A gRPC server binds with SO_REUSEPORT, so a second one on a taken
+    port would share it with the first instead of failing, and any other holder makes gRPC
+    raise a RuntimeError that names no cause: the port is checked before the server binds."""
+    host, _, port = address.rpartition(":")
+    if int(port) == 0:
+        return
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(
+        host.strip("[]"), int(port), type=socket.SOCK_STREAM
+    )[0]
+    with socket.socket(family, kind, proto) as s:
+        # As the server will: a port whose last connections are still in TIME_WAIT is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(sockaddr)

@@ -6,8 +6,12 @@ Each child runs in a process group of its own, so that signals reach what it sta
 does not reach it first. When a child is ready is a probe's answer: its announcement line (every
 kvbroker server prints one JSON line with its addresses once it serves) or a polled check (an
 HTTP health route, a gRPC call). A child that exits while a probe waits fails the start at once,
-with the end of its log. A child can be started again after it stopped or was killed, on the
-same command line (and so the same ports); its log then grows.
+with the end of its log; so does one whose log shows it never will be ready though it runs on
+(FATAL_MARKERS: a vLLM server whose NIXL listener thread died on a taken port served nothing
+and never exited, and the stack waited out its 600 s). The failure says why (StartFailure),
+so that a caller can start again on fresh ports after a clash. A child can be started again
+after it stopped or was killed, on the same command line (and so the same ports); its log then
+grows.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +33,38 @@ from kvbroker.common.tasks import poll_until
 
 # Bytes of stdout a child may print on one line before its announcement is cut.
 _LINE_LIMIT = 1 << 20
+# How often a starting child's log is read for FATAL_MARKERS.
+_LOG_POLL_S = 0.2
+
+
+class StartFailure(StrEnum):
+    """Why a child did not become ready."""
+
+    EXITED = "exited"
+    # Its log names a port another process holds: worth a start on fresh ports.
+    PORT_IN_USE = "port in use"
+    # Its log shows an error it will not recover from, though it may still run.
+    FATAL = "fatal error"
+
+
+# Text in a starting child's log after which it will never be ready, and what it means:
+# a port taken before the child bound it (vLLM's NIXL side channel raises ZMQError in a
+# listener thread, and the server runs on without it), a thread that died (Python prints
+# "Exception in thread NAME:" then its traceback), vLLM's engine core gone.
+FATAL_MARKERS: dict[str, StartFailure] = {
+    "Address already in use": StartFailure.PORT_IN_USE,
+    "Exception in thread": StartFailure.FATAL,
+    "EngineDeadError": StartFailure.FATAL,
+}
+
+
+class ChildStartError(RuntimeError):
+    """A child that did not become ready, with why (``failure``) and the end of its log."""
+
+    def __init__(self, name: str, failure: StartFailure, detail: str, log_tail: str) -> None:
+        super().__init__(f"{name} {detail} before it was ready ({failure}):\n{log_tail}")
+        self.name = name
+        self.failure = failure
 
 
 class Probe(Protocol):
@@ -45,8 +82,9 @@ class Announces:
     async def wait(self, child: ChildProcess) -> None:
         line = await asyncio.wait_for(child.first_line(), self.within_s)
         if not line:
-            tail = child.log_tail()
-            raise RuntimeError(f"{child.name} exited before it announced itself:\n{tail}")
+            # Its stdout ended: it is exiting, and the start fails saying why (_until).
+            await asyncio.wait_for(child.wait(), self.within_s)
+            raise RuntimeError(f"{child.name} closed its stdout before it announced itself")
         child.announced = json.loads(line)
 
 
@@ -95,6 +133,8 @@ class ChildProcess:
         self._first_line: asyncio.Future[bytes] | None = None
         self._output: asyncio.Task[None] | None = None
         self._starts = 0
+        # Where this start's part of the log begins (a restart appends to it).
+        self._log_start = 0
 
     @property
     def running(self) -> bool:
@@ -113,6 +153,7 @@ class ChildProcess:
         if self.log is not None:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             stderr = self.log.open("ab" if self._starts else "wb")
+            self._log_start = stderr.tell()
         try:
             self.process = await asyncio.create_subprocess_exec(
                 *self.argv,
@@ -172,22 +213,48 @@ class ChildProcess:
         return self.log.read_text(errors="replace")[-chars:]
 
     async def _until(self, probe: Probe) -> None:
+        """Waits for ``probe``; raises ChildStartError as soon as the child exits or its log
+        shows a fatal error."""
         assert self.process is not None
         ready = asyncio.ensure_future(probe.wait(self))
         exited = asyncio.ensure_future(self.process.wait())
+        fatal = asyncio.ensure_future(self._fatal_in_log())
         try:
-            await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({ready, exited, fatal}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            exited.cancel()
-            if not ready.done():
-                ready.cancel()
-            await asyncio.gather(ready, exited, return_exceptions=True)
-        if ready.cancelled():
-            raise RuntimeError(
-                f"{self.name} exited with {self.process.returncode} before it was ready:\n"
-                f"{self.log_tail()}"
-            )
-        ready.result()
+            for task in (ready, exited, fatal):
+                task.cancel()
+            await asyncio.gather(ready, exited, fatal, return_exceptions=True)
+        if ready.done() and not ready.cancelled() and ready.exception() is None:
+            return
+        if fatal.done() and not fatal.cancelled():
+            failure, line = fatal.result()
+            raise ChildStartError(self.name, failure, f"logged {line!r}", self.log_tail())
+        if self.process.returncode is not None:
+            # Its log may still say why it exited (a taken port, then a clean exit).
+            found = _fatal_line(self._log_since_start())
+            failure = found[0] if found else StartFailure.EXITED
+            detail = f"exited with {self.process.returncode}"
+            raise ChildStartError(self.name, failure, detail, self.log_tail())
+        ready.result()  # the probe's own error (not ready in time)
+
+    def _log_since_start(self) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        with self.log.open("rb") as log:
+            log.seek(self._log_start)
+            return log.read().decode(errors="replace")
+
+    async def _fatal_in_log(self) -> tuple[StartFailure, str]:
+        """Returns once this start's log shows a fatal marker: what it means, and its line.
+        Waits forever for a child without a log."""
+        if self.log is None:
+            await asyncio.Event().wait()
+        while True:
+            await asyncio.sleep(_LOG_POLL_S)
+            # Read whole each time: a start's log is small, and a marker may span two reads.
+            if found := _fatal_line(self._log_since_start()):
+                return found
 
     async def _keep_output(
         self, stdout: asyncio.StreamReader, first_line: asyncio.Future[bytes]
@@ -224,6 +291,32 @@ class ChildProcess:
             if asyncio.get_running_loop().time() > deadline:
                 self.kill(signal.SIGKILL)
             await asyncio.sleep(0.1)
+
+
+def _fatal_line(text: str) -> tuple[StartFailure, str] | None:
+    """What the fatal markers in a log mean, and the line that says it. A taken port comes
+    first: it is what a start on fresh ports cures, and a thread dies of it too."""
+    found = [
+        (failure, line.strip())
+        for line in text.splitlines()
+        for marker, failure in FATAL_MARKERS.items()
+        if marker.lower() in line.lower()  # uvicorn says "address already in use"
+    ]
+    found.sort(key=lambda hit: hit[0] is not StartFailure.PORT_IN_USE)
+    return found[0] if found else None
+
+
+async def start_together(children: Sequence[ChildProcess]) -> None:
+    """Starts children at once and returns when every one is ready. When one fails, the
+    others' waits end too and its error is raised; stopping them is the caller's (what it
+    started, it stops)."""
+    starts = [asyncio.ensure_future(child.start()) for child in children]
+    try:
+        await asyncio.gather(*starts)
+    finally:
+        for start in starts:
+            start.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
 
 
 async def stop_all(children: Sequence[ChildProcess], grace_s: float = 10.0) -> None:
