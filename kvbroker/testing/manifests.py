@@ -5,7 +5,8 @@ and run as local processes.
 Running a rendered overlay here changes only what a cluster would provide: every pod's IP, a
 Service's name and a pod's DNS name become 127.0.0.1, every container port a free loopback port
 (per pod, so that two pods may both use 8000), the pod network's device (eth0) loopback, and
-each volume a directory of its own (a Secret's holding its keys). The command lines, their
+each volume a directory (a Secret's holding its keys; one per pod, unless the caller shares
+it between pods). The command lines, their
 flags and the environment are the manifests' own, with Kubernetes' ``$(VAR)`` expansion.
 """
 
@@ -198,9 +199,17 @@ class LocalCluster:
     """The rendered manifests' pods as local processes (see the module's docstring)."""
 
     def __init__(
-        self, manifests: list[dict[str, Any]], secrets: list[dict[str, Any]], workdir: Path
+        self,
+        manifests: list[dict[str, Any]],
+        secrets: list[dict[str, Any]],
+        workdir: Path,
+        shared_volumes: frozenset[str] = frozenset(),
     ) -> None:
+        """``shared_volumes`` name volumes that get one directory for every pod (a path that
+        must read the same in every pod, as a cluster's mount paths do: vLLM's NIXL handshake
+        compares the engines' model paths); every other volume is one directory per pod."""
         self.workdir = workdir
+        self.shared_volumes = shared_volumes
         self.children: list[ChildProcess] = []
         self._secrets = {s["metadata"]["name"]: secret_data(s) for s in secrets}
         self._services = {
@@ -260,7 +269,8 @@ class LocalCluster:
     def _volume_dir(self, pod: _Pod, volume: str) -> Path:
         if volume in pod.volumes:
             return pod.volumes[volume]
-        directory = self.workdir / pod.name / volume
+        owner = "shared" if volume in self.shared_volumes else pod.name
+        directory = self.workdir / owner / volume
         directory.mkdir(parents=True, exist_ok=True)
         volumes: list[dict[str, Any]] = pod.workload.spec.get("volumes", [])
         spec = next((v for v in volumes if v["name"] == volume), {})
