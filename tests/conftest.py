@@ -65,6 +65,7 @@ LAYERS = {
     "test_testmodel": "unit",
     "test_vllm_compat": "unit",
     "test_cli": "integration",
+    "test_deploy": "integration",
     "test_election": "integration",
     "test_error_reasons": "integration",
     "test_identity": "integration",
@@ -82,6 +83,7 @@ LAYERS = {
     "test_supervisor": "integration",
     "test_store_conformance": "conformance",
     "test_e2e": "e2e",
+    "test_e2e_deploy": "e2e",
     "test_e2e_pressure": "e2e",
     "test_e2e_replicas": "e2e",
 }

@@ -159,6 +159,25 @@ async def test_a_node_token_speaks_for_its_node_only(fleet: Fleet) -> None:
         assert seen.spec.incarnation == own.incarnation
 
 
+async def test_a_node_token_reaches_its_command_stream(fleet: Fleet) -> None:
+    """The token goes on streams too: a sidecar's WatchLeaseCommands was sent without it and
+    refused as UNAUTHENTICATED, ending the node's session again and again."""
+    async with open_channel(fleet.endpoint("node:decode-0")) as channel:
+        stub = registry_stub(channel)
+        spec = node_spec("decode-0")
+        await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=5)
+        stream = stub.WatchLeaseCommands(
+            registry_pb2.WatchLeaseCommandsRequest(node_id="decode-0", incarnation=spec.incarnation)
+        )
+        try:
+            # Accepted: open and waiting for commands, not ended with an error.
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(stream.read()), 1.0)
+            assert not stream.done()
+        finally:
+            stream.cancel()
+
+
 async def test_a_router_token_routes_but_cannot_act_as_a_node(fleet: Fleet) -> None:
     async with (
         open_channel(fleet.endpoint("admin")) as admin_channel,

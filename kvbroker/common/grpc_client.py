@@ -150,11 +150,8 @@ def _is_ip(host: str, kind: type[ipaddress.IPv4Address | ipaddress.IPv6Address])
     return True
 
 
-class _BearerTokenInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
-):
-    """Adds ``authorization: Bearer TOKEN`` to every call, over TLS or plain loopback alike."""
+class _BearerToken:
+    """Adds ``authorization: Bearer TOKEN`` to a call, over TLS or plain loopback alike."""
 
     def __init__(self, token: str) -> None:
         self._metadata = (AUTH_METADATA_KEY, f"Bearer {token}")
@@ -166,9 +163,16 @@ class _BearerTokenInterceptor(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+# One interceptor per call type: a grpc.aio channel files each interceptor under the first
+# call type it implements only, so one class implementing both left streams (the sidecar's
+# WatchLeaseCommands) without the token.
+class _UnaryUnaryToken(_BearerToken, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._with_token(details), request)
 
+
+class _UnaryStreamToken(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._with_token(details), request)
 
@@ -178,7 +182,11 @@ def open_channel(endpoint: RegistryEndpoint) -> grpc.aio.Channel:
         ("grpc.enable_retries", 1),
         ("grpc.keepalive_time_ms", 10_000),
     ]
-    interceptors = [_BearerTokenInterceptor(endpoint.token)] if endpoint.token else None
+    interceptors = (
+        [_UnaryUnaryToken(endpoint.token), _UnaryStreamToken(endpoint.token)]
+        if endpoint.token
+        else None
+    )
     if endpoint.tls_ca is not None:
         creds = grpc.ssl_channel_credentials(
             root_certificates=endpoint.tls_ca.read_bytes(),
