@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controlplane.idle_ttl import IdleTtlConfig
+from controlplane.planner import PlannerConfig
 from kvbroker.common import ids
 
 # etcd's default --max-request-bytes is 1.5 MiB; ``EtcdBackend`` keeps 0.5 MiB of it for a
@@ -57,6 +58,8 @@ class RegistryConfig:
     max_pending_commands: int = 10_000
     # Expiries handled per batch before yielding to RPCs (etcd's lessor rate-limits likewise).
     max_expiries_per_batch: int = 1_000
+    # How each turn's path is chosen (controlplane/planner.py).
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def idle_ttl(self) -> IdleTtlConfig:
         return IdleTtlConfig(

@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+from controlplane import planner
 from controlplane.errors import NoLeader, NoReadyNode
 from controlplane.idle_ttl import IdleTtl
 from controlplane.leases import Leases
 from controlplane.metrics import RegistryMetrics
-from controlplane.nodes import NodeSessions
+from controlplane.nodes import NodeRuntime, NodeSessions
+from controlplane.planner import UNSAID, TurnRequest
 from controlplane.store import Store
 from controlplane.turns import Turns
 from kvbroker.common import routing
@@ -34,6 +36,7 @@ class Hints:
         leases: Leases,
         turns: Turns,
         idle_ttl: IdleTtl,
+        planner_config: planner.PlannerConfig,
     ) -> None:
         self._store = store
         self._metrics = metrics
@@ -43,12 +46,18 @@ class Hints:
         self._turns = turns
         self._idle_ttl = idle_ttl
         self._round_robin = itertools.count()
+        self._planner = planner_config
 
     async def hint(
-        self, conversation_id: str, model: str, dry_run: bool, hint: registry_pb2.RoutingHint
+        self,
+        conversation_id: str,
+        model: str,
+        dry_run: bool,
+        hint: registry_pb2.RoutingHint,
+        asked: TurnRequest = UNSAID,
     ) -> None:
         """Writes one hint into ``hint`` (call under the lock); unless ``dry_run``, claims the
-        lease it offers and counts the choice."""
+        lease it offers and counts the choice. The turn's path is the planner's."""
         started = self._now()
         try:
             routes = self._nodes.routes(model)
@@ -62,10 +71,18 @@ class Hints:
         reuse = routing.reuse_decision(
             conversation_id, conversation, lease, holder, holder is not None and holder.synced
         )
-        if reuse.reuses and lease is not None and not dry_run:
-            await self._leases.claim(lease)
         holder_id = conversation.decode_node_id if conversation is not None else ""
         prefill, decode = routing.choose(routes, next(self._round_robin), holder=holder_id)
+        path, found = self._path(reuse, lease, prefill, decode, asked)
+        if reuse.reuses and path == planner.RECOMPUTE:
+            why = (
+                "recomputing was asked for"
+                if asked.wanted == planner.RECOMPUTE
+                else f"recomputing is estimated fastest ({found[0].ttft_ms:.0f} ms)"
+            )
+            reuse = routing.Reuse(registry_pb2.HINT_DECISION_RECOMPUTE, why)
+        if reuse.reuses and lease is not None and not dry_run:
+            await self._leases.claim(lease)
         if not dry_run:
             prefill.assigned_since_heartbeat += 1
             decode.assigned_since_heartbeat += 1
@@ -78,9 +95,49 @@ class Hints:
         hint.decode.CopyFrom(decode.spec)
         if reuse.reuses and lease is not None:
             self._leases.view(lease, into=hint.lease)
+        hint.path = path
+        for estimate in found:
+            hint.estimates.add(
+                path=estimate.path, ttft_ms=estimate.ttft_ms, not_eligible=estimate.not_eligible
+            )
         consistency = "EXACT" if reuse.exact else "DEGRADED"
         self._metrics.hint(label(registry_pb2.HintDecision, reuse.decision), consistency).inc()
+        self._metrics.hint_paths.labels(label(registry_pb2.TurnPath, path)).inc()
         self._metrics.hint_latency.observe(self._now() - started)
+
+    def _path(
+        self,
+        reuse: routing.Reuse,
+        lease: lease_pb2.Lease | None,
+        prefill: NodeRuntime,
+        decode: NodeRuntime,
+        asked: TurnRequest,
+    ) -> tuple[registry_pb2.TurnPath, list[planner.Estimate]]:
+        """The turn's path and the estimates behind it. Without a usable lease there is only
+        recomputing; without the router's word on the prompt's size, today's read."""
+        if not reuse.reuses or lease is None:
+            return planner.RECOMPUTE, []
+        new_tokens = asked.new_after(lease.token_count)
+        if new_tokens is None and asked.wanted:
+            new_tokens = 1  # unsaid: eligibility is all that is weighed for the asked path
+        if new_tokens is None:
+            return planner.READ, []
+        holder = self._nodes.runtime[lease.node_id]
+        turn = planner.Turn(
+            retained_tokens=lease.token_count,
+            new_tokens=new_tokens,
+            block_size=holder.spec.block_size,
+            prefill_running=prefill.queued,
+            decode_running=holder.queued,
+            holder_decodes=decode is holder,
+        )
+        found = planner.estimates(
+            turn,
+            prefill.costs or planner.DEFAULT_COSTS,
+            holder.costs or planner.DEFAULT_COSTS,
+            self._planner,
+        )
+        return planner.choose(found, asked.wanted), found
 
     async def _current_lease(
         self, conversation: lease_pb2.Conversation | None, claim: bool

@@ -70,6 +70,13 @@ class RegistryMetrics:
             ["decision", "consistency"],
             registry=self.registry,
         )
+        self.hint_paths = Counter(
+            "kvbroker_hint_paths",
+            "Routing hints answered, by the path chosen for the turn (READ, DECODE_LOCAL, "
+            "RECOMPUTE).",
+            ["path"],
+            registry=self.registry,
+        )
         self.hint_latency = Histogram(
             "kvbroker_hint_latency_seconds",
             "Time to compute a routing hint inside the registry.",

@@ -22,6 +22,7 @@ from controlplane.errors import (
     SessionLost,
 )
 from controlplane.metrics import NodeFigures
+from controlplane.planner import Costs
 from controlplane.store import Store
 from controlplane.validation import Validation
 from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
@@ -52,6 +53,8 @@ class NodeRuntime(RoutedNode):
     # False for a node known only from the store (after a takeover) until its sidecar replays:
     # its engine may hold deadlines this registry never sent, so its leases are not offered.
     synced: bool = True
+    # Its measured costs; None until calibrated (the planner's defaults apply).
+    costs: Costs | None = None
 
 
 class NodeSessions:
@@ -162,10 +165,13 @@ class NodeSessions:
             last_heartbeat_time=to_timestamp(now),
         )
         same_incarnation = old is not None and old.spec.incarnation == spec.incarnation
+        if old is not None and old.spec.engine_id == spec.engine_id:
+            node.cost.CopyFrom(old.cost)  # the same engine: its calibration stands
         if old is not None and same_incarnation:
             node.registered_time.CopyFrom(old.registered_time)
             node.state = DRAINING if old.state == DRAINING else READY
-        self._set_runtime(spec, node.state, fresh=not same_incarnation)
+        runtime = self._set_runtime(spec, node.state, fresh=not same_incarnation)
+        runtime.costs = _costs(node.cost)
         await self._store.put_node(node)
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, spec.node_id), now + self._ttl())
         self._deadlines.cancel((DeadlineKind.FORGET_NODE, spec.node_id))
@@ -211,6 +217,18 @@ class NodeSessions:
         self._log.info("node_draining", node=node_id)
         return node
 
+    async def set_costs(self, node_id: str, cost: node_pb2.CostProfile) -> node_pb2.Node:
+        """Stores a node's measured costs (``kvbroker calibrate``); the planner uses them from
+        the next hint on."""
+        node = await self.node(node_id)
+        node.cost.CopyFrom(cost)
+        await self._store.put_node(node)
+        runtime = self.runtime.get(node_id)
+        if runtime is not None:
+            runtime.costs = _costs(node.cost)
+        self._log.info("node_costs", node=node_id)
+        return node
+
     async def mark_down(self, node: node_pb2.Node, why: str) -> None:
         """Ends the node's session (its leases are withdrawn by the caller)."""
         node.state = DOWN
@@ -242,6 +260,7 @@ class NodeSessions:
         now = self._now()
         for node in nodes:
             runtime = NodeRuntime(node.spec, state=node.state, synced=False)
+            runtime.costs = _costs(node.cost)
             runtime.note_load(node.load)
             self.runtime[node.spec.node_id] = runtime
             if node.state != DOWN:
@@ -276,3 +295,7 @@ class NodeSessions:
             runtime.state = state
             self._routes.clear()
         return runtime
+
+
+def _costs(profile: node_pb2.CostProfile) -> Costs | None:
+    return Costs.of(profile) if profile.HasField("calibrated_time") else None

@@ -43,6 +43,7 @@ from controlplane.leases import Leases
 from controlplane.metrics import RegistryMetrics
 from controlplane.nodes import DOWN, NodeSessions
 from controlplane.outbox import Outbox, Unsent
+from controlplane.planner import UNSAID, TurnRequest
 from controlplane.retention import RetentionReports
 from controlplane.store import Store
 from controlplane.turns import Turns
@@ -130,7 +131,9 @@ class Registry:
         self.retention = RetentionReports(
             store, now, self.nodes, self.leases, self.outbox, validate, self._log
         )
-        self.hints = Hints(store, metrics, now, self.nodes, self.leases, self.turns, self.idle_ttl)
+        self.hints = Hints(
+            store, metrics, now, self.nodes, self.leases, self.turns, self.idle_ttl, config.planner
+        )
         self._on_due: dict[DeadlineKind, Callable[[str], Awaitable[None]]] = {
             DeadlineKind.LEASE_EXPIRY: self.leases.on_expiry,
             DeadlineKind.CLAIM_END: self.leases.on_claim_end,
@@ -240,6 +243,12 @@ class Registry:
         self._validate.id(node_id, "node_id")
         async with self._mutation():
             return self.nodes.view(await self.nodes.drain(node_id))
+
+    async def set_cost_profile(self, node_id: str, cost: node_pb2.CostProfile) -> node_pb2.Node:
+        self._validate.id(node_id, "node_id")
+        self._validate.costs(cost)
+        async with self._mutation():
+            return self.nodes.view(await self.nodes.set_costs(node_id, cost))
 
     async def get_node(self, node_id: str) -> node_pb2.Node:
         return self.nodes.view(await self.nodes.node(node_id))
@@ -366,14 +375,18 @@ class Registry:
     # ----------------------------------------------------------------- hints
 
     async def routing_hint(
-        self, conversation_id: str, model: str, dry_run: bool = False
+        self,
+        conversation_id: str,
+        model: str,
+        dry_run: bool = False,
+        asked: TurnRequest = UNSAID,
     ) -> registry_pb2.RoutingHint:
         self._validate.hint(conversation_id, model)
         if conversation_id and not dry_run:
             await self.turns.settled((conversation_id,))
         hint = registry_pb2.RoutingHint()
         async with self._mutation():
-            await self.hints.hint(conversation_id, model, dry_run, hint)
+            await self.hints.hint(conversation_id, model, dry_run, hint, asked)
         return hint
 
     async def routing_hints(
@@ -413,7 +426,11 @@ class Registry:
                     if index in refused:
                         raise refused[index]
                     await self.hints.hint(
-                        request.conversation_id, request.model, request.dry_run, result.hint
+                        request.conversation_id,
+                        request.model,
+                        request.dry_run,
+                        result.hint,
+                        TurnRequest.of(request),
                     )
                 except RegistryError as error:
                     result.error.CopyFrom(hint_error(error))  # replaces a half-made hint

@@ -30,6 +30,7 @@ from controlplane.errors import (
 )
 from controlplane.identity import Credentials, Principal, authorize, sees_incarnation
 from controlplane.metrics import RegistryMetrics
+from controlplane.planner import TurnRequest
 from controlplane.registry import Registry
 from kvbroker.common.clock import from_duration, to_duration
 from kvbroker.common.grpc_client import from_grpc_error
@@ -378,13 +379,25 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         return await registry.routing_hints(request.requests)
 
     @_served
+    async def SetCostProfile(
+        self,
+        registry: Registry,
+        request: registry_pb2.SetCostProfileRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> registry_pb2.SetCostProfileResponse:
+        node = await registry.set_cost_profile(request.node_id, request.cost)
+        return registry_pb2.SetCostProfileResponse(node=node)
+
+    @_served
     async def GetRoutingHint(
         self,
         registry: Registry,
         request: registry_pb2.GetRoutingHintRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetRoutingHintResponse:
-        hint = await registry.routing_hint(request.conversation_id, request.model, request.dry_run)
+        hint = await registry.routing_hint(
+            request.conversation_id, request.model, request.dry_run, TurnRequest.of(request)
+        )
         return registry_pb2.GetRoutingHintResponse(hint=hint)
 
 

@@ -142,6 +142,14 @@ class Validation:
         if not math.isfinite(usage) or not 0.0 <= usage <= 1.0:
             raise InvalidArgument(f"load.kv_cache_usage {usage} is not a fraction in [0, 1]")
 
+    @staticmethod
+    def costs(cost: node_pb2.CostProfile) -> None:
+        for field, value in cost.ListFields():
+            if field.type == field.TYPE_DOUBLE and (not math.isfinite(value) or value < 0):
+                raise InvalidArgument(f"cost.{field.name} {value} is not a finite non-negative")
+        if not cost.HasField("calibrated_time"):
+            raise InvalidArgument("cost.calibrated_time is required (when it was measured)")
+
     def list_nodes(self, role: int, model: str) -> None:
         self.enum(node_pb2.NodeRole, role, "role")
         self.text(model, "model")

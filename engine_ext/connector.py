@@ -356,7 +356,9 @@ class NixlConnector(NixlPullConnector):
         self._tracked.discard(request_id)
         params = request.kv_transfer_params
         in_transfer_path = params and (
-            params.get("do_remote_decode") or params.get("do_remote_prefill")
+            params.get("do_remote_decode")
+            or params.get("do_remote_prefill")
+            or params.get(handles.DECODE_LOCAL_KEY)
         )
         if params and not tracked and not in_transfer_path:
             # Params that never entered the transfer path (neither flag set): vLLM would

@@ -32,7 +32,8 @@ class RouterMetrics:
         self.ttft_seconds = Histogram(
             "kvbroker_router_ttft_seconds",
             "Time to first token as the router sees it (first streamed byte, or the whole "
-            "response when not streaming).",
+            "response when not streaming), by the turn's path (READ, DECODE_LOCAL, RECOMPUTE).",
+            ["path"],
             buckets=_LEG_BUCKETS,
             registry=self.registry,
         )

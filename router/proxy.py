@@ -45,7 +45,7 @@ from kvbroker.common.grpc_client import (
     open_channel,
     registry_stub,
 )
-from kvbroker.common.handles import prefill_params
+from kvbroker.common.handles import decode_local_params, prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -58,7 +58,9 @@ from router.errors import (
     upstream_failed,
 )
 from router.metrics import RouterMetrics
+from router.prompt_size import PromptSize, PromptText
 from router.requests import (
+    PATH_HEADER,
     Completion,
     encode,
     parse_completion,
@@ -110,6 +112,8 @@ class Plan:
     decision: str
     consistency: str
     reason: str
+    # How the turn gets its KV (``TurnPath`` label): with DECODE_LOCAL there is no prefill leg.
+    path: str = "RECOMPUTE"
 
 
 @dataclass
@@ -123,6 +127,7 @@ class Router:
         # Why the registry could not be reached at the last call to it (None: it answered).
         self.registry_away: str | None = "not reached yet"
         self._turn = 0
+        self.prompt_size = PromptSize()
         self._refresher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -175,7 +180,13 @@ class Router:
 
     # ------------------------------------------------------------ routing
 
-    async def plan(self, conversation: str, model: str) -> Plan:
+    async def plan(
+        self,
+        conversation: str,
+        model: str,
+        text: PromptText | None = None,
+        wanted: registry_pb2.TurnPath = registry_pb2.TURN_PATH_UNSPECIFIED,
+    ) -> Plan:
         """The request's plan. While the registry has no ready node for the model, the request
         waits up to ``ready_node_wait_s`` for one: a node re-establishing its session after a
         registry failover, or an engine restarting, is a gap of a second or two that should
@@ -184,7 +195,7 @@ class Router:
         deadline = time.monotonic() + self.config.ready_node_wait_s
         while True:
             try:
-                return await self._plan_once(conversation, model)
+                return await self._plan_once(conversation, model, text, wanted)
             except RegistryCallError as error:
                 if error.reason != registry_pb2.ERROR_REASON_NO_READY_NODE:
                     raise
@@ -213,8 +224,18 @@ class Router:
         await self.refresh_nodes()
         return self._known_model(model)
 
-    async def _plan_once(self, conversation: str, model: str) -> Plan:
-        request = registry_pb2.GetRoutingHintRequest(conversation_id=conversation, model=model)
+    async def _plan_once(
+        self,
+        conversation: str,
+        model: str,
+        text: PromptText | None,
+        wanted: registry_pb2.TurnPath,
+    ) -> Plan:
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id=conversation, model=model, path=wanted
+        )
+        if text is not None:
+            request.prompt_tokens, request.new_tokens = self.prompt_size.estimate(text)
         try:
             # Queued behind a batch in flight, a hint may wait up to one more call.
             hint = await asyncio.wait_for(self.hints.hint(request), 2 * self.config.hint_timeout_s)
@@ -235,6 +256,7 @@ class Router:
             decision=label(registry_pb2.HintDecision, hint.decision),
             consistency=label(registry_pb2.HintConsistency, hint.consistency),
             reason=hint.reason,
+            path=label(registry_pb2.TurnPath, hint.path) if hint.path else "READ",
         )
 
     def _degraded_plan(self, model: str, why: str) -> Plan:
@@ -294,7 +316,11 @@ class Router:
             headers=_JSON,
             timeout=self._prefill_timeout,
         )
-        return engine_answer(response, "prefill", node).get("kv_transfer_params")
+        answer = engine_answer(response, "prefill", node)
+        usage = answer.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            self.prompt_size.learn(PromptText.of(body), usage["prompt_tokens"])
+        return answer.get("kv_transfer_params")
 
 
 def engine_answer(response: httpx.Response, leg: str, node: node_pb2.NodeSpec) -> dict[str, Any]:
@@ -398,12 +424,18 @@ class Handlers:
         self.metrics.overhead_seconds.observe(hint_done - started)
 
         path = request.url.path
-        try:
-            prefill_node, kv_params = await self._prefill_with_fallback(plan, path, completion)
-        except UpstreamError as error:
-            return error.response()
+        prefill_node: node_pb2.NodeSpec | None = None
+        if plan.path == "DECODE_LOCAL":
+            # The holder computes the new suffix against its own cache: no prefill leg.
+            kv_params: Any = decode_local_params()
+        else:
+            try:
+                prefill_node, kv_params = await self._prefill_with_fallback(plan, path, completion)
+            except UpstreamError as error:
+                return error.response()
         prefill_done = time.perf_counter()
-        self.metrics.prefill_seconds.observe(prefill_done - hint_done)
+        if prefill_node is not None:
+            self.metrics.prefill_seconds.observe(prefill_done - hint_done)
 
         decode_body = dict(completion.body)
         decode_body["kv_transfer_params"] = kv_params
@@ -415,13 +447,15 @@ class Handlers:
             decision=plan.decision,
             consistency=plan.consistency,
             reason=plan.reason,
-            prefill=prefill_node.node_id,
+            path=plan.path,
+            prefill=prefill_node.node_id if prefill_node is not None else None,
             decode=plan.decode.node_id,
             prefill_ms=round(1000 * (prefill_done - hint_done), 1),
         )
         headers = {
             "x-kvbroker-decision": plan.decision,
             "x-kvbroker-consistency": plan.consistency,
+            PATH_HEADER: plan.path,
             "x-kvbroker-prefill-ms": f"{1000 * (prefill_done - hint_done):.1f}",
         }
         leg = self.router.http.build_request(
@@ -438,7 +472,7 @@ class Handlers:
             return error.response()
         done = time.perf_counter()
         self.metrics.decode_seconds.observe(done - prefill_done)
-        self.metrics.ttft_seconds.observe(done - started)
+        self.metrics.ttft_seconds.labels(plan.path).observe(done - started)
         return Response(
             response.content,
             response.status_code,
@@ -449,7 +483,12 @@ class Handlers:
     async def _plan(self, completion: Completion) -> Plan:
         """The router's plan, or the registry's refusal as the client's answer."""
         try:
-            return await self.router.plan(completion.conversation, completion.model)
+            return await self.router.plan(
+                completion.conversation,
+                completion.model,
+                PromptText.of(completion.body),
+                completion.wanted_path,
+            )
         except ModelNotFound as error:
             raise ApiError(
                 404, str(error), ErrorType.INVALID_REQUEST, ErrorCode.MODEL_NOT_FOUND, "model"
@@ -525,7 +564,9 @@ class Handlers:
         except BaseException:
             await response.aclose()
             raise
-        self.metrics.ttft_seconds.observe(time.perf_counter() - started)
+        self.metrics.ttft_seconds.labels(headers[PATH_HEADER]).observe(
+            time.perf_counter() - started
+        )
         return StreamingResponse(
             _relay(self.router, response, first, chunks, node, prefill_done),
             media_type=content_type,

@@ -15,9 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.common import ids
+from kvbroker.v1 import registry_pb2
 from router.errors import ApiError, ErrorCode, ErrorType, invalid_request
 
 SESSION_HEADER = "x-session-id"
+# A request may ask for its turn's path (READ, DECODE_LOCAL, RECOMPUTE); responses say which.
+PATH_HEADER = "x-kvbroker-path"
+_PATHS = {
+    "READ": registry_pb2.TURN_PATH_READ,
+    "DECODE_LOCAL": registry_pb2.TURN_PATH_DECODE_LOCAL,
+    "RECOMPUTE": registry_pb2.TURN_PATH_RECOMPUTE,
+}
 # Deeper than any OpenAI request (tool schemas nest a few tens of levels), and far enough
 # below Python's recursion limit that encoding a leg again can never hit it.
 MAX_JSON_DEPTH = 128
@@ -34,6 +42,8 @@ class Completion:
     # The model asked for ("" when none: any node).
     model: str
     stream: bool
+    # The path the client asked for (UNSPECIFIED: the registry's planner chooses).
+    wanted_path: registry_pb2.TurnPath = registry_pb2.TURN_PATH_UNSPECIFIED
 
 
 async def read_body(chunks: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
@@ -141,7 +151,23 @@ def parse_completion(raw: bytes, headers: Mapping[str, str]) -> Completion:
         raise invalid_request("stream must be true or false", ErrorCode.INVALID_VALUE, "stream")
     conversation = _conversation_id(body, headers)
     body.pop("conversation_id", None)
-    return Completion(body, conversation, model or "", bool(stream))
+    return Completion(body, conversation, model or "", bool(stream), _wanted_path(headers))
+
+
+def _wanted_path(headers: Mapping[str, str]) -> registry_pb2.TurnPath:
+    """The path the ``X-KVBroker-Path`` header asks for (benchmarks' fixed arms, tests);
+    UNSPECIFIED (the planner's choice) without it."""
+    value = headers.get(PATH_HEADER)
+    if not value:
+        return registry_pb2.TURN_PATH_UNSPECIFIED
+    path = _PATHS.get(value.upper())
+    if path is None:
+        raise invalid_request(
+            f"{PATH_HEADER} must be READ, DECODE_LOCAL or RECOMPUTE, not {value!r}",
+            ErrorCode.INVALID_VALUE,
+            PATH_HEADER,
+        )
+    return path
 
 
 def _conversation_id(body: dict[str, Any], headers: Mapping[str, str]) -> str:

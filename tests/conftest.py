@@ -52,7 +52,9 @@ LAYERS = {
     "test_engine_load": "unit",
     "test_engine_rules": "unit",
     "test_labels": "unit",
+    "test_planner": "unit",
     "test_ports": "unit",
+    "test_prompt_size": "unit",
     "test_readiness": "unit",
     "test_registry_endpoint": "unit",
     "test_registry_unit": "unit",
@@ -84,6 +86,7 @@ LAYERS = {
     "test_store_conformance": "conformance",
     "test_e2e": "e2e",
     "test_e2e_deploy": "e2e",
+    "test_e2e_paths": "e2e",
     "test_e2e_pressure": "e2e",
     "test_e2e_replicas": "e2e",
 }

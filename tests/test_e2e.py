@@ -47,7 +47,15 @@ def user_message(turn: int, lines: int = 14) -> str:
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     config = StackConfig(
         workdir=tmp_path_factory.mktemp("stack"),
-        registry_flags=("--revoke-grace", "0.5", "--claim-timeout", "5"),
+        # Turns read (the D->P path this module checks); test_e2e_paths covers the others.
+        registry_flags=(
+            "--revoke-grace",
+            "0.5",
+            "--claim-timeout",
+            "5",
+            "--max-local-prefill-tokens",
+            "0",
+        ),
     )
     async with Stack(config) as running:
         yield running

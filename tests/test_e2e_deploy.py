@@ -77,10 +77,12 @@ async def test_the_rendered_cpu_overlay_serves_a_conversation_with_reuse(
         reads.append(await nixl_reads(client, cluster))
         for turn in range(2):
             messages.append({"role": "user", "content": " ".join(LINES[10 + 14 * turn :][:14])})
+            # A short follow-up would go DECODE_LOCAL; the read is what this checks.
             response = await client.post(
                 f"{router}/v1/chat/completions",
                 json={"model": MODEL, "messages": messages, "max_tokens": 12,
                       "temperature": 0, "session_id": "conv-k8s"},
+                headers={"x-kvbroker-path": "READ"},
             )  # fmt: skip
             assert response.status_code == 200, response.text
             decisions.append(response.headers["x-kvbroker-decision"])

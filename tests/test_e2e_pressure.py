@@ -40,7 +40,13 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     config = StackConfig(
         workdir=tmp_path_factory.mktemp("pressure"),
         engine_args=("--num-gpu-blocks-override", "70"),
-        registry_flags=("--lease-ttl", str(IDLE_TTL_S), "--no-learn-idle-ttl"),
+        registry_flags=(
+            "--lease-ttl",
+            str(IDLE_TTL_S),
+            "--no-learn-idle-ttl",
+            "--max-local-prefill-tokens",
+            "0",  # turns read, as this module measures
+        ),
         connector_extra={"kvbroker_retention_max_fraction": 1.0},
     )
     async with Stack(config) as running:

@@ -32,6 +32,8 @@ async def test_killing_the_leading_replica_loses_no_turn_and_reuse_comes_back(
                 "0.5",
                 "--session-ttl",
                 "4",
+                "--max-local-prefill-tokens",  # turns read, as this test checks
+                "0",
             ),
         )
     )

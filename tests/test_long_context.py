@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from controlplane.config import RegistryConfig
+from controlplane.planner import PlannerConfig
 from controlplane.registry import HINT_BATCH_BYTES
 from controlplane.server import RunningRegistry
 from kvbroker.common.grpc_client import RegistryEndpoint
@@ -78,7 +79,13 @@ async def grant_all(
 def registry_config() -> RegistryConfig:
     """Sessions that survive the seconds this module's shared event loop spends granting and
     serving hundreds of long leases on a busy machine."""
-    return replace(FAST, heartbeat_interval_s=1.0, session_ttl_s=60.0)
+    # Every turn here reads (DECODE_LOCAL off): the handle's size is what is under test.
+    return replace(
+        FAST,
+        heartbeat_interval_s=1.0,
+        session_ttl_s=60.0,
+        planner=PlannerConfig(max_local_prefill_tokens=0),
+    )
 
 
 @pytest.fixture

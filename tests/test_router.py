@@ -24,6 +24,7 @@ from controlplane.config import RegistryConfig
 from controlplane.server import RunningRegistry
 from kvbroker.cli.main import app as cli
 from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.handles import decode_local_params
 from kvbroker.common.ids import MAX_ID_LENGTH
 from kvbroker.common.ports import free_port
 from kvbroker.testing.engine import FakeEngine, serving
@@ -99,11 +100,22 @@ async def test_two_legs_with_session_and_handle(fleet: Fleet, stub: RegistryServ
         assert decode_leg["max_tokens"] == 5
         assert decode_leg["kv_transfer_params"]["do_remote_prefill"] is True
 
-        # D retained the turn (its sidecar reported it): the next turn carries the handle.
+        # D retained the turn (its sidecar reported it): the next turn carries the handle. It
+        # adds a bulk tool result (~5k tokens, over the decode node's local limit), so P
+        # computes it after reading the retained prefix.
         lease = await grant(stub, fleet.decode_spec, "conv-1", "d-req-1")
-        body = {**CHAT, "conversation_id": "conv-1"}  # vLLM example proxy's field
+        body = {
+            **CHAT,
+            "messages": [
+                *CHAT["messages"],  # type: ignore[misc]
+                {"role": "assistant", "content": "from decode-0"},
+                {"role": "tool", "content": "result " * 3000},
+            ],
+            "conversation_id": "conv-1",  # vLLM example proxy's field
+        }
         second = await client.post(f"{fleet.router_url}/v1/chat/completions", json=body)
         assert second.headers["x-kvbroker-decision"] == "REUSE"
+        assert second.headers["x-kvbroker-path"] == "READ"
         params = next(
             p.received[-1] for p in fleet.prefills if p.received and
             "kvbroker_lease_id" in p.received[-1]["kv_transfer_params"]
@@ -114,6 +126,36 @@ async def test_two_legs_with_session_and_handle(fleet: Fleet, stub: RegistryServ
         assert len(params["kvbroker_block_hashes"]) == len(lease.block_hashes)
         assert "conversation_id" not in fleet.decode.received[-1]
         assert fleet.decode.received[-1]["session_id"] == "conv-1"
+
+
+async def test_a_short_follow_up_goes_straight_to_the_holder(
+    fleet: Fleet, stub: RegistryServiceStub
+) -> None:
+    """A one-line follow-up of a retained conversation: the registry's planner says
+    DECODE_LOCAL, so no prefill leg is sent; the decode node gets the whole request with the
+    session id and the decode-local marker (it computes the suffix and retains the turn)."""
+    await grant(stub, fleet.decode_spec, "conv-2", "d-req-2", tokens=3000)
+    body = {
+        **CHAT,
+        "messages": [
+            *CHAT["messages"],  # type: ignore[misc]
+            {"role": "assistant", "content": "an answer"},
+            {"role": "user", "content": "and then?"},
+        ],
+        "session_id": "conv-2",
+    }
+    async with httpx.AsyncClient() as client:
+        response = await client.post(f"{fleet.router_url}/v1/chat/completions", json=body)
+        metrics = (await client.get(f"{fleet.router_url}/metrics")).text
+    assert response.status_code == 200
+    assert response.headers["x-kvbroker-decision"] == "REUSE"
+    assert response.headers["x-kvbroker-path"] == "DECODE_LOCAL"
+    assert not any(p.received for p in fleet.prefills)
+    leg = fleet.decode.received[-1]
+    assert leg["session_id"] == "conv-2"
+    assert leg["kv_transfer_params"] == decode_local_params()
+    assert leg["messages"] == body["messages"] and leg["max_tokens"] == 5
+    assert 'kvbroker_router_ttft_seconds_count{path="DECODE_LOCAL"} 1.0' in metrics
 
 
 async def test_streaming_passes_through(fleet: Fleet) -> None:

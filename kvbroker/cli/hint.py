@@ -30,6 +30,14 @@ def hint(
         bool,
         typer.Option(help="Claim the lease as a router would (default: look only)."),
     ] = False,
+    new_tokens: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="The next turn's new suffix, in tokens: the path is chosen by it "
+            "(0: not said, as from an older router).",
+        ),
+    ] = 0,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
@@ -41,7 +49,7 @@ def hint(
 
     async def rpc(stub: Any) -> registry_pb2.RoutingHint:
         request = registry_pb2.GetRoutingHintRequest(
-            conversation_id=conversation, model=model, dry_run=not claim
+            conversation_id=conversation, model=model, dry_run=not claim, new_tokens=new_tokens
         )
         return (await stub.GetRoutingHint(request, timeout=timeout)).hint  # type: ignore[no-any-return]
 
@@ -60,6 +68,15 @@ def hint(
                 ("lease", f"{result.lease.lease_id} (epoch {result.lease.epoch})"),
                 ("tokens", str(result.lease.token_count)),
             ]
+        fields.append(("path", label(registry_pb2.TurnPath, result.path)))
+        for estimate in result.estimates:
+            why_not = f" (not eligible: {estimate.not_eligible})" if estimate.not_eligible else ""
+            fields.append(
+                (
+                    f"  {label(registry_pb2.TurnPath, estimate.path)}",
+                    f"{estimate.ttft_ms:.0f} ms{why_not}",
+                )
+            )
         emit_fields(f"hint for {conversation}", fields)
 
     render(output, to_dict(result), table)

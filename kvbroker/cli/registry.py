@@ -11,6 +11,7 @@ import typer
 import uvloop
 
 from controlplane.config import RegistryConfig
+from controlplane.planner import PlannerConfig
 from kvbroker.cli.options import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
@@ -149,6 +150,15 @@ def registry_serve(
             help="Silence before a node is DOWN.",
         ),
     ] = RegistryConfig.session_ttl_s,
+    max_local_prefill_tokens: Annotated[
+        int,
+        typer.Option(
+            envvar="KVBROKER_MAX_LOCAL_PREFILL_TOKENS",
+            min=0,
+            help="The longest new suffix a decode node computes itself (the DECODE_LOCAL "
+            "path); it bounds the stall its running decodes see. 0: never.",
+        ),
+    ] = PlannerConfig.max_local_prefill_tokens,
     store: Annotated[
         str,
         typer.Option(
@@ -194,6 +204,7 @@ def registry_serve(
             revoke_grace_s=revoke_grace,
             heartbeat_interval_s=heartbeat_interval,
             session_ttl_s=session_ttl,
+            planner=PlannerConfig(max_local_prefill_tokens=max_local_prefill_tokens),
         )
     except ValueError as error:
         fail(str(error), 2)

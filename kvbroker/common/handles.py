@@ -80,6 +80,17 @@ def prefill_params(lease: lease_pb2.Lease | None) -> dict[str, Any]:
     return params
 
 
+# A turn sent straight to the decode node that holds the conversation (no prefill leg): it
+# computes the new suffix against its own prefix cache, and keeps the whole conversation
+# retained afterwards, as after a decode leg.
+DECODE_LOCAL_KEY = "kvbroker_decode_local"
+
+
+def decode_local_params() -> dict[str, Any]:
+    """``kv_transfer_params`` for a turn served wholly on the decode node."""
+    return {"do_remote_decode": False, "do_remote_prefill": False, DECODE_LOCAL_KEY: True}
+
+
 def strip_handle(params: dict[str, Any]) -> None:
     """Removes the remote handle so vLLM neither reads nor notifies the decode node."""
     for key in HANDLE_KEYS:

@@ -44,6 +44,22 @@ class NodeLoad(_message.Message):
     kv_cache_usage: float
     def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
 
+class CostProfile(_message.Message):
+    __slots__ = ("prefill_fixed_ms", "prefill_us_per_token", "prefill_ns_per_token_context", "read_fixed_ms", "read_us_per_block", "calibrated_time")
+    PREFILL_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_US_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NS_PER_TOKEN_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    READ_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
+    READ_US_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    prefill_fixed_ms: float
+    prefill_us_per_token: float
+    prefill_ns_per_token_context: float
+    read_fixed_ms: float
+    read_us_per_block: float
+    calibrated_time: _timestamp_pb2.Timestamp
+    def __init__(self, prefill_fixed_ms: _Optional[float] = ..., prefill_us_per_token: _Optional[float] = ..., prefill_ns_per_token_context: _Optional[float] = ..., read_fixed_ms: _Optional[float] = ..., read_us_per_block: _Optional[float] = ..., calibrated_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class NodeSpec(_message.Message):
     __slots__ = ("node_id", "role", "engine_id", "side_channel_host", "side_channel_port", "http_base_url", "model", "block_size", "capacity_blocks", "bytes_per_block", "incarnation", "retention_budget_blocks", "retention_hard_cap")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -75,7 +91,7 @@ class NodeSpec(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., http_base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., incarnation: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("spec", "state", "load", "registered_time", "last_heartbeat_time", "live_leases", "retained_blocks")
+    __slots__ = ("spec", "state", "load", "registered_time", "last_heartbeat_time", "live_leases", "retained_blocks", "cost")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +99,7 @@ class Node(_message.Message):
     LAST_HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     spec: NodeSpec
     state: NodeState
     load: NodeLoad
@@ -90,4 +107,5 @@ class Node(_message.Message):
     last_heartbeat_time: _timestamp_pb2.Timestamp
     live_leases: int
     retained_blocks: int
-    def __init__(self, spec: _Optional[_Union[NodeSpec, _Mapping]] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., registered_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_leases: _Optional[int] = ..., retained_blocks: _Optional[int] = ...) -> None: ...
+    cost: CostProfile
+    def __init__(self, spec: _Optional[_Union[NodeSpec, _Mapping]] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., registered_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_leases: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., cost: _Optional[_Union[CostProfile, _Mapping]] = ...) -> None: ...

@@ -25,6 +25,13 @@ class HintConsistency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HINT_CONSISTENCY_EXACT: _ClassVar[HintConsistency]
     HINT_CONSISTENCY_DEGRADED: _ClassVar[HintConsistency]
 
+class TurnPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_PATH_UNSPECIFIED: _ClassVar[TurnPath]
+    TURN_PATH_READ: _ClassVar[TurnPath]
+    TURN_PATH_RECOMPUTE: _ClassVar[TurnPath]
+    TURN_PATH_DECODE_LOCAL: _ClassVar[TurnPath]
+
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
@@ -51,6 +58,10 @@ HINT_DECISION_MISS: HintDecision
 HINT_CONSISTENCY_UNSPECIFIED: HintConsistency
 HINT_CONSISTENCY_EXACT: HintConsistency
 HINT_CONSISTENCY_DEGRADED: HintConsistency
+TURN_PATH_UNSPECIFIED: TurnPath
+TURN_PATH_READ: TurnPath
+TURN_PATH_RECOMPUTE: TurnPath
+TURN_PATH_DECODE_LOCAL: TurnPath
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_INVALID_ARGUMENT: ErrorReason
 ERROR_REASON_NODE_NOT_REGISTERED: ErrorReason
@@ -68,6 +79,20 @@ ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
 ERROR_REASON_BATCH_FULL: ErrorReason
 ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_PERMISSION_DENIED: ErrorReason
+
+class SetCostProfileRequest(_message.Message):
+    __slots__ = ("node_id", "cost")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    cost: _node_pb2.CostProfile
+    def __init__(self, node_id: _Optional[str] = ..., cost: _Optional[_Union[_node_pb2.CostProfile, _Mapping]] = ...) -> None: ...
+
+class SetCostProfileResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: _node_pb2.Node
+    def __init__(self, node: _Optional[_Union[_node_pb2.Node, _Mapping]] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("spec",)
@@ -390,30 +415,50 @@ class GetConversationResponse(_message.Message):
     def __init__(self, conversation: _Optional[_Union[_lease_pb2.Conversation, _Mapping]] = ...) -> None: ...
 
 class GetRoutingHintRequest(_message.Message):
-    __slots__ = ("conversation_id", "model", "dry_run")
+    __slots__ = ("conversation_id", "model", "dry_run", "prompt_tokens", "new_tokens", "path")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     model: str
     dry_run: bool
-    def __init__(self, conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    prompt_tokens: int
+    new_tokens: int
+    path: TurnPath
+    def __init__(self, conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., dry_run: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ...) -> None: ...
+
+class PathEstimate(_message.Message):
+    __slots__ = ("path", "ttft_ms", "not_eligible")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    NOT_ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
+    path: TurnPath
+    ttft_ms: float
+    not_eligible: str
+    def __init__(self, path: _Optional[_Union[TurnPath, str]] = ..., ttft_ms: _Optional[float] = ..., not_eligible: _Optional[str] = ...) -> None: ...
 
 class RoutingHint(_message.Message):
-    __slots__ = ("decision", "reason", "consistency", "prefill", "decode", "lease")
+    __slots__ = ("decision", "reason", "consistency", "prefill", "decode", "lease", "path", "estimates")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     decision: HintDecision
     reason: str
     consistency: HintConsistency
     prefill: _node_pb2.NodeSpec
     decode: _node_pb2.NodeSpec
     lease: _lease_pb2.Lease
-    def __init__(self, decision: _Optional[_Union[HintDecision, str]] = ..., reason: _Optional[str] = ..., consistency: _Optional[_Union[HintConsistency, str]] = ..., prefill: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., decode: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+    path: TurnPath
+    estimates: _containers.RepeatedCompositeFieldContainer[PathEstimate]
+    def __init__(self, decision: _Optional[_Union[HintDecision, str]] = ..., reason: _Optional[str] = ..., consistency: _Optional[_Union[HintConsistency, str]] = ..., prefill: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., decode: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ..., path: _Optional[_Union[TurnPath, str]] = ..., estimates: _Optional[_Iterable[_Union[PathEstimate, _Mapping]]] = ...) -> None: ...
 
 class GetRoutingHintResponse(_message.Message):
     __slots__ = ("hint",)

@@ -120,6 +120,11 @@ class RegistryServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsResponse.FromString,
                 _registered_method=True)
+        self.SetCostProfile = channel.unary_unary(
+                '/kvbroker.v1.RegistryService/SetCostProfile',
+                request_serializer=kvbroker_dot_v1_dot_registry__pb2.SetCostProfileRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_registry__pb2.SetCostProfileResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -245,6 +250,13 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetCostProfile(self, request, context):
+        """Stores a node's measured costs (`kvbroker calibrate`), which each turn's path is chosen by.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -332,6 +344,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.BatchGetRoutingHints,
                     request_deserializer=kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsResponse.SerializeToString,
+            ),
+            'SetCostProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCostProfile,
+                    request_deserializer=kvbroker_dot_v1_dot_registry__pb2.SetCostProfileRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_registry__pb2.SetCostProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -794,6 +811,33 @@ class RegistryService:
             '/kvbroker.v1.RegistryService/BatchGetRoutingHints',
             kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsRequest.SerializeToString,
             kvbroker_dot_v1_dot_registry__pb2.BatchGetRoutingHintsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCostProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.RegistryService/SetCostProfile',
+            kvbroker_dot_v1_dot_registry__pb2.SetCostProfileRequest.SerializeToString,
+            kvbroker_dot_v1_dot_registry__pb2.SetCostProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

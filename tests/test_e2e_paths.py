@@ -1,0 +1,165 @@
+"""Each turn on its path, end to end on real vLLM CPU servers: DECODE_LOCAL (the turn goes
+straight to the decode node that holds the conversation), READ (P reads D's KV over NIXL) and
+RECOMPUTE give the same tokens at temperature 0; the registry's planner switches from
+DECODE_LOCAL to a prefill-node path as the new suffix grows; a DECODE_LOCAL turn keeps the
+conversation retained for the next, and one whose lease ended or whose prefix changed still
+answers correctly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.stack import Stack, StackConfig
+from kvbroker.v1 import lease_pb2, registry_pb2
+from tests.test_e2e import MODEL, current_lease, reads_by_prefill, user_message
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"))
+    async with Stack(config) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        yield client
+
+
+async def turn(
+    stack: Stack,
+    http: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    session: str | None,
+    path: str | None = None,
+    stream: bool = False,
+) -> tuple[str, str]:
+    """One turn through the router; returns the answer and the path it took."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": stream,
+    }
+    if session is not None:
+        body["session_id"] = session
+    headers = {"x-kvbroker-path": path} if path else {}
+    url = f"{stack.router_url}/v1/chat/completions"
+    if not stream:
+        response = await http.post(url, json=body, headers=headers)
+        assert response.status_code == 200, response.text
+        taken = response.headers["x-kvbroker-path"]
+        return response.json()["choices"][0]["message"]["content"], taken
+    parts: list[str] = []
+    async with http.stream("POST", url, json=body, headers=headers) as response:
+        assert response.status_code == 200
+        taken = response.headers["x-kvbroker-path"]
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                parts.append(event["choices"][0]["delta"].get("content") or "")
+    return "".join(parts), taken
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.5)  # D's retention report reaches the registry
+
+
+def opening(seed: int) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": user_message(seed, lines=20)},
+        {"role": "user", "content": user_message(seed + 1, lines=20)},
+    ]
+
+
+async def test_every_path_gives_the_same_tokens(stack: Stack, http: httpx.AsyncClient) -> None:
+    """The same follow-up asked on each path, streamed and not: identical answers; only READ
+    makes P read from D; every path leaves the conversation retained for the next turn."""
+    messages = opening(10)
+    answer, taken = await turn(stack, http, messages, "conv-paths")
+    assert taken == "RECOMPUTE"  # the first turn: nothing retained yet
+    messages += [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "and what follows from that?"},
+    ]
+    await settle()
+    answers: dict[tuple[str, bool], str] = {}
+    for stream in (False, True):
+        for path in ("DECODE_LOCAL", "READ", "RECOMPUTE"):
+            before_reads = await reads_by_prefill(stack, http)
+            before = await current_lease(stack, "conv-paths")
+            answers[path, stream], taken = await turn(
+                stack, http, messages, "conv-paths", path, stream
+            )
+            assert taken == path
+            read = await reads_by_prefill(stack, http) - before_reads
+            assert read == (1 if path == "READ" else 0), path
+            await settle()
+            after = await current_lease(stack, "conv-paths")
+            assert after.state == lease_pb2.LEASE_STATE_ACTIVE  # retained for the next turn
+            assert after.epoch > before.epoch
+    plain, _ = await turn(stack, http, messages, None)
+    assert set(answers.values()) == {plain}, answers
+
+
+async def test_the_planner_moves_off_the_decode_node_as_the_suffix_grows(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    messages = opening(30)
+    answer, _ = await turn(stack, http, messages, "conv-grow")
+    await settle()
+    short = [*messages, {"role": "assistant", "content": answer},
+             {"role": "user", "content": "why?"}]  # fmt: skip
+    answer_short, taken = await turn(stack, http, short, "conv-grow")
+    assert taken == "DECODE_LOCAL"
+    await settle()
+    # A bulk tool result (about 3,000 tokens): over the decode node's local limit.
+    bulk = [*short, {"role": "assistant", "content": answer_short},
+            {"role": "tool", "content": user_message(50, lines=150)}]  # fmt: skip
+    answer_bulk, taken = await turn(stack, http, bulk, "conv-grow")
+    assert taken in ("READ", "RECOMPUTE")
+    assert answer_bulk == (await turn(stack, http, bulk, None))[0]
+    assert answer_short == (await turn(stack, http, short, None))[0]
+
+
+async def test_decode_local_after_the_lease_ended_or_the_prefix_changed_is_still_right(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    messages = opening(70)
+    answer, _ = await turn(stack, http, messages, "conv-gone")
+    await settle()
+    follow = [*messages, {"role": "assistant", "content": answer},
+              {"role": "user", "content": "go on"}]  # fmt: skip
+    async with open_channel(RegistryEndpoint.parse(stack.registry_address)) as channel:
+        await registry_stub(channel).RevokeLease(
+            registry_pb2.RevokeLeaseRequest(conversation_id="conv-gone", reason="closed"),
+            timeout=5,
+        )
+    gone, taken = await turn(stack, http, follow, "conv-gone", "DECODE_LOCAL")
+    assert taken == "RECOMPUTE"  # nothing usable is retained: the ask cannot be honoured
+    assert gone == (await turn(stack, http, follow, None))[0]
+    await settle()
+    # An earlier turn edited: the registry cannot know, the decode node's cache matches less.
+    edited = [dict(m) for m in follow]
+    edited[1]["content"] = user_message(71, lines=19) + " (edited)"
+    changed, taken = await turn(stack, http, edited, "conv-gone", "DECODE_LOCAL")
+    assert taken == "DECODE_LOCAL"
+    assert changed == (await turn(stack, http, edited, None))[0]
