@@ -13,7 +13,7 @@ class RouterMetrics:
         self.hints = Counter(
             "kvbroker_router_requests",
             "Requests routed, by the registry's decision and consistency (DEGRADED when the "
-            "registry was unreachable).",
+            "registry gave no hint).",
             ["decision", "consistency"],
             registry=self.registry,
         )

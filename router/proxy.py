@@ -7,8 +7,9 @@ chosen prefill node, then the decode leg (with P's params and the session id) to
 decode node, and streams the answer back. The retention report comes from the decode engine
 through its sidecar, never from the response, so streaming works.
 
-If the registry is unreachable the request is still served as plain P/D from the last known
-node list, labelled DEGRADED in metrics and logs, and ``/health`` says ``degraded``.
+If the registry gives no hint (unreachable, overloaded, failing: anything but its own word on
+the request) the request is still served as plain P/D from the last known node list,
+labelled DEGRADED in metrics and logs, and ``/health`` says ``degraded``.
 
 Errors follow OpenAI's conventions (``router.errors``): 400 for a request that is not valid,
 404 ``model_not_found`` for a model no node serves, 413 for a body over the limit, 502 for an
@@ -69,8 +70,13 @@ from router.requests import (
 
 log = structlog.get_logger("kvbroker.router")
 
-# The registry is away (or cannot route for now) on these, unless it said no node is ready.
-_REGISTRY_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# The registry's own word on a request, which the router passes on rather than route around:
+# no ready node (waited for, or 404 for a model no node serves) and a request it refused (400).
+# Any other failure to get a hint (the registry away, overloaded, failing) is served plain P/D.
+_REGISTRY_ANSWERS = (
+    registry_pb2.ERROR_REASON_NO_READY_NODE,
+    registry_pb2.ERROR_REASON_INVALID_ARGUMENT,
+)
 # How often a request waiting for a ready node asks the registry again.
 _READY_NODE_POLL_S = 0.1
 _JSON = {"content-type": "application/json"}
@@ -221,12 +227,13 @@ class Router:
         except TimeoutError:
             return self._degraded_plan(model, "the registry did not answer in time")
         except RegistryCallError as error:
-            if error.code() not in _REGISTRY_AWAY:
-                raise
-            if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE:
+            if error.reason in _REGISTRY_ANSWERS:
                 self.registry_away = None
-                raise  # the registry answered: there is nowhere to send the request
-            return self._degraded_plan(model, error.message or error.code().name)
+                raise  # the registry answered: nowhere to send it, or a request at fault
+            # Away (UNAVAILABLE, DEADLINE_EXCEEDED), overloaded (RESOURCE_EXHAUSTED), failing
+            # (INTERNAL, UNKNOWN) or anything else: no hint, but the turn can still be served.
+            why = f"{error.code().name}: {error.message}" if error.message else error.code().name
+            return self._degraded_plan(model, why)
         self.registry_away = None
         return Plan(
             prefill=hint.prefill,
@@ -255,7 +262,7 @@ class Router:
             lease=None,
             decision="MISS",
             consistency="DEGRADED",
-            reason=f"registry unreachable ({why}): plain P/D without reuse",
+            reason=f"no hint from the registry ({why}): plain P/D without reuse",
         )
 
     def other_prefill(self, failed: str, model: str) -> node_pb2.NodeSpec | None:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+import grpc
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -28,7 +29,7 @@ from kvbroker.common.ids import MAX_ID_LENGTH
 from kvbroker.common.ports import free_port
 from kvbroker.testing.engine import FakeEngine, serving
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
-from kvbroker.v1 import node_pb2
+from kvbroker.v1 import node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from router.config import RouterConfig
 from router.proxy import Router, build_app
@@ -517,6 +518,82 @@ async def test_health_says_degraded_while_the_registry_is_away(
         assert (degraded.status_code, degraded.json()["status"]) == (200, "degraded")
         served = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
         assert served.headers["x-kvbroker-consistency"] == "DEGRADED"
+
+
+class FailingHints(registry_pb2_grpc.RegistryServiceServicer):
+    """A registry that lists its nodes but fails every hint with ``code``: for the whole
+    batch call, or (``per_hint``) as each hint's own refusal in an answered batch."""
+
+    def __init__(self, nodes: list[node_pb2.NodeSpec], code: grpc.StatusCode, per_hint: bool):
+        self.nodes = [node_pb2.Node(spec=s, state=node_pb2.NODE_STATE_READY) for s in nodes]
+        self.code, self.per_hint = code, per_hint
+        self.hints = 0
+
+    async def ListNodes(self, request: Any, context: Any) -> registry_pb2.ListNodesResponse:
+        return registry_pb2.ListNodesResponse(nodes=self.nodes)
+
+    async def BatchGetRoutingHints(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.BatchGetRoutingHintsResponse:
+        self.hints += len(request.requests)
+        if not self.per_hint:
+            await context.abort(self.code, "hint refused by the test")
+        error = registry_pb2.HintError(code=self.code.value[0], message="hint refused")
+        results = [registry_pb2.RoutingHintResult(error=error) for _ in request.requests]
+        return registry_pb2.BatchGetRoutingHintsResponse(results=results)
+
+
+@pytest.mark.parametrize(
+    ("code", "per_hint"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, False),
+        (grpc.StatusCode.INTERNAL, False),
+        (grpc.StatusCode.UNKNOWN, False),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, True),
+        (grpc.StatusCode.FAILED_PRECONDITION, True),
+    ],
+)
+async def test_a_registry_that_fails_hints_gets_the_turn_served_plain_pd(
+    code: grpc.StatusCode, per_hint: bool
+) -> None:
+    """Not the registry's word on the request (no ready node, a bad request): it could not
+    give a hint, so the turn is served plain P/D from its node list, labelled DEGRADED,
+    instead of failing with a 503."""
+    prefill, decode = FakeEngine("prefill-0"), FakeEngine("decode-0")
+    specs = []
+    for engine, role in ((prefill, node_pb2.NODE_ROLE_PREFILL),
+                         (decode, node_pb2.NODE_ROLE_DECODE)):  # fmt: skip
+        spec = node_spec(engine.name, role, port=engine.port)
+        spec.http_base_url = engine.url
+        specs.append(spec)
+    failing = FailingHints(specs, code, per_hint)
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(failing, server)
+    registry_port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    router = Router(
+        RegistryEndpoint.parse(f"127.0.0.1:{registry_port}"), RouterConfig(node_refresh_s=0.1)
+    )
+    port = free_port()
+    try:
+        async with (
+            serving(prefill.app(), prefill.port),
+            serving(decode.app(), decode.port),
+            serving(build_app(router), port),
+            httpx.AsyncClient() as client,
+        ):
+            await asyncio.sleep(0.3)  # the router's first node refresh
+            response = await client.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", json={**CHAT, "session_id": "c"}
+            )
+    finally:
+        await server.stop(0)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kvbroker-consistency"] == "DEGRADED"
+    assert response.headers["x-kvbroker-decision"] == "MISS"
+    assert failing.hints == 1
+    assert (len(prefill.received), len(decode.received)) == (1, 1)
+    assert decode.received[0]["session_id"] == "c"
 
 
 async def test_health_is_503_when_the_router_can_serve_nothing() -> None:
