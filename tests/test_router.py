@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
@@ -619,6 +620,21 @@ def test_the_cli_flags_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) 
     assert (seen[0].decode_timeout_s, seen[0].max_body_bytes) == (90.0, 1000)
     assert CliRunner().invoke(cli, ["router", "run"]).exit_code == 0
     assert seen[1] == RouterConfig()
+
+
+def test_router_run_takes_its_registry_credentials_like_the_other_commands(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[RegistryEndpoint] = []
+    monkeypatch.setattr("router.server.serve", lambda endpoint, *rest: seen.append(endpoint))
+    monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
+    (tmp_path / "token").write_text("router-secret\n")
+    run = CliRunner().invoke(cli, ["router", "run", "--token-file", str(tmp_path / "token")])
+    assert run.exit_code == 0, run.output
+    assert seen[0].token == "router-secret"
+    both = ["router", "run", "--token", "x", "--token-file", str(tmp_path / "token")]
+    assert CliRunner().invoke(cli, both).exit_code == 2
+    assert len(seen) == 1
 
 
 # The event loop, and so the fleet's heartbeats, stops between examples while hypothesis

@@ -15,6 +15,9 @@ from kvbroker.cli.options import (
     LogLevelOpt,
     RegistryOpt,
     TlsCaOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
+    TokenFileOpt,
     TokenOpt,
     apply_logging_flags,
 )
@@ -72,7 +75,10 @@ def router_run(
     ] = RouterConfig.max_body_bytes,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
 ) -> None:
@@ -90,7 +96,9 @@ def router_run(
         config.host_and_port()
     except ValueError:
         fail(f"--listen {listen!r} is not HOST:PORT", 2)
-    endpoint = registry_endpoint(registry, token, tls_ca)
+    endpoint = registry_endpoint(
+        registry, token, token_file, tls_ca, tls_client_cert, tls_client_key
+    )
     from router.server import serve as serve_router
 
     apply_logging_flags(log_level, log_format)
