@@ -21,9 +21,9 @@ from controlplane.identity import (
     Role,
     authorize,
     sees_incarnation,
-    token_digest,
 )
 from controlplane.server import RunningRegistry
+from kvbroker.common.credentials import token_digest
 from kvbroker.common.engine_link import EngineLink
 from kvbroker.common.grpc_client import (
     RegistryEndpoint,
@@ -99,6 +99,10 @@ def test_principals_and_credential_files_are_checked(tmp_path: Path) -> None:
     malformed.write_text("router not-a-digest\n")
     with pytest.raises(ValueError, match=r"bad:1"):
         Credentials.load(None, malformed, False)
+    twice = tmp_path / "twice"
+    twice.write_text(f"router {token_digest('r')}\nnode:d-0 {token_digest('r')}\n")
+    with pytest.raises(ValueError, match=r"twice:2: .*another holder"):
+        Credentials.load(None, twice, False)
 
 
 # ---------------------------------------------------------------------- per-node tokens
