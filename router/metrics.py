@@ -46,6 +46,11 @@ class RouterMetrics:
             "Times a request waited because the registry had no ready node for its model.",
             registry=self.registry,
         )
+        self.auth_failures = Counter(
+            "kvbroker_router_auth_failures",
+            "Requests refused with 401: no API key, or one the router does not hold.",
+            registry=self.registry,
+        )
         self.overhead_seconds = Histogram(
             "kvbroker_router_overhead_seconds",
             "Router time before the prefill leg starts (parsing and the routing hint).",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -35,6 +36,7 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -50,6 +52,7 @@ from kvbroker.common.handles import prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from router.auth import SCOPE_KEY, ApiKeys, Authenticate, Tenant
 from router.config import RouterConfig
 from router.errors import (
     ApiError,
@@ -123,6 +126,8 @@ class Router:
     registry: RegistryEndpoint
     config: RouterConfig = field(default_factory=RouterConfig)
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    # The API keys clients must present, and their tenants (None: an open router).
+    api_keys: ApiKeys | None = None
 
     def __post_init__(self) -> None:
         self.known_nodes: list[node_pb2.Node] = []
@@ -398,7 +403,10 @@ class Handlers:
 
     async def completions(self, request: Request) -> Response:
         started = time.perf_counter()
-        completion = parse_completion(await self._body(request), request.headers)
+        tenant = _tenant(request)
+        completion = _scoped(
+            tenant, parse_completion(await self._body(request), request.headers, tenant.id_limit)
+        )
         plan = await self._plan(completion)
         self.metrics.hints.labels(plan.decision, plan.consistency).inc()
         hint_done = time.perf_counter()
@@ -563,10 +571,11 @@ class Handlers:
 
     async def keepalive(self, request: Request) -> Response:
         """An agent busy in a long tool call keeps its conversation's KV retained."""
-        session = session_id(request.path_params["session_id"])
+        tenant = _tenant(request)
+        session = session_id(request.path_params["session_id"], limit=tenant.id_limit)
         raw = await self._body(request)
         payload = parse_object(raw) if raw else {}
-        renew = registry_pb2.RenewLeaseRequest(conversation_id=session)
+        renew = registry_pb2.RenewLeaseRequest(conversation_id=tenant.conversation(session))
         ttl = payload.get("ttl_seconds")
         if ttl is not None:
             if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
@@ -583,9 +592,10 @@ class Handlers:
 
     async def close_session(self, request: Request) -> Response:
         """Explicit close: D frees the conversation's blocks at once."""
-        session = session_id(request.path_params["session_id"])
+        tenant = _tenant(request)
+        session = session_id(request.path_params["session_id"], limit=tenant.id_limit)
         revoke = registry_pb2.RevokeLeaseRequest(
-            conversation_id=session, reason="session closed by client"
+            conversation_id=tenant.conversation(session), reason="session closed by client"
         )
         return await self._lease_call(self.router.stub.RevokeLease(revoke, timeout=2), session)
 
@@ -608,6 +618,26 @@ class Handlers:
                 "ttl_seconds": lease.time_to_live.ToNanoseconds() / 1e9,
             }
         )
+
+
+def _tenant(request: Request) -> Tenant:
+    """The request's tenant, named by ``Authenticate`` (a KeyError, so a 500, if the request
+    did not pass through it: never served as anyone's)."""
+    tenant = request.scope[SCOPE_KEY]
+    assert isinstance(tenant, Tenant)
+    return tenant
+
+
+def _scoped(tenant: Tenant, completion: Completion) -> Completion:
+    """The completion with its session id scoped to ``tenant``, as the registry and both legs
+    see it (the decode engine reports its retention under the ``session_id`` it is given)."""
+    conversation = tenant.conversation(completion.conversation)
+    if conversation == completion.conversation:
+        return completion
+    body = dict(completion.body)
+    if "session_id" in body:
+        body["session_id"] = conversation
+    return dataclasses.replace(completion, body=body, conversation=conversation)
 
 
 _LEASE_CALL_ERRORS = {
@@ -635,6 +665,7 @@ def build_app(router: Router) -> Starlette:
                 "/v1/sessions/{session_id}", _guarded(handlers.close_session), methods=["DELETE"]
             ),
         ],
+        middleware=[Middleware(Authenticate, keys=router.api_keys, metrics=router.metrics)],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lambda app: _lifespan(router),
     )
