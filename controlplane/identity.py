@@ -23,7 +23,6 @@ With none configured the registry is open (loopback development); then every cal
 from __future__ import annotations
 
 import enum
-import hashlib
 import hmac
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any
 import grpc
 
 from controlplane.errors import PermissionDenied, Unauthenticated
+from kvbroker.common.credentials import read_digest_file, token_digest
 from kvbroker.common.grpc_client import AUTH_METADATA_KEY
 
 
@@ -121,10 +121,6 @@ def sees_incarnation(principal: Principal, node_id: str) -> bool:
     return principal.trusted or (principal.role is Role.NODE and principal.node_id == node_id)
 
 
-def token_digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 @dataclass(frozen=True)
 class Credentials:
     """The credentials a registry accepts, and how it tells who presented one."""
@@ -144,20 +140,11 @@ class Credentials:
         cls, shared_token: str | None, path: Path | None, client_certificates: bool
     ) -> Credentials:
         """Raises ValueError naming the line of a malformed credentials file."""
-        tokens: dict[str, Principal] = {}
-        if path is not None:
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                text = line.split("#", 1)[0].strip()
-                if not text:
-                    continue
-                who, _, digest = text.partition(" ")
-                digest = digest.strip().lower()
-                if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                    raise ValueError(f"{path}:{number}: expected 'ROLE[:NODE_ID] SHA256_HEX'")
-                try:
-                    tokens[digest] = Principal.parse(who)
-                except ValueError as error:
-                    raise ValueError(f"{path}:{number}: {error}") from None
+        tokens = (
+            read_digest_file(path, Principal.parse, "ROLE[:NODE_ID] SHA256_HEX")
+            if path is not None
+            else {}
+        )
         return cls(shared_token or None, tokens or None, client_certificates)
 
     def principal(self, context: grpc.aio.ServicerContext) -> Principal:

@@ -35,6 +35,8 @@ class ErrorCode(StrEnum):
     INVALID_JSON = "invalid_json"
     INVALID_VALUE = "invalid_value"
     INVALID_SESSION_ID = "invalid_session_id"
+    # No API key, or one the router does not hold (401).
+    INVALID_API_KEY = "invalid_api_key"
     REQUEST_TOO_LARGE = "request_too_large"
     MODEL_NOT_FOUND = "model_not_found"
     NOT_FOUND = "not_found"
@@ -64,6 +66,7 @@ class ApiError(Exception):
         error_type: ErrorType,
         code: ErrorCode,
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -71,6 +74,7 @@ class ApiError(Exception):
         self.error_type = error_type
         self.code = code
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {
@@ -83,7 +87,7 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status)
+        return JSONResponse(self.body(), self.status, headers=self.headers)
 
     def sse(self) -> bytes:
         """The error as a stream's last event but for ``[DONE]``."""

@@ -13,7 +13,7 @@ class RouterMetrics:
         self.hints = Counter(
             "kvbroker_router_requests",
             "Requests routed, by the registry's decision and consistency (DEGRADED when the "
-            "registry was unreachable).",
+            "registry gave no hint).",
             ["decision", "consistency"],
             registry=self.registry,
         )
@@ -45,6 +45,11 @@ class RouterMetrics:
         self.ready_node_waits = Counter(
             "kvbroker_router_ready_node_waits",
             "Times a request waited because the registry had no ready node for its model.",
+            registry=self.registry,
+        )
+        self.auth_failures = Counter(
+            "kvbroker_router_auth_failures",
+            "Requests refused with 401: no API key, or one the router does not hold.",
             registry=self.registry,
         )
         self.overhead_seconds = Histogram(

@@ -7,8 +7,9 @@ chosen prefill node, then the decode leg (with P's params and the session id) to
 decode node, and streams the answer back. The retention report comes from the decode engine
 through its sidecar, never from the response, so streaming works.
 
-If the registry is unreachable the request is still served as plain P/D from the last known
-node list, labelled DEGRADED in metrics and logs, and ``/health`` says ``degraded``.
+If the registry gives no hint (unreachable, overloaded, failing: anything but its own word on
+the request) the request is still served as plain P/D from the last known node list,
+labelled DEGRADED in metrics and logs, and ``/health`` says ``degraded``.
 
 Errors follow OpenAI's conventions (``router.errors``): 400 for a request that is not valid,
 404 ``model_not_found`` for a model no node serves, 413 for a body over the limit, 502 for an
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -34,6 +36,7 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -49,6 +52,7 @@ from kvbroker.common.handles import decode_local_params, prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from router.auth import SCOPE_KEY, ApiKeys, Authenticate, Tenant
 from router.config import RouterConfig
 from router.errors import (
     ApiError,
@@ -71,8 +75,13 @@ from router.requests import (
 
 log = structlog.get_logger("kvbroker.router")
 
-# The registry is away (or cannot route for now) on these, unless it said no node is ready.
-_REGISTRY_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# The registry's own word on a request, which the router passes on rather than route around:
+# no ready node (waited for, or 404 for a model no node serves) and a request it refused (400).
+# Any other failure to get a hint (the registry away, overloaded, failing) is served plain P/D.
+_REGISTRY_ANSWERS = (
+    registry_pb2.ERROR_REASON_NO_READY_NODE,
+    registry_pb2.ERROR_REASON_INVALID_ARGUMENT,
+)
 # How often a request waiting for a ready node asks the registry again.
 _READY_NODE_POLL_S = 0.1
 _JSON = {"content-type": "application/json"}
@@ -121,6 +130,8 @@ class Router:
     registry: RegistryEndpoint
     config: RouterConfig = field(default_factory=RouterConfig)
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    # The API keys clients must present, and their tenants (None: an open router).
+    api_keys: ApiKeys | None = None
 
     def __post_init__(self) -> None:
         self.known_nodes: list[node_pb2.Node] = []
@@ -242,12 +253,13 @@ class Router:
         except TimeoutError:
             return self._degraded_plan(model, "the registry did not answer in time")
         except RegistryCallError as error:
-            if error.code() not in _REGISTRY_AWAY:
-                raise
-            if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE:
+            if error.reason in _REGISTRY_ANSWERS:
                 self.registry_away = None
-                raise  # the registry answered: there is nowhere to send the request
-            return self._degraded_plan(model, error.message or error.code().name)
+                raise  # the registry answered: nowhere to send it, or a request at fault
+            # Away (UNAVAILABLE, DEADLINE_EXCEEDED), overloaded (RESOURCE_EXHAUSTED), failing
+            # (INTERNAL, UNKNOWN) or anything else: no hint, but the turn can still be served.
+            why = f"{error.code().name}: {error.message}" if error.message else error.code().name
+            return self._degraded_plan(model, why)
         self.registry_away = None
         return Plan(
             prefill=hint.prefill,
@@ -277,7 +289,7 @@ class Router:
             lease=None,
             decision="MISS",
             consistency="DEGRADED",
-            reason=f"registry unreachable ({why}): plain P/D without reuse",
+            reason=f"no hint from the registry ({why}): plain P/D without reuse",
         )
 
     def other_prefill(self, failed: str, model: str) -> node_pb2.NodeSpec | None:
@@ -417,7 +429,10 @@ class Handlers:
 
     async def completions(self, request: Request) -> Response:
         started = time.perf_counter()
-        completion = parse_completion(await self._body(request), request.headers)
+        tenant = _tenant(request)
+        completion = _scoped(
+            tenant, parse_completion(await self._body(request), request.headers, tenant.id_limit)
+        )
         plan = await self._plan(completion)
         self.metrics.hints.labels(plan.decision, plan.consistency).inc()
         hint_done = time.perf_counter()
@@ -597,10 +612,11 @@ class Handlers:
 
     async def keepalive(self, request: Request) -> Response:
         """An agent busy in a long tool call keeps its conversation's KV retained."""
-        session = session_id(request.path_params["session_id"])
+        tenant = _tenant(request)
+        session = session_id(request.path_params["session_id"], limit=tenant.id_limit)
         raw = await self._body(request)
         payload = parse_object(raw) if raw else {}
-        renew = registry_pb2.RenewLeaseRequest(conversation_id=session)
+        renew = registry_pb2.RenewLeaseRequest(conversation_id=tenant.conversation(session))
         ttl = payload.get("ttl_seconds")
         if ttl is not None:
             if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
@@ -617,9 +633,10 @@ class Handlers:
 
     async def close_session(self, request: Request) -> Response:
         """Explicit close: D frees the conversation's blocks at once."""
-        session = session_id(request.path_params["session_id"])
+        tenant = _tenant(request)
+        session = session_id(request.path_params["session_id"], limit=tenant.id_limit)
         revoke = registry_pb2.RevokeLeaseRequest(
-            conversation_id=session, reason="session closed by client"
+            conversation_id=tenant.conversation(session), reason="session closed by client"
         )
         return await self._lease_call(self.router.stub.RevokeLease(revoke, timeout=2), session)
 
@@ -642,6 +659,26 @@ class Handlers:
                 "ttl_seconds": lease.time_to_live.ToNanoseconds() / 1e9,
             }
         )
+
+
+def _tenant(request: Request) -> Tenant:
+    """The request's tenant, named by ``Authenticate`` (a KeyError, so a 500, if the request
+    did not pass through it: never served as anyone's)."""
+    tenant = request.scope[SCOPE_KEY]
+    assert isinstance(tenant, Tenant)
+    return tenant
+
+
+def _scoped(tenant: Tenant, completion: Completion) -> Completion:
+    """The completion with its session id scoped to ``tenant``, as the registry and both legs
+    see it (the decode engine reports its retention under the ``session_id`` it is given)."""
+    conversation = tenant.conversation(completion.conversation)
+    if conversation == completion.conversation:
+        return completion
+    body = dict(completion.body)
+    if "session_id" in body:
+        body["session_id"] = conversation
+    return dataclasses.replace(completion, body=body, conversation=conversation)
 
 
 _LEASE_CALL_ERRORS = {
@@ -669,6 +706,7 @@ def build_app(router: Router) -> Starlette:
                 "/v1/sessions/{session_id}", _guarded(handlers.close_session), methods=["DELETE"]
             ),
         ],
+        middleware=[Middleware(Authenticate, keys=router.api_keys, metrics=router.metrics)],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lambda app: _lifespan(router),
     )

@@ -140,8 +140,12 @@ def _check_text(text: str) -> None:
         ) from None
 
 
-def parse_completion(raw: bytes, headers: Mapping[str, str]) -> Completion:
-    """A completion request's body and headers as the router forwards them."""
+def parse_completion(
+    raw: bytes, headers: Mapping[str, str], id_limit: int = ids.MAX_ID_LENGTH
+) -> Completion:
+    """A completion request's body and headers as the router forwards them; a session id
+    may be ``id_limit`` characters long (less than the registry's limit when the router
+    scopes it to a tenant)."""
     body = parse_object(raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -149,7 +153,7 @@ def parse_completion(raw: bytes, headers: Mapping[str, str]) -> Completion:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise invalid_request("stream must be true or false", ErrorCode.INVALID_VALUE, "stream")
-    conversation = _conversation_id(body, headers)
+    conversation = _conversation_id(body, headers, id_limit)
     body.pop("conversation_id", None)
     return Completion(body, conversation, model or "", bool(stream), _wanted_path(headers))
 
@@ -170,7 +174,7 @@ def _wanted_path(headers: Mapping[str, str]) -> registry_pb2.TurnPath:
     return path
 
 
-def _conversation_id(body: dict[str, Any], headers: Mapping[str, str]) -> str:
+def _conversation_id(body: dict[str, Any], headers: Mapping[str, str], limit: int) -> str:
     """The first session id given: ``session_id``, the ``X-Session-ID`` header, then
     ``conversation_id``; checked by the registry's own rule."""
     for param, value in (
@@ -182,14 +186,15 @@ def _conversation_id(body: dict[str, Any], headers: Mapping[str, str]) -> str:
             continue
         if not isinstance(value, str):
             raise invalid_request(f"{param} must be a string", ErrorCode.INVALID_SESSION_ID, param)
-        return session_id(value, param)
+        return session_id(value, param, limit)
     return ""
 
 
-def session_id(value: str, param: str = "session_id") -> str:
-    """``value`` if the registry would take it as a conversation id; else a 400."""
+def session_id(value: str, param: str = "session_id", limit: int = ids.MAX_ID_LENGTH) -> str:
+    """``value`` if the registry would take it as a conversation id (``limit`` characters at
+    most); else a 400."""
     try:
-        return ids.check_id(value, param)
+        return ids.check_id(value, param, limit)
     except ids.InvalidId as error:
         raise invalid_request(str(error), ErrorCode.INVALID_SESSION_ID, param) from None
 

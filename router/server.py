@@ -5,11 +5,12 @@ from __future__ import annotations
 import uvicorn
 
 from kvbroker.common.grpc_client import RegistryEndpoint
+from router.auth import ApiKeys
 from router.config import RouterConfig
 from router.proxy import Router, build_app
 
 
-def serve(registry: RegistryEndpoint, config: RouterConfig) -> None:
+def serve(registry: RegistryEndpoint, config: RouterConfig, api_keys: ApiKeys | None) -> None:
     host, port = config.host_and_port()
-    app = build_app(Router(registry, config))
+    app = build_app(Router(registry, config, api_keys=api_keys))
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -21,9 +21,9 @@ from controlplane.identity import (
     Role,
     authorize,
     sees_incarnation,
-    token_digest,
 )
 from controlplane.server import RunningRegistry
+from kvbroker.common.credentials import token_digest
 from kvbroker.common.engine_link import EngineLink
 from kvbroker.common.grpc_client import (
     RegistryEndpoint,
@@ -32,9 +32,10 @@ from kvbroker.common.grpc_client import (
     registry_stub,
 )
 from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Announces, ChildProcess
 from kvbroker.common.tasks import poll_until
-from kvbroker.stack import sidecar_command
+from kvbroker.stack import router_command, router_routing, sidecar_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess
@@ -98,6 +99,10 @@ def test_principals_and_credential_files_are_checked(tmp_path: Path) -> None:
     malformed.write_text("router not-a-digest\n")
     with pytest.raises(ValueError, match=r"bad:1"):
         Credentials.load(None, malformed, False)
+    twice = tmp_path / "twice"
+    twice.write_text(f"router {token_digest('r')}\nnode:d-0 {token_digest('r')}\n")
+    with pytest.raises(ValueError, match=r"twice:2: .*another holder"):
+        Credentials.load(None, twice, False)
 
 
 # ---------------------------------------------------------------------- per-node tokens
@@ -408,3 +413,82 @@ async def test_replicas_forward_to_each_other_over_mtls(
     finally:
         for replica in replicas:
             await replica.stop()
+
+
+async def test_the_cli_sidecar_and_router_present_their_client_certificates(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """Real processes against a registry that requires client certificates: `sidecar run`
+    with a node:decode-0 certificate (given through the environment) registers its node,
+    `node ls` with a router certificate lists it, and `router run` with the router's
+    certificate learns of it. The registry's own --tls-cert/--tls-key names are left alone:
+    the client's are --tls-client-cert/--tls-client-key."""
+    cert, key = pki.files["replica"]
+    registry = RegistryProcess(
+        "--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(pki.ca)
+    )
+    await registry.start()
+    node_cert, node_key = pki.files["node:decode-0"]
+    router_cert, router_key = pki.files["router"]
+    as_router = [
+        "--registry", registry.address, "--tls-ca", str(pki.ca),
+        "--tls-client-cert", str(router_cert), "--tls-client-key", str(router_key),
+    ]  # fmt: skip
+    router_url = f"http://127.0.0.1:{free_port()}"
+    router = ChildProcess(
+        "router",
+        [*router_command(registry.address, router_url.removeprefix("http://")), *as_router[2:]],
+        tmp_path / "router.log",
+        ready=[router_routing(router_url, "tiny-qwen3", within_s=20)],
+    )
+    try:
+        async with FakeEngine("decode-0") as engine:
+            sidecar = ChildProcess(
+                "sidecar",
+                sidecar_command(
+                    registry.address, engine.url, "decode", "decode-0", tmp_path / "s.sock"
+                ),
+                tmp_path / "sidecar.log",
+                ready=[Announces()],
+                env={
+                    "KVBROKER_TLS_CA": str(pki.ca),
+                    "KVBROKER_TLS_CLIENT_CERT": str(node_cert),
+                    "KVBROKER_TLS_CLIENT_KEY": str(node_key),
+                },
+            )
+            await sidecar.start()
+            link = EngineLink(
+                f"unix:{tmp_path / 's.sock'}",
+                sidecar_pb2.EngineInfo(
+                    engine_id="engine-decode-0", side_channel_host="127.0.0.1",
+                    side_channel_port=5600, block_size=16, capacity_blocks=4096,
+                    bytes_per_block=65536,
+                ),
+            )  # fmt: skip
+            link.start()
+            try:
+
+                async def registered() -> list[str]:
+                    listed = await run_cli("node", "ls", *as_router, "--output", "json")
+                    assert listed.code == 0, listed.stderr
+                    return [n["spec"]["node_id"] for n in listed.json()]
+
+                assert await poll_until(registered, 20, "the sidecar's registration") == [
+                    "decode-0"
+                ]
+                await router.start()  # ready once it lists the node's model
+            finally:
+                link.close()
+                await router.stop()
+                await sidecar.stop()
+        assert "PERMISSION_DENIED" not in (tmp_path / "sidecar.log").read_text()
+        # The registry wants a certificate: without one the call cannot be made.
+        plain = await run_cli("node", "ls", *as_router[:4])
+        assert plain.code == 3, plain.stderr
+        # Usage errors, before any call: a certificate without its key, or without the CA.
+        for flags in (as_router[:6], [*as_router[:2], *as_router[4:]]):
+            usage = await run_cli("node", "ls", *flags)
+            assert usage.code == 2, usage.stderr
+            assert "--tls-client-cert" in usage.stderr
+    finally:
+        await registry.stop()

@@ -8,8 +8,10 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
+import grpc
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,14 +25,16 @@ from typer.testing import CliRunner
 from controlplane.config import RegistryConfig
 from controlplane.server import RunningRegistry
 from kvbroker.cli.main import app as cli
+from kvbroker.common.credentials import token_digest
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.handles import decode_local_params
 from kvbroker.common.ids import MAX_ID_LENGTH
 from kvbroker.common.ports import free_port
 from kvbroker.testing.engine import FakeEngine, serving
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
-from kvbroker.v1 import node_pb2
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from router.auth import ApiKeys, Tenant
 from router.config import RouterConfig
 from router.proxy import Router, build_app
 
@@ -55,8 +59,17 @@ def router_config() -> RouterConfig:
 
 
 @pytest.fixture
+def api_keys() -> ApiKeys | None:
+    """The fleet's router's API keys (None: open); a test parametrizes this name to set them."""
+    return None
+
+
+@pytest.fixture
 async def fleet(
-    stub: RegistryServiceStub, registry_server: RunningRegistry, router_config: RouterConfig
+    stub: RegistryServiceStub,
+    registry_server: RunningRegistry,
+    router_config: RouterConfig,
+    api_keys: ApiKeys | None,
 ) -> AsyncIterator[Fleet]:
     prefills = [FakeEngine("prefill-0"), FakeEngine("prefill-1")]
     decode = FakeEngine("decode-0")
@@ -67,7 +80,9 @@ async def fleet(
         spec = node_spec(engine.name, role, port=engine.port)
         spec.http_base_url = engine.url
         specs.append(spec)
-    router = Router(RegistryEndpoint.parse(registry_server.address), router_config)
+    router = Router(
+        RegistryEndpoint.parse(registry_server.address), router_config, api_keys=api_keys
+    )
     port = free_port()
     heartbeats = Heartbeats(stub, *specs)
     async with (
@@ -561,6 +576,82 @@ async def test_health_says_degraded_while_the_registry_is_away(
         assert served.headers["x-kvbroker-consistency"] == "DEGRADED"
 
 
+class FailingHints(registry_pb2_grpc.RegistryServiceServicer):
+    """A registry that lists its nodes but fails every hint with ``code``: for the whole
+    batch call, or (``per_hint``) as each hint's own refusal in an answered batch."""
+
+    def __init__(self, nodes: list[node_pb2.NodeSpec], code: grpc.StatusCode, per_hint: bool):
+        self.nodes = [node_pb2.Node(spec=s, state=node_pb2.NODE_STATE_READY) for s in nodes]
+        self.code, self.per_hint = code, per_hint
+        self.hints = 0
+
+    async def ListNodes(self, request: Any, context: Any) -> registry_pb2.ListNodesResponse:
+        return registry_pb2.ListNodesResponse(nodes=self.nodes)
+
+    async def BatchGetRoutingHints(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.BatchGetRoutingHintsResponse:
+        self.hints += len(request.requests)
+        if not self.per_hint:
+            await context.abort(self.code, "hint refused by the test")
+        error = registry_pb2.HintError(code=self.code.value[0], message="hint refused")
+        results = [registry_pb2.RoutingHintResult(error=error) for _ in request.requests]
+        return registry_pb2.BatchGetRoutingHintsResponse(results=results)
+
+
+@pytest.mark.parametrize(
+    ("code", "per_hint"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, False),
+        (grpc.StatusCode.INTERNAL, False),
+        (grpc.StatusCode.UNKNOWN, False),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, True),
+        (grpc.StatusCode.FAILED_PRECONDITION, True),
+    ],
+)
+async def test_a_registry_that_fails_hints_gets_the_turn_served_plain_pd(
+    code: grpc.StatusCode, per_hint: bool
+) -> None:
+    """Not the registry's word on the request (no ready node, a bad request): it could not
+    give a hint, so the turn is served plain P/D from its node list, labelled DEGRADED,
+    instead of failing with a 503."""
+    prefill, decode = FakeEngine("prefill-0"), FakeEngine("decode-0")
+    specs = []
+    for engine, role in ((prefill, node_pb2.NODE_ROLE_PREFILL),
+                         (decode, node_pb2.NODE_ROLE_DECODE)):  # fmt: skip
+        spec = node_spec(engine.name, role, port=engine.port)
+        spec.http_base_url = engine.url
+        specs.append(spec)
+    failing = FailingHints(specs, code, per_hint)
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(failing, server)
+    registry_port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    router = Router(
+        RegistryEndpoint.parse(f"127.0.0.1:{registry_port}"), RouterConfig(node_refresh_s=0.1)
+    )
+    port = free_port()
+    try:
+        async with (
+            serving(prefill.app(), prefill.port),
+            serving(decode.app(), decode.port),
+            serving(build_app(router), port),
+            httpx.AsyncClient() as client,
+        ):
+            await asyncio.sleep(0.3)  # the router's first node refresh
+            response = await client.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", json={**CHAT, "session_id": "c"}
+            )
+    finally:
+        await server.stop(0)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kvbroker-consistency"] == "DEGRADED"
+    assert response.headers["x-kvbroker-decision"] == "MISS"
+    assert failing.hints == 1
+    assert (len(prefill.received), len(decode.received)) == (1, 1)
+    assert decode.received[0]["session_id"] == "c"
+
+
 async def test_health_is_503_when_the_router_can_serve_nothing() -> None:
     router = Router(RegistryEndpoint.parse(f"127.0.0.1:{free_port()}"))  # nothing listens
     port = free_port()
@@ -574,7 +665,7 @@ async def test_health_is_503_when_the_router_can_serve_nothing() -> None:
 
 def test_the_cli_flags_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[RouterConfig] = []
-    monkeypatch.setattr("router.server.serve", lambda endpoint, config: seen.append(config))
+    monkeypatch.setattr("router.server.serve", lambda endpoint, config, keys: seen.append(config))
     # Logging set up for the CLI's output would outlive CliRunner's captured stdout.
     monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
     flags = ["--connect-timeout", "1.5", "--prefill-timeout", "30", "--decode-timeout", "90"]
@@ -584,6 +675,21 @@ def test_the_cli_flags_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) 
     assert (seen[0].decode_timeout_s, seen[0].max_body_bytes) == (90.0, 1000)
     assert CliRunner().invoke(cli, ["router", "run"]).exit_code == 0
     assert seen[1] == RouterConfig()
+
+
+def test_router_run_takes_its_registry_credentials_like_the_other_commands(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[RegistryEndpoint] = []
+    monkeypatch.setattr("router.server.serve", lambda endpoint, *rest: seen.append(endpoint))
+    monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
+    (tmp_path / "token").write_text("router-secret\n")
+    run = CliRunner().invoke(cli, ["router", "run", "--token-file", str(tmp_path / "token")])
+    assert run.exit_code == 0, run.output
+    assert seen[0].token == "router-secret"
+    both = ["router", "run", "--token", "x", "--token-file", str(tmp_path / "token")]
+    assert CliRunner().invoke(cli, both).exit_code == 2
+    assert len(seen) == 1
 
 
 # The event loop, and so the fleet's heartbeats, stops between examples while hypothesis
@@ -614,3 +720,214 @@ async def test_no_body_gets_a_500_through_the_router(fleet: Fleet, raw: bytes) -
     if response.status_code != 200:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
+
+
+# ------------------------------------------------------------ API keys and tenants
+
+KEYS = {"acme": "sk-acme-0123", "globex": "sk-globex-4567"}
+KEYED = ApiKeys({token_digest(key): Tenant(tenant) for tenant, key in KEYS.items()})
+
+
+def as_tenant(tenant: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {KEYS[tenant]}"}
+
+
+async def leases_of(stub: RegistryServiceStub, conversation: str) -> list[lease_pb2.Lease]:
+    request = registry_pb2.ListLeasesRequest(conversation_id=conversation)
+    return list((await stub.ListLeases(request, timeout=5)).leases)
+
+
+@pytest.mark.parametrize("api_keys", [KEYED])
+async def test_with_api_keys_every_v1_request_needs_one(fleet: Fleet) -> None:
+    url = fleet.router_url
+    requests = [
+        ("POST", "/v1/chat/completions", CHAT),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi"}),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/sessions/agent-7/keepalive", {"ttl_seconds": True}),
+        ("DELETE", "/v1/sessions/agent-7", None),
+        ("GET", "/v1/no-such-route", None),
+    ]
+    refusals = [
+        {},
+        {"authorization": "Bearer sk-guessed"},
+        {"authorization": f"Basic {KEYS['acme']}"},
+        {"authorization": "Bearer"},
+        {"x-api-key": KEYS["acme"]},
+    ]
+    async with httpx.AsyncClient() as client:
+        for method, path, body in requests:
+            for headers in refusals:
+                response = await client.request(method, url + path, json=body, headers=headers)
+                error = assert_openai_error(response, 401, "invalid_api_key")
+                assert error["type"] == "invalid_request_error"
+                assert response.headers["www-authenticate"] == "Bearer"
+                assert KEYS["acme"] not in response.text
+        # Open: a load balancer's health check and Prometheus.
+        assert (await client.get(f"{url}/health")).status_code == 200
+        metrics = await client.get(f"{url}/metrics")
+        assert metrics.status_code == 200
+        refused = len(requests) * len(refusals)
+        assert f"kvbroker_router_auth_failures_total {refused}.0" in metrics.text
+        # The scheme is case-insensitive, as HTTP's are.
+        served = await client.post(
+            f"{url}/v1/chat/completions",
+            json=CHAT,
+            headers={"authorization": "bearer sk-acme-0123"},
+        )
+        assert served.status_code == 200
+        models = await client.get(f"{url}/v1/models", headers=as_tenant("globex"))
+        assert [m["id"] for m in models.json()["data"]] == [MODEL]
+    assert len(fleet.decode.received) == 1
+
+
+@pytest.mark.parametrize("api_keys", [KEYED])
+async def test_a_tenant_cannot_close_or_keep_alive_another_tenants_session(
+    fleet: Fleet, stub: RegistryServiceStub
+) -> None:
+    """globex's agent-7 is retained (its conversation globex/agent-7); acme naming its own
+    agent-7 reaches nothing of globex's: not by closing, not by keeping alive with a short TTL
+    (which would shorten globex's lease), and the lease stays live and unchanged."""
+    theirs = await grant(stub, fleet.decode_spec, "globex/agent-7", "d-req", ttl_s=600)
+    url = fleet.router_url
+    async with httpx.AsyncClient() as client:
+        for ttl in (1, 0.5, None):
+            body = {} if ttl is None else {"ttl_seconds": ttl}
+            kept = await client.post(
+                f"{url}/v1/sessions/agent-7/keepalive", json=body, headers=as_tenant("acme")
+            )
+            assert_openai_error(kept, 404, "session_not_found")
+        closed = await client.delete(f"{url}/v1/sessions/agent-7", headers=as_tenant("acme"))
+        assert_openai_error(closed, 404, "session_not_found")
+        # Nor by naming the scoped id itself: a path has no room for its slash, and a body's
+        # session id is scoped again (acme/globex/agent-7).
+        quoted = await client.delete(
+            f"{url}/v1/sessions/globex%2Fagent-7", headers=as_tenant("acme")
+        )
+        assert quoted.status_code == 404
+        [lease] = await leases_of(stub, "globex/agent-7")
+        assert lease.state == lease_pb2.LEASE_STATE_ACTIVE
+        assert lease.expire_time == theirs.expire_time
+
+        # globex itself can.
+        kept = await client.post(
+            f"{url}/v1/sessions/agent-7/keepalive",
+            json={"ttl_seconds": 900},
+            headers=as_tenant("globex"),
+        )
+        assert kept.status_code == 200, kept.text
+        assert kept.json()["session_id"] == "agent-7"
+        assert kept.json()["lease_id"] == theirs.lease_id
+        closed = await client.delete(f"{url}/v1/sessions/agent-7", headers=as_tenant("globex"))
+        assert closed.json()["state"] == "REVOKED"
+
+
+@pytest.mark.parametrize("api_keys", [KEYED])
+async def test_a_tenants_turns_use_its_own_scoped_conversation(
+    fleet: Fleet, stub: RegistryServiceStub
+) -> None:
+    url = f"{fleet.router_url}/v1/chat/completions"
+    async with httpx.AsyncClient() as client:
+        first = await client.post(
+            url, json={**CHAT, "session_id": "agent-7"}, headers=as_tenant("acme")
+        )
+        assert first.headers["x-kvbroker-decision"] == "MISS"
+        # Both legs name the scoped conversation: D retains the turn under it.
+        assert fleet.decode.received[-1]["session_id"] == "acme/agent-7"
+        prefill_leg = next(p for p in fleet.prefills if p.received).received[-1]
+        assert prefill_leg["session_id"] == "acme/agent-7"
+
+        ours = await grant(stub, fleet.decode_spec, "acme/agent-7", "d-req-acme")
+        theirs = await grant(stub, fleet.decode_spec, "globex/agent-7", "d-req-globex")
+        # acme naming globex's conversation outright names acme/globex/agent-7: nothing.
+        probe = await client.post(
+            url, json={**CHAT, "session_id": "globex/agent-7"}, headers=as_tenant("acme")
+        )
+        assert probe.headers["x-kvbroker-decision"] == "MISS"
+        assert fleet.decode.received[-1]["session_id"] == "acme/globex/agent-7"
+        # globex's agent-7 is globex's: its turn reads globex's lease, and leaves acme's.
+        other = await client.post(
+            url, json={**CHAT, "conversation_id": "agent-7"}, headers=as_tenant("globex")
+        )
+        assert other.headers["x-kvbroker-decision"] == "REUSE"
+        [claimed] = await leases_of(stub, "globex/agent-7")
+        assert (claimed.lease_id, claimed.state) == (theirs.lease_id, lease_pb2.LEASE_STATE_CLAIMED)
+        [untouched] = await leases_of(stub, "acme/agent-7")
+        assert untouched.state == lease_pb2.LEASE_STATE_ACTIVE
+        # acme's next turn reads acme's lease.
+        second = await client.post(
+            url, json=CHAT, headers={**as_tenant("acme"), "x-session-id": "agent-7"}
+        )
+        assert second.headers["x-kvbroker-decision"] == "REUSE"
+        params = next(
+            p.received[-1]["kv_transfer_params"] for p in fleet.prefills
+            if p.received and p.received[-1]["kv_transfer_params"].get("remote_request_id")
+            == "d-req-acme"
+        )  # fmt: skip
+        assert params["kvbroker_lease_id"] == ours.lease_id
+        assert fleet.decode.received[-1]["session_id"] == "acme/agent-7"
+    # The registry knows no bare agent-7.
+    states = [state for state in lease_pb2.LeaseState.values() if state]
+    everything = registry_pb2.ListLeasesRequest(states=cast("list[lease_pb2.LeaseState]", states))
+    listed = (await stub.ListLeases(everything, timeout=5)).leases
+    assert {lease.conversation_id for lease in listed} == {"acme/agent-7", "globex/agent-7"}
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await stub.GetConversation(registry_pb2.GetConversationRequest(conversation_id="agent-7"))
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("api_keys", [KEYED])
+async def test_a_tenants_session_ids_leave_room_for_its_prefix(fleet: Fleet) -> None:
+    longest = "s" * (MAX_ID_LENGTH - len("acme/"))
+    url = fleet.router_url
+    async with httpx.AsyncClient() as client:
+        served = await client.post(
+            f"{url}/v1/chat/completions",
+            json={**CHAT, "session_id": longest},
+            headers=as_tenant("acme"),
+        )
+        assert served.status_code == 200, served.text
+        assert fleet.decode.received[-1]["session_id"] == f"acme/{longest}"
+        over = longest + "s"
+        for method, path, body in (
+            ("POST", "/v1/chat/completions", {**CHAT, "session_id": over}),
+            ("POST", f"/v1/sessions/{over}/keepalive", None),
+            ("DELETE", f"/v1/sessions/{over}", None),
+        ):
+            response = await client.request(
+                method, url + path, json=body, headers=as_tenant("acme")
+            )
+            error = assert_openai_error(response, 400, "invalid_session_id")
+            assert f"the limit is {len(longest)}" in error["message"]
+    assert len(fleet.decode.received) == 1
+
+
+def test_api_key_files_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    good = tmp_path / "keys"
+    good.write_text(
+        f"# tenants\nacme {token_digest('k1')}\nacme {token_digest('k2')}  # rotated\n"
+        f"globex {token_digest('k3')}\n"
+    )
+    keys = ApiKeys.load(good)
+    assert [keys.tenant(f"Bearer {key}").name for key in ("k1", "k2", "k3")] == [
+        "acme", "acme", "globex",
+    ]  # fmt: skip
+    seen: list[ApiKeys | None] = []
+    monkeypatch.setattr("router.server.serve", lambda endpoint, config, keys: seen.append(keys))
+    monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
+    ran = CliRunner().invoke(cli, ["router", "run"], env={"KVBROKER_API_KEYS": str(good)})
+    assert ran.exit_code == 0, ran.output
+    assert seen == [keys]
+    for name, text in (
+        ("slash", f"acme/x {token_digest('k')}\n"),  # would make prefixes ambiguous
+        ("digest", "acme sk-the-key-itself\n"),
+        ("empty", "# nobody\n"),
+        ("twice", f"acme {token_digest('k')}\nglobex {token_digest('k')}\n"),
+    ):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ValueError, match=name):
+            ApiKeys.load(path)
+        refused = CliRunner().invoke(cli, ["router", "run", "--api-keys", str(path)])
+        assert refused.exit_code == 2, refused.output
+    assert len(seen) == 1

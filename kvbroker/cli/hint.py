@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvbroker.cli.client import call_registry
+from kvbroker.cli.client import call_registry, registry_endpoint
 from kvbroker.cli.options import (
     DEFAULT_REGISTRY,
     DEFAULT_TIMEOUT_S,
@@ -14,9 +14,10 @@ from kvbroker.cli.options import (
     RegistryOpt,
     TimeoutOpt,
     TlsCaOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
     TokenFileOpt,
     TokenOpt,
-    bearer_token,
 )
 from kvbroker.cli.output import OutputFormat, emit_fields, render, to_dict
 from kvbroker.common.labels import label
@@ -42,6 +43,8 @@ def hint(
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
 ) -> None:
@@ -53,7 +56,9 @@ def hint(
         )
         return (await stub.GetRoutingHint(request, timeout=timeout)).hint  # type: ignore[no-any-return]
 
-    result = call_registry(registry, bearer_token(token, token_file), tls_ca, rpc)
+    result = call_registry(
+        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
+    )
 
     def table() -> None:
         fields = [

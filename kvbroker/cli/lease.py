@@ -6,7 +6,7 @@ from typing import Annotated, Any, cast
 
 import typer
 
-from kvbroker.cli.client import call_registry
+from kvbroker.cli.client import call_registry, registry_endpoint
 from kvbroker.cli.options import (
     DEFAULT_REGISTRY,
     DEFAULT_TIMEOUT_S,
@@ -14,9 +14,10 @@ from kvbroker.cli.options import (
     RegistryOpt,
     TimeoutOpt,
     TlsCaOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
     TokenFileOpt,
     TokenOpt,
-    bearer_token,
     seconds,
 )
 from kvbroker.cli.output import (
@@ -134,6 +135,8 @@ def lease_ls(
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
 ) -> None:
@@ -162,7 +165,9 @@ def lease_ls(
                 break
         return leases
 
-    leases = call_registry(registry, bearer_token(token, token_file), tls_ca, rpc)
+    leases = call_registry(
+        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
+    )
     render(
         output,
         [to_dict(lease) for lease in leases],
@@ -179,6 +184,8 @@ def lease_show(
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
 ) -> None:
@@ -190,7 +197,13 @@ def lease_show(
         )
         return response.lease  # type: ignore[no-any-return]
 
-    _show_lease(call_registry(registry, bearer_token(token, token_file), tls_ca, rpc), output)
+    _show_lease(
+        call_registry(
+            registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key),
+            rpc,
+        ),
+        output,
+    )
 
 
 @lease_app.command("renew")
@@ -205,6 +218,8 @@ def lease_renew(
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
 ) -> None:
@@ -218,7 +233,13 @@ def lease_renew(
     async def rpc(stub: Any) -> lease_pb2.Lease:
         return (await stub.RenewLease(request, timeout=timeout)).lease  # type: ignore[no-any-return]
 
-    _show_lease(call_registry(registry, bearer_token(token, token_file), tls_ca, rpc), output)
+    _show_lease(
+        call_registry(
+            registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key),
+            rpc,
+        ),
+        output,
+    )
 
 
 @lease_app.command("revoke")
@@ -230,6 +251,8 @@ def lease_revoke(
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
 ) -> None:
@@ -243,4 +266,10 @@ def lease_revoke(
     async def rpc(stub: Any) -> lease_pb2.Lease:
         return (await stub.RevokeLease(request, timeout=timeout)).lease  # type: ignore[no-any-return]
 
-    _show_lease(call_registry(registry, bearer_token(token, token_file), tls_ca, rpc), output)
+    _show_lease(
+        call_registry(
+            registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key),
+            rpc,
+        ),
+        output,
+    )

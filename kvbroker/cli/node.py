@@ -6,7 +6,7 @@ from typing import Annotated, Any, cast
 
 import typer
 
-from kvbroker.cli.client import call_registry
+from kvbroker.cli.client import call_registry, registry_endpoint
 from kvbroker.cli.options import (
     DEFAULT_REGISTRY,
     DEFAULT_TIMEOUT_S,
@@ -14,9 +14,10 @@ from kvbroker.cli.options import (
     RegistryOpt,
     TimeoutOpt,
     TlsCaOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
     TokenFileOpt,
     TokenOpt,
-    bearer_token,
 )
 from kvbroker.cli.output import OutputFormat, emit_table, fail, render, to_dict, when
 from kvbroker.common.labels import by_lower_label, label
@@ -76,6 +77,8 @@ def node_ls(
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
 ) -> None:
@@ -88,7 +91,9 @@ def node_ls(
         request = registry_pb2.ListNodesRequest(role=wanted)
         return list((await stub.ListNodes(request, timeout=timeout)).nodes)
 
-    nodes = call_registry(registry, bearer_token(token, token_file), tls_ca, rpc)
+    nodes = call_registry(
+        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
+    )
     render(
         output,
         [to_dict(n) for n in nodes],
@@ -103,6 +108,8 @@ def node_drain(
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
 ) -> None:
@@ -112,7 +119,9 @@ def node_drain(
         request = registry_pb2.DrainNodeRequest(node_id=node_id)
         return (await stub.DrainNode(request, timeout=timeout)).node  # type: ignore[no-any-return]
 
-    node = call_registry(registry, bearer_token(token, token_file), tls_ca, rpc)
+    node = call_registry(
+        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
+    )
     render(
         output, to_dict(node), lambda: emit_table("nodes", _NODE_COLUMNS, _node_rows([node]), "")
     )

@@ -60,6 +60,13 @@ def pem_certificates(value: Path | None) -> Path | None:
     return value
 
 
+def pem_private_key(value: Path | None) -> Path | None:
+    """A typer callback for --tls-client-key: a file holding a PEM private key."""
+    if value is not None and b"PRIVATE KEY-----" not in value.read_bytes():
+        raise typer.BadParameter(f"{str(value)!r} holds no PEM private key")
+    return value
+
+
 RegistryOpt = Annotated[
     str,
     typer.Option(
@@ -98,6 +105,35 @@ TlsCaOpt = Annotated[
         readable=True,
         callback=pem_certificates,
         help="CA bundle to verify the registry's TLS.",
+    ),
+]
+# A client certificate for a registry that requires one (mTLS); its common name says who the
+# caller is (admin, router, node:NODE_ID). Not --tls-cert/--tls-key, which are `registry
+# serve`'s own server certificate (KVBROKER_TLS_CERT/KEY): an environment that sets both for a
+# registry must not hand its server certificate to a client by accident, or the reverse.
+TlsClientCertOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--tls-client-cert",
+        envvar="KVBROKER_TLS_CLIENT_CERT",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        callback=pem_certificates,
+        help="Client certificate to present to a registry that requires one (mTLS; with "
+        "--tls-client-key and --tls-ca). Its common name is the caller's role.",
+    ),
+]
+TlsClientKeyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--tls-client-key",
+        envvar="KVBROKER_TLS_CLIENT_KEY",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        callback=pem_private_key,
+        help="The private key of --tls-client-cert.",
     ),
 ]
 OutputOpt = Annotated[

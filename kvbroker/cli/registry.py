@@ -257,7 +257,8 @@ def registry_credential(
     holds only the token's SHA-256)."""
     import secrets
 
-    from controlplane.identity import Principal, token_digest
+    from controlplane.identity import Principal
+    from kvbroker.common.credentials import token_digest
 
     try:
         Principal.parse(who)

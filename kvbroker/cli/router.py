@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
+import structlog
 import typer
 
 from kvbroker.cli.client import registry_endpoint
@@ -15,6 +17,9 @@ from kvbroker.cli.options import (
     LogLevelOpt,
     RegistryOpt,
     TlsCaOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
+    TokenFileOpt,
     TokenOpt,
     apply_logging_flags,
 )
@@ -70,9 +75,24 @@ def router_run(
             help="Largest request body accepted; a larger one gets 413.",
         ),
     ] = RouterConfig.max_body_bytes,
+    api_keys: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_API_KEYS",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+            help="Require an API key (Authorization: Bearer KEY) on every /v1 request and "
+            "scope session ids to its tenant: lines 'TENANT SHA256_HEX'. Without it any "
+            "client may use any session: let only trusted clients reach the router.",
+        ),
+    ] = None,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
 ) -> None:
@@ -90,8 +110,24 @@ def router_run(
         config.host_and_port()
     except ValueError:
         fail(f"--listen {listen!r} is not HOST:PORT", 2)
-    endpoint = registry_endpoint(registry, token, tls_ca)
+    endpoint = registry_endpoint(
+        registry, token, token_file, tls_ca, tls_client_cert, tls_client_key
+    )
+    from router.auth import ApiKeys
     from router.server import serve as serve_router
 
+    keys = None
+    if api_keys is not None:
+        try:
+            keys = ApiKeys.load(api_keys)
+        except ValueError as error:  # a malformed line, or not text at all
+            fail(f"--api-keys: {error}", 2)
     apply_logging_flags(log_level, log_format)
-    serve_router(endpoint, config)
+    if keys is None and config.host_and_port()[0] not in ("127.0.0.1", "localhost", "[::1]"):
+        structlog.get_logger("kvbroker.router").warning(
+            "router_open",
+            listen=listen,
+            why="no --api-keys: any client reaching the router may close, keep alive or "
+            "probe any session; let only trusted clients reach it",
+        )
+    serve_router(endpoint, config, keys)

@@ -19,10 +19,11 @@ from kvbroker.cli.options import (
     MetricsListenOpt,
     RegistryOpt,
     TlsCaOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
     TokenFileOpt,
     TokenOpt,
     apply_logging_flags,
-    bearer_token,
     host_port,
 )
 from kvbroker.cli.output import fail
@@ -80,13 +81,17 @@ def sidecar_run(
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
     tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
 ) -> None:
     """Register this node, keep its session, and link its engine to the registry."""
     if not engine_url.startswith(("http://", "https://")):
         fail(f"--engine-url {engine_url!r} is not an http(s) URL", 2)
-    endpoint = registry_endpoint(registry, bearer_token(token, token_file), tls_ca)
+    endpoint = registry_endpoint(
+        registry, token, token_file, tls_ca, tls_client_cert, tls_client_key
+    )
     from sidecar.server import serve_forever as serve_sidecar
 
     node_id = node_id or f"{socket.gethostname()}-{role.value}"
