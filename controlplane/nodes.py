@@ -22,10 +22,10 @@ from controlplane.errors import (
     SessionLost,
 )
 from controlplane.metrics import NodeFigures
-from controlplane.planner import Costs
 from controlplane.store import Store
 from controlplane.validation import Validation
 from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
+from kvbroker.common.costs import Costs
 from kvbroker.common.labels import label
 from kvbroker.common.routing import (
     DECODE_ROLES,

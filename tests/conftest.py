@@ -46,6 +46,7 @@ LAYERS = {
     "test_admission_blocks": "unit",
     "test_agentic_bench": "unit",
     "test_batcher": "unit",
+    "test_calibration": "integration",
     "test_checkpoints": "unit",
     "test_connector_scheduler": "unit",
     "test_deadlines": "unit",

@@ -20,6 +20,7 @@ import pytest_asyncio
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.v1 import lease_pb2, registry_pb2
+from tests.conftest import run_cli
 from tests.test_e2e import MODEL, current_lease, reads_by_prefill, user_message
 
 pytestmark = [
@@ -163,3 +164,26 @@ async def test_decode_local_after_the_lease_ended_or_the_prefix_changed_is_still
     changed, taken = await turn(stack, http, edited, "conv-gone", "DECODE_LOCAL")
     assert taken == "DECODE_LOCAL"
     assert changed == (await turn(stack, http, edited, None))[0]
+
+
+async def test_calibrate_measures_the_real_engines(stack: Stack, http: httpx.AsyncClient) -> None:
+    """`kvbroker calibrate` on the running stack: every node's prefill costs are measured and
+    stored; the prefill node has read over NIXL (a READ turn first), so its read cost is its
+    own."""
+    messages = opening(90)
+    answer, _ = await turn(stack, http, messages, "conv-calibrate")
+    await settle()
+    follow = [*messages, {"role": "assistant", "content": answer},
+              {"role": "user", "content": "more"}]  # fmt: skip
+    assert (await turn(stack, http, follow, "conv-calibrate", "READ"))[1] == "READ"
+    result = await run_cli(
+        "calibrate", "--registry", stack.registry_address, "--repeats", "1", "--output", "json"
+    )
+    assert result.code == 0, result.stderr
+    measured = {m["node_id"]: m for m in json.loads(result.stdout)}
+    assert len(measured) == 2  # the prefill and the decode node
+    for node in measured.values():
+        assert node["stored"]
+        assert node["costs"]["prefill_us_per_token"] > 0
+        assert [p["tokens"] for p in node["probes"]] == sorted(p["tokens"] for p in node["probes"])
+    assert any(node["reads_measured"] for node in measured.values())

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from controlplane import planner
 from controlplane.errors import InvalidArgument
-from controlplane.planner import DEFAULT_COSTS, PlannerConfig, Turn, TurnRequest
+from controlplane.planner import PlannerConfig, Turn, TurnRequest
 from controlplane.registry import Registry
 from kvbroker.common.clock import to_timestamp
+from kvbroker.common.costs import DEFAULT_COSTS
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.test_registry_unit import CONFIG, Harness

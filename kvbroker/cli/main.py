@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from kvbroker.cli.bench import bench_app
+from kvbroker.cli.calibrate import calibrate
 from kvbroker.cli.hint import hint
 from kvbroker.cli.lease import lease_app
 from kvbroker.cli.node import node_app
@@ -33,3 +34,4 @@ app.command("up")(up)
 app.command("demo")(demo)
 app.add_typer(bench_app, name="bench")
 app.command("hint")(hint)
+app.command("calibrate")(calibrate)

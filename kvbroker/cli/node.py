@@ -49,6 +49,7 @@ def _node_rows(nodes: list[node_pb2.Node]) -> list[list[str]]:
             _retained(n),
             str(n.spec.retention_budget_blocks or "-"),
             str(n.load.running_requests + n.load.waiting_requests),
+            f"{n.cost.prefill_us_per_token:.0f}" if n.cost.HasField("calibrated_time") else "-",
             when(n.last_heartbeat_time),
         ]
         for n in nodes
@@ -66,6 +67,7 @@ _NODE_COLUMNS = [
     "RETAINED",
     "BUDGET",
     "QUEUE",
+    "µs/TOKEN",
     "HEARTBEAT",
 ]
 

@@ -41,6 +41,10 @@ class FakeEngine:
         # What /health says (503 when not) and /metrics reports as requests running.
         self.healthy = True
         self.running = 0
+        # A simulated prefill: each completion takes fixed + tokens * per_token seconds, the
+        # prompt's tokens counted as its words (and said in ``usage``, as vLLM does).
+        self.prefill_fixed_s = 0.0
+        self.prefill_s_per_token = 0.0
         # How long /health takes to answer, and how many times it was asked.
         self.health_delay_s = 0.0
         self.health_probes = 0
@@ -98,6 +102,9 @@ class FakeEngine:
         if self.fail_with is not None:
             return JSONResponse(self.fail_with[1], self.fail_with[0])
         params = await self.kv_transfer_params(body)
+        tokens = _prompt_words(body)
+        if self.prefill_fixed_s or self.prefill_s_per_token:
+            await asyncio.sleep(self.prefill_fixed_s + tokens * self.prefill_s_per_token)
         if body.get("stream"):
             return StreamingResponse(self._stream(), media_type="text/event-stream")
         return JSONResponse(
@@ -107,6 +114,7 @@ class FakeEngine:
                 "choices": [{"index": 0, "message": {"role": "assistant",
                                                      "content": f"from {self.name}"},
                              "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": tokens, "completion_tokens": 1},
                 "kv_transfer_params": params,
             }
         )  # fmt: skip
@@ -157,3 +165,18 @@ async def serving(app: Any, port: int) -> AsyncIterator[None]:
     finally:
         server.should_exit = True
         await task
+
+
+def _prompt_words(body: dict[str, Any]) -> int:
+    """A completion's prompt length, counted in words (the fake engine's tokens)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt.split())
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    return sum(
+        len(m["content"].split())
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), str)
+    )
