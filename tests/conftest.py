@@ -49,6 +49,7 @@ LAYERS = {
     "test_checkpoints": "unit",
     "test_connector_scheduler": "unit",
     "test_deadlines": "unit",
+    "test_drain_unit": "unit",
     "test_engine_load": "unit",
     "test_engine_rules": "unit",
     "test_labels": "unit",
