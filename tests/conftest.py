@@ -67,6 +67,7 @@ LAYERS = {
     "test_vllm_compat": "unit",
     "test_cli": "integration",
     "test_deploy": "integration",
+    "test_drain": "integration",
     "test_election": "integration",
     "test_error_reasons": "integration",
     "test_identity": "integration",
