@@ -37,6 +37,9 @@ class RegistryConfig:
     # Sidecars heartbeat this often; a node silent for session_ttl_s is marked DOWN.
     heartbeat_interval_s: float = 2.0
     session_ttl_s: float = 6.0
+    # A draining node is drained once a heartbeat this long after its drain began, and after
+    # its last lease ended, reports no request running (``NodeSessions.drained``).
+    drain_quiet_s: float = 0.5
     # A node DOWN this long (its pod gone, say, and another with a new name in its place) is
     # forgotten: its record, its runtime and its metric series.
     forget_down_nodes_after_s: float = 3600.0
@@ -79,6 +82,8 @@ class RegistryConfig:
             raise ValueError(f"the record size bound must be within (0, {MAX_RECORD_BYTES}]")
         if self.forget_down_nodes_after_s < 0:
             raise ValueError("the retention of DOWN nodes must not be negative")
+        if self.drain_quiet_s < 0:
+            raise ValueError("the drain's quiet time must not be negative")
         if self.turn_settle_timeout_s < 0:
             raise ValueError("the turn settle timeout must not be negative")
         self.idle_ttl()  # validates the idle TTL settings

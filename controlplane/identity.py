@@ -93,6 +93,8 @@ _NODE_METHODS: Mapping[str, Callable[[Any], str] | None] = {
     "WatchLeaseCommands": lambda r: str(r.node_id),
     "GrantLease": lambda r: str(r.node_id),
     "ReleaseLease": lambda r: str(r.node_id),
+    # Its own preStop hook drains it before the engine stops (never another node).
+    "DrainNode": lambda r: str(r.node_id),
     "GetLease": None,
     "GetNode": None,
     "ListNodes": None,

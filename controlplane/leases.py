@@ -59,6 +59,7 @@ REVOKED_BY_CALLER = lease_pb2.LEASE_END_CAUSE_REVOKED
 NODE_LOST = lease_pb2.LEASE_END_CAUSE_NODE_LOST
 ENGINE = lease_pb2.LEASE_END_CAUSE_ENGINE
 FENCED = lease_pb2.LEASE_END_CAUSE_FENCED
+DRAINED = lease_pb2.LEASE_END_CAUSE_DRAINED
 RECLAIM_CAUSES = frozenset({PRESSURE, BUDGET})
 
 LEASE_EXPIRY = DeadlineKind.LEASE_EXPIRY
@@ -256,6 +257,7 @@ class Leases:
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
         self._turns.settle(conversation_id)
         self._metrics.lease_event("grant").inc()
+        await self._end_if_draining(lease)
         self._log.debug(
             "lease_granted",
             lease=lease.lease_id,
@@ -292,6 +294,7 @@ class Leases:
             conversation = lease_pb2.Conversation(conversation_id=lease.conversation_id)
         await self._supersede(conversation, lease)
         self._metrics.lease_event("restore").inc()
+        await self._end_if_draining(lease)
 
     async def _supersede(
         self, conversation: lease_pb2.Conversation, lease: lease_pb2.Lease
@@ -370,6 +373,33 @@ class Leases:
                 reason or "revoked",
                 command_ttl=self.grace_for(lease),
             )
+
+    async def drain(self, node_id: str) -> int:
+        """The holder is draining: ends its unclaimed live leases now, each with a command to
+        free the blocks after the grace (as a revoke); a CLAIMED lease is left to its read,
+        and ends when the read frees it or its claim ends (``on_claim_end``). Returns how many
+        ended."""
+        ended = 0
+        for lease in await self._store.live_leases_of_node(node_id):
+            if lease.state == ACTIVE:
+                await self._end_drained(lease)
+                ended += 1
+        return ended
+
+    async def _end_if_draining(self, lease: lease_pb2.Lease) -> None:
+        """A lease that became live on a draining holder (a turn that was already running
+        there retained its KV, or a replay) is not offered: it ends at once."""
+        if lease.state == ACTIVE and self._nodes.draining(lease.node_id):
+            await self._end_drained(lease)
+
+    async def _end_drained(self, lease: lease_pb2.Lease) -> None:
+        await self.end(
+            lease,
+            REVOKED,
+            DRAINED,
+            f"holder node {lease.node_id!r} is draining",
+            command_ttl=self.grace_for(lease),
+        )
 
     async def withdraw(self, node_id: str, reason: str) -> None:
         """Ends a node's live leases without commands: the node is not there to receive them."""
@@ -505,6 +535,8 @@ class Leases:
             lease.state = ACTIVE
             lease.ClearField("claim_expire_time")
             await self._store.put_lease(lease, durable=False)
+            # No read came while the holder drained: nothing more will.
+            await self._end_if_draining(lease)
 
     async def forget_lease(self, lease_id: str) -> None:
         await self._store.delete_lease(lease_id)

@@ -92,7 +92,7 @@ class RegistryMetrics:
         self.lease_ends = Counter(
             "kvbroker_lease_ends",
             "Leases ended, by cause: read, pressure, budget, idle, superseded, revoked, "
-            "node_lost, engine, fenced.",
+            "node_lost, engine, fenced, drained.",
             ["cause"],
             registry=self.registry,
         )

@@ -55,6 +55,10 @@ class NodeRuntime(RoutedNode):
     synced: bool = True
     # Its measured costs; None until calibrated (the planner's defaults apply).
     costs: Costs | None = None
+    # Draining: when work last touched it (the drain began, a lease on it ended), and when
+    # its last heartbeat, with the load it reported, arrived.
+    busy_at: float = 0.0
+    load_at: float = 0.0
 
 
 class NodeSessions:
@@ -107,7 +111,25 @@ class NodeSessions:
         if runtime is not None:
             view.live_leases = runtime.live_leases
             view.retained_blocks = runtime.retained_blocks
+            view.drained = self.drained(runtime)
         return view
+
+    def drained(self, runtime: NodeRuntime) -> bool:
+        """A DRAINING node is drained, its engine free to stop, when it holds no live lease
+        (claimed reads have finished, the rest were ended) and a heartbeat that arrived at
+        least ``drain_quiet_s`` after the drain began and after its last lease ended reported
+        no running or waiting request: a decode leg that follows a read just finished has
+        reached the engine by then."""
+        return (
+            runtime.state == DRAINING
+            and runtime.live_leases == 0
+            and runtime.queued == 0
+            and runtime.load_at >= runtime.busy_at + self._config.drain_quiet_s
+        )
+
+    def draining(self, node_id: str) -> bool:
+        runtime = self.runtime.get(node_id)
+        return runtime is not None and runtime.state == DRAINING
 
     async def list_nodes(self, role: int = 0, model: str = "") -> list[node_pb2.Node]:
         return [
@@ -151,6 +173,8 @@ class NodeSessions:
         if runtime is not None:
             runtime.live_leases += sign
             runtime.retained_blocks += sign * blocks
+            if sign < 0:
+                runtime.busy_at = self._now()
 
     # ----------------------------------------------------------------- transitions
 
@@ -203,16 +227,22 @@ class NodeSessions:
         await self._store.put_node(node, durable=changed)
         runtime = self._set_runtime(node.spec, node.state)
         runtime.note_load(load)
+        runtime.load_at = now
         runtime.assigned_since_heartbeat = 0
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, node_id), now + self._ttl())
         return node
 
     async def drain(self, node_id: str) -> node_pb2.Node:
+        """Marks the node DRAINING (its leases are the caller's to end); draining a draining
+        node again changes nothing."""
         node = await self.node(node_id)
         if node.state == DOWN:
             raise NodeDown(f"node {node_id!r} is down; there is nothing to drain")
+        if node.state == DRAINING and node_id in self.runtime:
+            return node
         node.state = DRAINING
-        self._set_runtime(node.spec, DRAINING)
+        runtime = self._set_runtime(node.spec, DRAINING)
+        runtime.busy_at = self._now()
         await self._store.put_node(node)
         self._log.info("node_draining", node=node_id)
         return node

@@ -240,9 +240,13 @@ class Registry:
             return self.nodes.view(node)
 
     async def drain_node(self, node_id: str) -> node_pb2.Node:
+        """Takes the node out of routing (``routing.ROUTABLE_STATES``) and ends its unclaimed
+        leases; claimed reads finish. The answer's ``drained`` says when it is done."""
         self._validate.id(node_id, "node_id")
         async with self._mutation():
-            return self.nodes.view(await self.nodes.drain(node_id))
+            node = await self.nodes.drain(node_id)
+            await self.leases.drain(node_id)
+            return self.nodes.view(node)
 
     async def set_cost_profile(self, node_id: str, cost: node_pb2.CostProfile) -> node_pb2.Node:
         self._validate.id(node_id, "node_id")

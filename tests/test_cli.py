@@ -16,7 +16,7 @@ from kvbroker.common.tasks import poll_until
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess
-from kvbroker.v1 import node_pb2
+from kvbroker.v1 import node_pb2, registry_pb2
 from tests.conftest import CliResult, run_cli, spawn_registry
 
 
@@ -65,8 +65,6 @@ async def test_operator_session(registry_process: RegistryProcess) -> None:
 
             nodes = await run_cli("node", "ls", "--registry", address, "-o", "json")
             assert {n["spec"]["node_id"] for n in nodes.json()} == {"decode-0", "prefill-0"}
-            drained = await run_cli("node", "drain", "decode-0", "--registry", address)
-            assert drained.code == 0 and "DRAINING" in drained.stdout
 
             revoked = await run_cli(
                 "lease", "revoke", lease.lease_id, "--reason", "maintenance", "--registry", address
@@ -77,6 +75,44 @@ async def test_operator_session(registry_process: RegistryProcess) -> None:
             assert "no leases" in gone.stdout
             every = await run_cli("lease", "ls", "--all", "--registry", address, "-o", "json")
             assert every.json()[0]["state"] == "LEASE_STATE_REVOKED"
+
+            drained = await run_cli("node", "drain", "decode-0", "--registry", address)
+            assert drained.code == 0 and "DRAINING" in drained.stdout
+
+
+async def test_drain_wait_returns_once_drained_and_fails_on_its_timeout(
+    registry_process: RegistryProcess,
+) -> None:
+    """``node drain --wait`` (a decode pod's preStop hook): it waits while a read holds a
+    claimed lease, exits 4 when its --timeout passes first, and 0 once the claim is over and
+    a heartbeat reports nothing running."""
+    address = registry_process.address
+    decode = node_spec("decode-0")
+    prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        async with Heartbeats(stub, decode, prefill):
+            lease = await grant(stub, decode, "conv-drain", "req-1", tokens=512)
+            claimed = await run_cli("hint", "conv-drain", "--claim", "--registry", address)
+            assert claimed.code == 0 and "REUSE" in claimed.stdout
+            late = await run_cli(
+                "node", "drain", "decode-0", "--wait", "--timeout", "1", "--registry", address
+            )
+            assert late.code == 4, late.stderr
+            assert "not drained within 1s" in late.stderr and "1 live leases" in late.stderr
+            await stub.ReleaseLease(
+                registry_pb2.ReleaseLeaseRequest(
+                    lease_id=lease.lease_id,
+                    node_id=decode.node_id,
+                    node_incarnation=decode.incarnation,
+                    reason="read",
+                )
+            )
+            done = await run_cli(
+                "node", "drain", "decode-0", "--wait", "--registry", address, "-o", "json"
+            )
+            assert done.code == 0, done.stderr
+            assert done.json()["drained"] and "decode-0: drained" in done.stderr
 
 
 async def test_clear_errors_and_exit_codes(registry_process: RegistryProcess) -> None:

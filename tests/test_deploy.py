@@ -235,10 +235,6 @@ def test_every_kvbroker_command_line_and_variable_is_accepted_by_the_cli(
     for container in containers(manifests):
         commands = []
         for where, args in container.kvbroker_invocations():
-            if where == "preStop" and not _drain_waits():
-                # Parsed in its own test once `node drain --wait` exists.
-                commands.append(_resolve(args)[0])
-                continue
             try:
                 check_invocation(args, _sample_env(container))
             except (UsageError, ValueError) as error:
@@ -251,20 +247,14 @@ def test_every_kvbroker_command_line_and_variable_is_accepted_by_the_cli(
     assert checked >= 4
 
 
-def _drain_waits() -> bool:
-    command, _, _ = _resolve(["node", "drain"])
-    return any("--wait" in getattr(p, "opts", []) for p in command.params)
-
-
 def test_the_decode_pods_prestop_drain_parses(rendered: tuple[str, list[dict[str, Any]]]) -> None:
-    if not _drain_waits():
-        pytest.skip("kvbroker node drain --wait arrives with the drain-on-SIGTERM change")
     _, manifests = rendered
     hooks = [(c, a) for c, where, a in _invocations(manifests) if where == "preStop"]
     assert hooks
     for container, args in hooks:
         context = check_invocation(args, _sample_env(container))
         assert context.params["node_id"] == f"{container.workload}-0"
+        assert context.params["wait"] is True
 
 
 @pytest.mark.parametrize(

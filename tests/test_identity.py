@@ -59,9 +59,13 @@ def test_a_node_acts_only_as_itself() -> None:
     with pytest.raises(PermissionDenied):
         authorize(node, "RegisterNode", registry_pb2.RegisterNodeRequest(spec=node_spec("d-1")))
     authorize(node, "GetLease", registry_pb2.GetLeaseRequest(lease_id="x"))  # the read check
-    for method in ("RevokeLease", "DrainNode", "GetRoutingHint"):
+    for method in ("RevokeLease", "GetRoutingHint"):
         with pytest.raises(PermissionDenied):
             authorize(node, method, registry_pb2.RevokeLeaseRequest())
+    # It drains itself (its preStop hook), never another node.
+    authorize(node, "DrainNode", registry_pb2.DrainNodeRequest(node_id="decode-0"))
+    with pytest.raises(PermissionDenied, match="as node 'decode-1'"):
+        authorize(node, "DrainNode", registry_pb2.DrainNodeRequest(node_id="decode-1"))
 
 
 def test_a_router_routes_and_manages_sessions_but_is_no_node() -> None:
@@ -155,10 +159,12 @@ async def test_a_node_token_speaks_for_its_node_only(fleet: Fleet) -> None:
         )
         assert (
             await refusal(
-                stub.DrainNode(registry_pb2.DrainNodeRequest(node_id="decode-0"), timeout=5)
+                stub.DrainNode(registry_pb2.DrainNodeRequest(node_id="decode-1"), timeout=5)
             )
             == DENIED
         )
+        drained = await stub.DrainNode(registry_pb2.DrainNodeRequest(node_id="decode-0"))
+        assert drained.node.state == node_pb2.NODE_STATE_DRAINING
         # It sees its own incarnation: its calls carry it.
         seen = (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"))).node
         assert seen.spec.incarnation == own.incarnation

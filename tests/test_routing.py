@@ -83,6 +83,20 @@ def test_many_candidates_never_pick_the_one_overloaded_node() -> None:
     assert len(chosen) > 2  # two random choices spread the load
 
 
+def test_a_draining_decode_node_takes_no_new_turn_not_even_its_own_conversation_s() -> None:
+    nodes = [
+        node("p0", PREFILL),
+        node("d0", state=node_pb2.NODE_STATE_DRAINING),
+        node("d1", queued=50),
+    ]
+    routes = routing.candidates(nodes, "m")
+    for turn in range(4):
+        _, decode = routing.choose(routes, turn, holder="d0")
+        assert decode.node_id == "d1"  # the busier READY node, never the draining holder
+    with pytest.raises(routing.NoReadyNode, match="decode"):
+        routing.candidates([node("p0", PREFILL), nodes[1]], "m")
+
+
 def test_a_listed_node_routes_on_its_reported_load_and_retention() -> None:
     listed = node_pb2.Node(
         spec=node_spec("d0"),
@@ -163,8 +177,8 @@ MISS = registry_pb2.HINT_DECISION_MISS
             lease(),
             node("d0", state=node_pb2.NODE_STATE_DRAINING),
             True,
-            REUSE,
-            "holds 64 tokens",
+            RECOMPUTE,
+            "is DRAINING",
         ),
     ],
 )

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Annotated, Any, cast
 
+import grpc
 import typer
+from rich.console import Console
 
 from kvbroker.cli.client import call_registry, registry_endpoint
 from kvbroker.cli.options import (
@@ -18,8 +22,19 @@ from kvbroker.cli.options import (
     TlsClientKeyOpt,
     TokenFileOpt,
     TokenOpt,
+    positive_seconds,
 )
-from kvbroker.cli.output import OutputFormat, emit_table, fail, render, to_dict, when
+from kvbroker.cli.output import (
+    EXIT_TIMED_OUT,
+    OutputFormat,
+    emit_table,
+    fail,
+    render,
+    say,
+    to_dict,
+    unreachable,
+    when,
+)
 from kvbroker.common.labels import by_lower_label, label
 from kvbroker.v1 import node_pb2, registry_pb2
 
@@ -103,9 +118,69 @@ def node_ls(
     )
 
 
+# With --wait and no --timeout: the whole drain's limit, under the decode pod's 120 s
+# terminationGracePeriodSeconds (claims last up to the registry's 30 s --claim-timeout).
+DEFAULT_DRAIN_WAIT_S = 110.0
+# How often --wait asks the registry.
+DRAIN_POLL_S = 0.5
+
+
+def _drain_progress(node: node_pb2.Node) -> str:
+    state = label(node_pb2.NodeState, node.state)
+    return (
+        f"{node.spec.node_id}: {state}, {node.live_leases} live leases, "
+        f"{node.load.running_requests} running and {node.load.waiting_requests} waiting requests"
+    )
+
+
+async def _wait_drained(
+    stub: Any, node_id: str, limit: float, call_timeout: float, console: Console
+) -> node_pb2.Node:
+    """Drains the node, then asks until the registry says it is drained (``Node.drained``),
+    printing each change of its figures; exits 4 when ``limit`` passes first, 1 when the node
+    stops draining (registered again as a new incarnation). A registry that cannot be reached
+    for a moment (a leader changing) is asked again until the limit."""
+    deadline = time.monotonic() + limit
+    request = registry_pb2.DrainNodeRequest(node_id=node_id)
+    node = (await stub.DrainNode(request, timeout=call_timeout)).node
+    shown = ""
+    while True:
+        if node.drained:
+            say(console, f"{node_id}: drained", mark="green")
+            return node  # type: ignore[no-any-return]
+        if node.state == node_pb2.NODE_STATE_DOWN:
+            say(console, f"{node_id}: DOWN, its leases withdrawn: nothing left to drain")
+            return node  # type: ignore[no-any-return]
+        if node.state != node_pb2.NODE_STATE_DRAINING:
+            state = label(node_pb2.NodeState, node.state)
+            fail(f"node {node_id!r} is {state}, no longer draining (it registered again)")
+        progress = _drain_progress(node)
+        if progress != shown:
+            say(console, progress)
+            shown = progress
+        left = deadline - time.monotonic()
+        if left <= 0:
+            fail(f"node {node_id!r} not drained within {limit:g}s: {progress}", EXIT_TIMED_OUT)
+        await asyncio.sleep(min(DRAIN_POLL_S, left))
+        try:
+            get = registry_pb2.GetNodeRequest(node_id=node_id)
+            node = (await stub.GetNode(get, timeout=min(call_timeout, left + 0.1))).node
+        except grpc.aio.AioRpcError as error:
+            if not unreachable(error) or time.monotonic() >= deadline:
+                raise
+
+
 @node_app.command("drain")
 def node_drain(
     node_id: Annotated[str, typer.Argument(help="The node to drain.")],
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="Wait until the node is drained: no live lease, no request running (exit 4 "
+            "if --timeout passes first).",
+        ),
+    ] = False,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
@@ -113,13 +188,27 @@ def node_drain(
     tls_client_cert: TlsClientCertOpt = None,
     tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            envvar="KVBROKER_TIMEOUT",
+            callback=positive_seconds,
+            help=f"Deadline per call, s ({DEFAULT_TIMEOUT_S:g}); with --wait, for the whole "
+            f"drain ({DEFAULT_DRAIN_WAIT_S:g}).",
+        ),
+    ] = None,
 ) -> None:
-    """Stop routing new turns to a node; its leases can still be read until they end."""
+    """Stop routing new turns to a node and end its unclaimed leases; reads in flight finish.
+    With --wait, return once it is drained (a decode pod's preStop hook)."""
+    call_timeout = min(timeout or DEFAULT_TIMEOUT_S, DEFAULT_TIMEOUT_S)
 
     async def rpc(stub: Any) -> node_pb2.Node:
+        if wait:
+            limit = timeout or DEFAULT_DRAIN_WAIT_S
+            return await _wait_drained(stub, node_id, limit, call_timeout, Console(stderr=True))
         request = registry_pb2.DrainNodeRequest(node_id=node_id)
-        return (await stub.DrainNode(request, timeout=timeout)).node  # type: ignore[no-any-return]
+        return (await stub.DrainNode(request, timeout=timeout or DEFAULT_TIMEOUT_S)).node  # type: ignore[no-any-return]
 
     node = call_registry(
         registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc

@@ -27,9 +27,10 @@ from kvbroker.common.labels import label
 from kvbroker.v1 import registry_pb2
 
 # Exit codes: 0 ok, 1 the registry refused the request, 2 usage error (typer's), 3 the registry
-# cannot be reached or cannot serve now (try again later).
+# cannot be reached or cannot serve now (try again later), 4 a wait ran out of time.
 EXIT_REJECTED = 1
 EXIT_UNREACHABLE = 3
+EXIT_TIMED_OUT = 4
 
 # Transport failures: no registry answered (a registry's own UNAVAILABLE carries a reason).
 _UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -54,6 +55,15 @@ def say(console: Console, message: str, mark: str = "dim") -> None:
     """One line of progress (or, with ``mark="red"``, a failure): a mark, then ``message``
     as it is."""
     console.print(Text.assemble(("·", mark), " ", message), highlight=False)
+
+
+def unreachable(error: grpc.aio.AioRpcError) -> bool:
+    """No registry answered the call, or the one that did cannot serve now: worth asking
+    again (exit 3 when it is the answer)."""
+    failure = from_grpc_error(error)
+    if failure.reason == registry_pb2.ERROR_REASON_UNSPECIFIED:
+        return failure.code() in _UNREACHED
+    return failure.reason in _NOT_SERVING
 
 
 def fail_rpc(error: grpc.aio.AioRpcError, registry: str) -> NoReturn:

@@ -35,9 +35,15 @@ def read_refusal(lease: lease_pb2.Lease, epoch: int) -> str | None:
     return None
 
 
-# A holder in these states still serves reads of what it retains (a draining node takes no
-# new work but keeps its leases).
-SERVING_STATES = frozenset({node_pb2.NODE_STATE_READY, node_pb2.NODE_STATE_DRAINING})
+# The drain rule, here and nowhere else. Only a READY node is routed to: a new conversation, a
+# new turn's prefill or decode leg. A DRAINING node (its pod is going away) takes none of
+# them, and its leases are not offered to new turns either: the registry ends the unclaimed
+# ones when the drain starts (``LEASE_END_CAUSE_DRAINED``) and the conversation's next turn
+# recomputes on another decode node. Reads it already handed out (CLAIMED leases) finish:
+# ``read_refusal`` looks at the lease, not at its holder's state.
+ROUTABLE_STATES = frozenset({node_pb2.NODE_STATE_READY})
+# A holder in these states offers what it retains to a new turn.
+SERVING_STATES = ROUTABLE_STATES
 
 # Up to this many candidates the least loaded is found exactly; beyond, two random candidates
 # are compared (power of two choices, as Envoy's least-request balancer does): O(1) per hint
@@ -109,12 +115,14 @@ class Routes(Generic[N]):
 
 
 def routable(node: RoutedNode, model: str) -> bool:
-    return node.state == node_pb2.NODE_STATE_READY and (not model or node.model == model)
+    """Whether a new turn may go to ``node`` (never a DRAINING one, see ``ROUTABLE_STATES``)."""
+    return node.state in ROUTABLE_STATES and (not model or node.model == model)
 
 
 def candidates(nodes: Iterable[N], model: str) -> Routes[N]:
     """Ready prefill and decode nodes for ``model``; raises ``NoReadyNode`` when a side is
-    empty."""
+    empty. A DRAINING node is never among them, so ``choose`` sends neither a new conversation
+    nor a new turn's decode leg there, even the conversation it last served."""
     ready = [n for n in nodes if routable(n, model)]
     prefills = [n for n in ready if n.prefills]
     decodes = [n for n in ready if n.decodes]
@@ -150,8 +158,8 @@ def pick(nodes: Sequence[N], turn: int, prefer: str = "") -> N:
 
 def choose(routes: Routes[N], turn: int, holder: str = "") -> tuple[N, N]:
     """The prefill and decode node for a turn: the least loaded prefill node; the decode node
-    that holds the conversation's KV (or last served it) while it is ready, else the least
-    loaded."""
+    that holds the conversation's KV (or last served it) while it is READY (not DRAINING),
+    else the least loaded."""
     return pick(routes.prefills, turn), pick(routes.decodes, turn, prefer=holder)
 
 

@@ -32,6 +32,7 @@ class LeaseEndCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LEASE_END_CAUSE_NODE_LOST: _ClassVar[LeaseEndCause]
     LEASE_END_CAUSE_ENGINE: _ClassVar[LeaseEndCause]
     LEASE_END_CAUSE_FENCED: _ClassVar[LeaseEndCause]
+    LEASE_END_CAUSE_DRAINED: _ClassVar[LeaseEndCause]
 LEASE_STATE_UNSPECIFIED: LeaseState
 LEASE_STATE_ACTIVE: LeaseState
 LEASE_STATE_CLAIMED: LeaseState
@@ -48,6 +49,7 @@ LEASE_END_CAUSE_REVOKED: LeaseEndCause
 LEASE_END_CAUSE_NODE_LOST: LeaseEndCause
 LEASE_END_CAUSE_ENGINE: LeaseEndCause
 LEASE_END_CAUSE_FENCED: LeaseEndCause
+LEASE_END_CAUSE_DRAINED: LeaseEndCause
 
 class BlockIdGroup(_message.Message):
     __slots__ = ("block_ids",)

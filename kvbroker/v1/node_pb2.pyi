@@ -91,7 +91,7 @@ class NodeSpec(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., http_base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., incarnation: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("spec", "state", "load", "registered_time", "last_heartbeat_time", "live_leases", "retained_blocks", "cost")
+    __slots__ = ("spec", "state", "load", "registered_time", "last_heartbeat_time", "live_leases", "retained_blocks", "cost", "drained")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class Node(_message.Message):
     LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     spec: NodeSpec
     state: NodeState
     load: NodeLoad
@@ -108,4 +109,5 @@ class Node(_message.Message):
     live_leases: int
     retained_blocks: int
     cost: CostProfile
-    def __init__(self, spec: _Optional[_Union[NodeSpec, _Mapping]] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., registered_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_leases: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., cost: _Optional[_Union[CostProfile, _Mapping]] = ...) -> None: ...
+    drained: bool
+    def __init__(self, spec: _Optional[_Union[NodeSpec, _Mapping]] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., registered_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_leases: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., cost: _Optional[_Union[CostProfile, _Mapping]] = ..., drained: _Optional[bool] = ...) -> None: ...
