@@ -846,8 +846,11 @@ async def test_a_tenants_turns_use_its_own_scoped_conversation(
         assert probe.headers["x-kvbroker-decision"] == "MISS"
         assert fleet.decode.received[-1]["session_id"] == "acme/globex/agent-7"
         # globex's agent-7 is globex's: its turn reads globex's lease, and leaves acme's.
+        # (READ asked: a short follow-up would go DECODE_LOCAL, and the handle is the point.)
         other = await client.post(
-            url, json={**CHAT, "conversation_id": "agent-7"}, headers=as_tenant("globex")
+            url,
+            json={**CHAT, "conversation_id": "agent-7"},
+            headers={**as_tenant("globex"), "x-kvbroker-path": "READ"},
         )
         assert other.headers["x-kvbroker-decision"] == "REUSE"
         [claimed] = await leases_of(stub, "globex/agent-7")
@@ -856,7 +859,9 @@ async def test_a_tenants_turns_use_its_own_scoped_conversation(
         assert untouched.state == lease_pb2.LEASE_STATE_ACTIVE
         # acme's next turn reads acme's lease.
         second = await client.post(
-            url, json=CHAT, headers={**as_tenant("acme"), "x-session-id": "agent-7"}
+            url,
+            json=CHAT,
+            headers={**as_tenant("acme"), "x-session-id": "agent-7", "x-kvbroker-path": "READ"},
         )
         assert second.headers["x-kvbroker-decision"] == "REUSE"
         params = next(

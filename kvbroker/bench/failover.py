@@ -267,9 +267,11 @@ class Fleet:
     def __init__(self, workdir: Path, config: SoakConfig, registry_flags: list[str]) -> None:
         self.workdir, self.config = workdir, config
         self.etcd = LocalEtcd(workdir)
+        # Every reused turn reads (no DECODE_LOCAL): what this fleet checks is that no read
+        # is stale across failovers, drains and partitions.
+        flags = [*registry_flags, "--max-local-prefill-tokens", "0"]
         self.replicas = [
-            registry_replica(workdir, i, self.etcd.url, registry_flags)
-            for i in range(config.replicas)
+            registry_replica(workdir, i, self.etcd.url, flags) for i in range(config.replicas)
         ]
         self.addresses = ",".join(r.address for r in self.replicas)
         self.engines: list[SimEngine] = []
