@@ -109,6 +109,9 @@ class StackConfig:
     # The registry's bearer token; its children get it in their environment, never in argv
     # (which every user of the machine can read in the process list).
     token: str | None = None
+    # The prefill node's own prefix cache (off: the seed's evicted-cache case, where every
+    # prefill recomputes what it is not sent).
+    prefill_prefix_caching: bool = False
     # CPU binding of the two engines; on a 2-core host one core each.
     prefill_cpus: str = "0"
     decode_cpus: str = "1" if (os.cpu_count() or 1) > 1 else "0"
@@ -219,8 +222,8 @@ class Stack:
         assert self.model_dir is not None
         caching = (
             "--no-enable-prefix-caching"
-            if engine.role == "prefill"
-            else ("--enable-prefix-caching")
+            if engine.role == "prefill" and not self.config.prefill_prefix_caching
+            else "--enable-prefix-caching"
         )
         return [
             PYTHON, "-m", "vllm.entrypoints.openai.api_server",

@@ -41,6 +41,8 @@ class TurnRecord:
     kv_read_bytes: float
     kv_reads: int
     decision: str
+    # The path the turn took (READ, DECODE_LOCAL, RECOMPUTE).
+    path: str = "?"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,9 +65,10 @@ async def measured_turn(
     messages: list[dict[str, str]],
     session: str | None,
     max_tokens: int,
+    path: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """Streams one chat completion through the stack's router; returns the answer and its
-    measurements."""
+    """Streams one chat completion through the stack's router (asking for ``path``, if given);
+    returns the answer and its measurements."""
     router_url, prefill_url = stack.router_url, stack.url(stack.prefill)
     body: dict[str, Any] = {
         "model": stack.config.served_model,
@@ -82,7 +85,9 @@ async def measured_turn(
     ttft = None
     parts: list[str] = []
     usage: dict[str, int] = {}
-    async with client.stream("POST", f"{router_url}/v1/chat/completions", json=body) as response:
+    asked = {"x-kvbroker-path": path} if path else {}
+    url = f"{router_url}/v1/chat/completions"
+    async with client.stream("POST", url, json=body, headers=asked) as response:
         if response.status_code != 200:
             raise RuntimeError(
                 f"router answered {response.status_code}: {await response.aread()!r}"
@@ -114,4 +119,5 @@ async def measured_turn(
         "kv_read_bytes": after["read_bytes"] - before["read_bytes"],
         "kv_reads": int(after["reads"] - before["reads"]),
         "decision": headers.get("x-kvbroker-decision", "?"),
+        "path": headers.get("x-kvbroker-path", "?"),
     }

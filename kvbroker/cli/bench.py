@@ -60,6 +60,41 @@ def bench_multiturn(
     run_with_stack(True, model, workdir, body)
 
 
+@bench_app.command("paths")
+def bench_paths(
+    output: Annotated[Path, typer.Option(help="Where records, summary and chart go.")] = Path(
+        "results/paths"
+    ),
+    lengths: Annotated[str, typer.Option(help="Context lengths, tokens.")] = "1024,4096",
+    conversations: Annotated[int, typer.Option(min=1, help="Follow-ups per point and arm.")] = 2,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 16,
+    prefill_cache: Annotated[
+        bool, typer.Option(help="Run the prefill node with its own prefix cache on.")
+    ] = False,
+    model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-bench"),
+) -> None:
+    """Follow-up TTFT on each fixed path (READ, DECODE_LOCAL, RECOMPUTE) against the planner,
+    by context length and suffix size: JSON, a chart, a table."""
+    try:
+        targets = [int(n) for n in lengths.split(",")]
+    except ValueError:
+        fail(f"--lengths {lengths!r} is not a comma-separated list of token counts", 2)
+    from kvbroker.bench.paths import plot, print_table, run_paths, summarise, write
+
+    async def body(stack: Any, console: Console) -> None:
+        results = await run_paths(stack, targets, conversations, max_tokens, console)
+        rows = summarise(results)
+        print_table(rows, console)
+        meta = {"prefill_prefix_caching": prefill_cache, "model_dir": str(stack.model_dir)}
+        write(results, rows, output, meta)
+        cache = "P's prefix cache on" if prefill_cache else "P's prefix cache off"
+        chart = plot(rows, output, f"Follow-up TTFT by path ({cache}, CPU)")
+        console.print(Text(f"records, summary and chart in {output}: {chart.name}"))
+
+    run_with_stack(True, model, workdir, body, prefill_prefix_caching=prefill_cache)
+
+
 @bench_app.command("retention")
 def bench_retention(
     output: Annotated[Path, typer.Option(help="Where the table's JSON and the plot go.")] = Path(

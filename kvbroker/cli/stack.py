@@ -65,6 +65,7 @@ def run_with_stack(
     console: Console | None = None,
     replicas: int = 1,
     token: str | None = None,
+    prefill_prefix_caching: bool = False,
 ) -> None:
     """Starts the stack, runs ``body(stack, console)``, and always stops the stack: when the
     body ends, fails, or Ctrl-C / SIGTERM arrives (also while the engines are starting)."""
@@ -91,6 +92,7 @@ def run_with_stack(
                 reuse=reuse,
                 registry_replicas=replicas,
                 token=token,
+                prefill_prefix_caching=prefill_prefix_caching,
             ),
             progress=partial(say, console),
         )
