@@ -14,7 +14,6 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from controlplane.config import RegistryConfig
 from controlplane.etcd_store import MAX_BLOCK_HASHES, EtcdEndpoints, EtcdStore
@@ -25,6 +24,7 @@ from controlplane.replica import Replica, ReplicaOptions
 from controlplane.service import Leadership, RegistryServicer, Standalone, add_registry_service
 from controlplane.store import MemoryStore
 from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.metrics_http import MetricsTls, serve_metrics
 from kvbroker.v1 import registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
@@ -165,11 +165,11 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
     add_registry_service(RegistryServicer(leadership, credentials), server)
     metrics_address = None
     if options.metrics_listen is not None:
-        metrics_host, _, metrics_port = options.metrics_listen.rpartition(":")
-        http_server, _thread = start_http_server(
-            int(metrics_port), addr=metrics_host, registry=metrics.registry
-        )
-        metrics_address = f"{metrics_host}:{http_server.server_port}"
+        # Over TLS the metrics are served with the registry's own certificate, and under mTLS
+        # only to scrapers with a client certificate from the same CA.
+        tls = options.tls
+        metrics_tls = MetricsTls(tls.cert, tls.key, tls.client_ca) if tls else None
+        metrics_address = serve_metrics(options.metrics_listen, metrics.registry, metrics_tls)
     await server.start()
     if etcd is None:
         await _set_health(health_servicer, serving=True)  # the memory store is always there

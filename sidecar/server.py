@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
-from prometheus_client import start_http_server
 
 from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.metrics_http import MetricsTls, serve_metrics
 from kvbroker.v1 import sidecar_pb2_grpc
 from sidecar.agent import Agent
 from sidecar.config import SidecarConfig
@@ -46,6 +46,7 @@ async def start_sidecar(
     registry: RegistryEndpoint,
     listen: str,
     metrics_listen: str | None = None,
+    metrics_tls: MetricsTls | None = None,
 ) -> RunningSidecar:
     agent = Agent(config, registry)
     server = grpc.aio.server()
@@ -54,11 +55,7 @@ async def start_sidecar(
         raise OSError(f"cannot listen on {listen}")
     metrics_address = None
     if metrics_listen is not None:
-        host, _, port = metrics_listen.rpartition(":")
-        http_server, _thread = start_http_server(
-            int(port), addr=host, registry=agent.metrics.registry
-        )
-        metrics_address = f"{host}:{http_server.server_port}"
+        metrics_address = serve_metrics(metrics_listen, agent.metrics.registry, metrics_tls)
     await server.start()
     task = asyncio.create_task(agent.run(), name="kvbroker-sidecar-session")
     log.info("sidecar_serving", listen=listen, node=config.node_id, registry=str(registry))
@@ -66,9 +63,13 @@ async def start_sidecar(
 
 
 async def serve_forever(
-    config: SidecarConfig, registry: RegistryEndpoint, listen: str, metrics_listen: str | None
+    config: SidecarConfig,
+    registry: RegistryEndpoint,
+    listen: str,
+    metrics_listen: str | None,
+    metrics_tls: MetricsTls | None = None,
 ) -> None:
-    running = await start_sidecar(config, registry, listen, metrics_listen)
+    running = await start_sidecar(config, registry, listen, metrics_listen, metrics_tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

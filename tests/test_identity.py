@@ -6,12 +6,14 @@ sidecar, real certificates (openssl)."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from controlplane.errors import PermissionDenied
@@ -498,3 +500,62 @@ async def test_the_cli_sidecar_and_router_present_their_client_certificates(
             assert "--tls-client-cert" in usage.stderr
     finally:
         await registry.stop()
+
+
+async def test_metrics_are_served_over_mtls_with_the_registry_s_certificate(pki: Pki) -> None:
+    """Under mTLS the registry's /metrics is HTTPS with its own certificate, and only a
+    scraper with a client certificate from the same CA may read it."""
+    cert, key = pki.files["replica"]
+    metrics_port = free_port()
+    registry = RegistryProcess(
+        "--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(pki.ca),
+        "--metrics-listen", f"127.0.0.1:{metrics_port}",
+    )  # fmt: skip
+    await registry.start()
+    url = f"https://127.0.0.1:{metrics_port}/metrics"
+    try:
+        scraper_cert, scraper_key = pki.files["router"]
+        ssl_context = ssl.create_default_context(cafile=str(pki.ca))
+        ssl_context.load_cert_chain(str(scraper_cert), str(scraper_key))
+        async with httpx.AsyncClient(verify=ssl_context) as scraper:
+            assert "kvbroker_hints_total" in (await scraper.get(url)).text
+        async with httpx.AsyncClient(verify=str(pki.ca)) as anonymous:
+            with pytest.raises(httpx.HTTPError):
+                await anonymous.get(url)
+        async with httpx.AsyncClient() as plain:
+            with pytest.raises(httpx.HTTPError):
+                await plain.get(f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        await registry.stop()
+
+
+async def test_a_sidecar_serves_its_metrics_over_tls_when_asked(pki: Pki, tmp_path: Path) -> None:
+    cert, key = pki.files["node:decode-0"]
+    port = free_port()
+    engine = FakeEngine("decode-0")
+    sidecar = ChildProcess(
+        "sidecar",
+        [
+            *sidecar_command("127.0.0.1:1", engine.url, "decode", "decode-0", tmp_path / "s.sock"),
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+            "--metrics-tls-cert",
+            str(cert),
+            "--metrics-tls-key",
+            str(key),
+        ],
+        tmp_path / "sidecar.log",
+        ready=[Announces()],
+    )
+    await sidecar.start()
+    try:
+        async with httpx.AsyncClient(verify=str(pki.ca)) as scraper:
+            response = await scraper.get(f"https://127.0.0.1:{port}/metrics")
+        assert "kvbroker_sidecar_engine_ready" in response.text
+    finally:
+        await sidecar.stop()
+    lone = await run_cli(
+        "sidecar", "run", "--engine-url", "http://x:1", "--role", "decode",
+        "--metrics-tls-cert", str(cert),
+    )  # fmt: skip
+    assert lone.code == 2 and "--metrics-tls-cert and --metrics-tls-key go together" in lone.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, cast
 
 import typer
@@ -28,6 +29,7 @@ from kvbroker.cli.options import (
 )
 from kvbroker.cli.output import fail
 from kvbroker.common.labels import by_lower_label
+from kvbroker.common.metrics_http import MetricsTls
 from kvbroker.common.ports import ensure_free
 from kvbroker.v1 import node_pb2
 from sidecar.config import SidecarConfig
@@ -77,6 +79,23 @@ def sidecar_run(
         typer.Option(envvar="KVBROKER_ADVERTISE_URL", help="URL routers use [default: engine's]."),
     ] = SidecarConfig.advertise_url,
     metrics_listen: MetricsListenOpt = None,
+    metrics_tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_METRICS_TLS_CERT",
+            help="Serve /metrics over HTTPS with this certificate (and --metrics-tls-key).",
+        ),
+    ] = None,
+    metrics_tls_key: Annotated[
+        Path | None, typer.Option(envvar="KVBROKER_METRICS_TLS_KEY", help="Its key.")
+    ] = None,
+    metrics_tls_client_ca: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_METRICS_TLS_CLIENT_CA",
+            help="Only scrapers with a client certificate signed by this CA may read /metrics.",
+        ),
+    ] = None,
     registry: RegistryOpt = DEFAULT_REGISTRY,
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
@@ -109,7 +128,16 @@ def sidecar_run(
         model=model,
         advertise_url=advertise_url,
     )
+    if (metrics_tls_cert is None) != (metrics_tls_key is None):
+        fail("--metrics-tls-cert and --metrics-tls-key go together", 2)
+    if metrics_tls_client_ca is not None and metrics_tls_cert is None:
+        fail("--metrics-tls-client-ca needs --metrics-tls-cert and --metrics-tls-key", 2)
+    metrics_tls = (
+        MetricsTls(metrics_tls_cert, metrics_tls_key, metrics_tls_client_ca)
+        if metrics_tls_cert is not None and metrics_tls_key is not None
+        else None
+    )
     try:
-        uvloop.run(serve_sidecar(config, endpoint, listen, metrics_listen))
+        uvloop.run(serve_sidecar(config, endpoint, listen, metrics_listen, metrics_tls))
     except OSError as error:
         fail(f"cannot serve the sidecar on {listen}: {error}")
