@@ -128,8 +128,8 @@ class Hints:
             retained_tokens=lease.token_count,
             new_tokens=new_tokens,
             block_size=holder.spec.block_size,
-            prefill_running=prefill.queued,
-            decode_running=holder.queued,
+            prefill_running=prefill.pending,
+            decode_running=holder.pending,
             holder_decodes=decode is holder,
         )
         found = planner.estimates(

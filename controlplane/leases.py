@@ -254,6 +254,7 @@ class Leases:
         await self._supersede(conversation, lease)
         await self._store.put_lease(lease)
         self._nodes.account(lease.node_id, blocks, +1)
+        self._nodes.turn_finished(lease.node_id)
         self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
         self._turns.settle(conversation_id)
         self._metrics.lease_event("grant").inc()

@@ -167,6 +167,13 @@ class NodeSessions:
                 "under leases"
             )
 
+    def turn_finished(self, node_id: str) -> None:
+        """A turn finished on the node (its retention was reported): one request fewer than
+        its last heartbeat said."""
+        runtime = self.runtime.get(node_id)
+        if runtime is not None:
+            runtime.finished_since_heartbeat += 1
+
     def account(self, node_id: str, blocks: int, sign: int) -> None:
         """Counts a lease of ``blocks`` in (+1) or out (-1) of its holder's figures."""
         runtime = self.runtime.get(node_id)
@@ -228,7 +235,7 @@ class NodeSessions:
         runtime = self._set_runtime(node.spec, node.state)
         runtime.note_load(load)
         runtime.load_at = now
-        runtime.assigned_since_heartbeat = 0
+        runtime.assigned_since_heartbeat = runtime.finished_since_heartbeat = 0
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, node_id), now + self._ttl())
         return node
 

@@ -157,3 +157,17 @@ async def test_cost_profiles_are_checked_stored_and_survive_re_registration() ->
 def test_the_local_limit_is_a_registry_setting() -> None:
     config = replace(CONFIG, planner=PlannerConfig(max_local_prefill_tokens=10))
     assert Registry(Harness().store, config).config.planner.max_local_prefill_tokens == 10
+
+
+async def test_a_turn_that_just_finished_does_not_count_as_load() -> None:
+    """The holder's last heartbeat saw the previous turn running; its retention report since
+    says it finished, so the next turn is not priced as if the holder were busy."""
+    h = Harness()
+    await h.fleet()
+    await h.registry.heartbeat(
+        h.decode.node_id, h.decode.incarnation, True, node_pb2.NodeLoad(running_requests=1)
+    )
+    await h.grant("conv-1", "req-1")  # that turn finished: its blocks are retained
+    hint = await reused(h, TurnRequest(prompt_tokens=1600, new_tokens=1500), dry_run=True)
+    assert hint.path == registry_pb2.TURN_PATH_DECODE_LOCAL
+    assert h.registry.nodes.runtime["decode-0"].pending == 0

@@ -62,6 +62,9 @@ class RoutedNode:
     kv_usage: float = 0.0
     # Hints that chose this node since its last heartbeat reported load.
     assigned_since_heartbeat: int = 0
+    # Turns it finished since then (a decode node's retention report says so): the load its
+    # last heartbeat reported is stale by these, just when a conversation's next turn comes.
+    finished_since_heartbeat: int = 0
     # KV blocks retained there under live leases.
     retained_blocks: int = 0
     node_id: str = field(init=False)
@@ -85,6 +88,12 @@ class RoutedNode:
     def note_load(self, load: node_pb2.NodeLoad) -> None:
         self.queued = load.running_requests + load.waiting_requests
         self.kv_usage = load.kv_cache_usage
+
+    @property
+    def pending(self) -> int:
+        """Requests running or queued there as of now: the last report, plus the turns sent
+        there since, less those it finished since."""
+        return max(self.queued + self.assigned_since_heartbeat - self.finished_since_heartbeat, 0)
 
     @property
     def retained_fraction(self) -> float:
@@ -137,7 +146,7 @@ def load(node: RoutedNode) -> tuple[int, float]:
     """Queued work first, then KV headroom: the cache in use as last reported, or what is known
     to be retained there now, whichever is more (new conversations go where retention leaves
     room)."""
-    return node.queued + node.assigned_since_heartbeat, max(node.kv_usage, node.retained_fraction)
+    return node.pending, max(node.kv_usage, node.retained_fraction)
 
 
 def pick(nodes: Sequence[N], turn: int, prefer: str = "") -> N:
