@@ -11,6 +11,10 @@ from kvbroker.common import ids
 # etcd's default --max-request-bytes is 1.5 MiB; ``EtcdBackend`` keeps 0.5 MiB of it for a
 # transaction's framing, and a record needs room for its key.
 MAX_RECORD_BYTES = (1 << 20) - 4096
+# An answer that lists many records (a hint batch, a page of leases) stops growing past this
+# many bytes: under gRPC's default 4 MiB receive limit even with one more record of the
+# largest kind (a handle's block ids for 65,536 blocks and its checkpoints, about 0.4 MiB).
+MAX_ANSWER_BYTES = 3 * 1024 * 1024
 
 
 @dataclass(frozen=True)

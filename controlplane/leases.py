@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import structlog
 
-from controlplane.config import RegistryConfig
+from controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
 from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from controlplane.errors import (
     ConversationNotFound,
@@ -39,10 +39,6 @@ from kvbroker.common.clock import from_timestamp, stamp_duration, stamp_time
 from kvbroker.common.labels import label
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.v1 import lease_pb2, node_pb2
-
-# A page of leases stops growing past this many bytes (each lease carries its handle's block
-# ids: about 40 KiB for a 128k-token conversation), under gRPC's default 4 MiB receive limit.
-PAGE_BYTES = 3 * 1024 * 1024
 
 ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
 CLAIMED = lease_pb2.LEASE_STATE_CLAIMED
@@ -181,7 +177,7 @@ class Leases:
         for lease in leases:
             if lease.state not in wanted:
                 continue
-            if len(page) == limit or page_bytes > PAGE_BYTES:
+            if len(page) == limit or page_bytes > MAX_ANSWER_BYTES:
                 return page, page[-1].lease_id
             page.append(self.view(lease))
             page_bytes += page[-1].ByteSize()

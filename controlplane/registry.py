@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import structlog
 
-from controlplane.config import RegistryConfig
+from controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
 from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from controlplane.errors import (
     BatchFull,
@@ -55,10 +55,6 @@ from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 log = structlog.get_logger("kvbroker.registry")
 
 MAX_HINT_BATCH = 1000
-# A batch's answer stops growing past this many bytes, well under gRPC's default 4 MiB receive
-# limit even with one more hint of the largest kind (a handle's block ids for 65,536 blocks and
-# its checkpoints, about 0.4 MiB); the requests left are answered BATCH_FULL, unclaimed.
-HINT_BATCH_BYTES = 3 * 1024 * 1024
 
 
 class _Mutation:
@@ -422,8 +418,9 @@ class Registry:
         async with self._mutation():
             for index, request in enumerate(requests):
                 result = response.results.add()
-                if answered_bytes > HINT_BATCH_BYTES:
-                    full = BatchFull(f"the batch's answer passed {HINT_BATCH_BYTES} bytes; retry")
+                if answered_bytes > MAX_ANSWER_BYTES:
+                    # Answered unclaimed: the client sends it again in its next batch.
+                    full = BatchFull(f"the batch's answer passed {MAX_ANSWER_BYTES} bytes; retry")
                     result.error.CopyFrom(hint_error(full))
                     continue
                 try:

@@ -310,12 +310,12 @@ class Router:
         self,
         node: node_pb2.NodeSpec,
         path: str,
-        body: dict[str, Any],
+        completion: Completion,
         lease: lease_pb2.Lease | None,
     ) -> Any:
         """P's ``kv_transfer_params``. Raises ``httpx.HTTPError`` when P cannot be reached or
         does not answer within ``prefill_timeout_s``."""
-        leg = dict(body)
+        leg = dict(completion.body)
         leg.pop("stream", None)
         leg.pop("stream_options", None)
         leg["max_tokens"] = 1
@@ -331,7 +331,7 @@ class Router:
         answer = engine_answer(response, "prefill", node)
         usage = answer.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            self.prompt_size.learn(PromptText.of(body), usage["prompt_tokens"])
+            self.prompt_size.learn(completion.text, usage["prompt_tokens"])
         return answer.get("kv_transfer_params")
 
 
@@ -499,10 +499,7 @@ class Handlers:
         """The router's plan, or the registry's refusal as the client's answer."""
         try:
             return await self.router.plan(
-                completion.conversation,
-                completion.model,
-                PromptText.of(completion.body),
-                completion.wanted_path,
+                completion.conversation, completion.model, completion.text, completion.wanted_path
             )
         except ModelNotFound as error:
             raise ApiError(
@@ -530,9 +527,9 @@ class Handlers:
     ) -> tuple[node_pb2.NodeSpec, Any]:
         """P's params; when P is unreachable or does not answer within ``prefill_timeout_s``,
         another ready P recomputes (no reuse)."""
-        body = completion.body
         try:
-            return plan.prefill, await self.router.prefill(plan.prefill, path, body, plan.lease)
+            leg = self.router.prefill(plan.prefill, path, completion, plan.lease)
+            return plan.prefill, await leg
         except httpx.TransportError as error:
             fallback = self.router.other_prefill(plan.prefill.node_id, completion.model)
             if fallback is None:
@@ -547,7 +544,7 @@ class Handlers:
         except httpx.HTTPError as error:
             raise leg_failed("prefill", plan.prefill, error) from error
         try:
-            return fallback, await self.router.prefill(fallback, path, body, None)
+            return fallback, await self.router.prefill(fallback, path, completion, None)
         except httpx.HTTPError as error:
             raise leg_failed("prefill", fallback, error) from error
 

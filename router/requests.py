@@ -17,6 +17,7 @@ from typing import Any
 from kvbroker.common import ids
 from kvbroker.v1 import registry_pb2
 from router.errors import ApiError, ErrorCode, ErrorType, invalid_request
+from router.prompt_size import PromptText
 
 SESSION_HEADER = "x-session-id"
 # A request may ask for its turn's path (READ, DECODE_LOCAL, RECOMPUTE); responses say which.
@@ -43,7 +44,10 @@ class Completion:
     model: str
     stream: bool
     # The path the client asked for (UNSPECIFIED: the registry's planner chooses).
-    wanted_path: registry_pb2.TurnPath = registry_pb2.TURN_PATH_UNSPECIFIED
+    wanted_path: registry_pb2.TurnPath
+    # The prompt's characters, all and new (read once: the plan estimates by them and the
+    # prefill leg's answer teaches the estimate).
+    text: PromptText
 
 
 async def read_body(chunks: AsyncIterator[bytes], content_length: str | None, limit: int) -> bytes:
@@ -155,7 +159,9 @@ def parse_completion(
         raise invalid_request("stream must be true or false", ErrorCode.INVALID_VALUE, "stream")
     conversation = _conversation_id(body, headers, id_limit)
     body.pop("conversation_id", None)
-    return Completion(body, conversation, model or "", bool(stream), _wanted_path(headers))
+    return Completion(
+        body, conversation, model or "", bool(stream), _wanted_path(headers), PromptText.of(body)
+    )
 
 
 def _wanted_path(headers: Mapping[str, str]) -> registry_pb2.TurnPath:

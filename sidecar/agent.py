@@ -108,7 +108,6 @@ class Agent:
         self.incarnation = uuid.uuid4().hex
         self.engine: sidecar_pb2.EngineInfo | None = None
         self.connected = asyncio.Event()
-        self.engine_ready = False
         self._engine_attached = asyncio.Event()
         self._mirror = RetentionMirror()
         self._reports: Batcher[_Queued, None] = Batcher(
@@ -441,34 +440,42 @@ class Agent:
             await asyncio.sleep(self._heartbeat_interval_s)
             await self._probe_engine()
 
+    @property
+    def engine_ready(self) -> bool:
+        return self._readiness.ready
+
     async def _probe_engine(self) -> None:
         """vLLM's /health for readiness (``Readiness`` decides) and /metrics for load."""
-        self.engine_ready, self._load = await self._probe()
+        self._load = await self._probe()
         self.metrics.engine_ready.set(1 if self.engine_ready else 0)
 
-    async def _probe(self) -> tuple[bool, node_pb2.NodeLoad]:
+    async def _probe(self) -> node_pb2.NodeLoad:
+        """The engine's load, its readiness noted on the way (``Readiness``)."""
         base = self.config.engine_url.rstrip("/")
         try:
             health = await self._http.get(f"{base}/health")
         except httpx.TimeoutException:
-            return self._readiness.observe(Probe.TIMED_OUT), self._load  # the last known load
+            self._readiness.observe(Probe.TIMED_OUT)
+            return self._load  # the last known load
         except httpx.HTTPError:
-            return self._readiness.observe(Probe.UNHEALTHY), node_pb2.NodeLoad()
+            self._readiness.observe(Probe.UNHEALTHY)
+            return node_pb2.NodeLoad()
         if health.status_code != 200:
-            return self._readiness.observe(Probe.UNHEALTHY), node_pb2.NodeLoad()
+            self._readiness.observe(Probe.UNHEALTHY)
+            return node_pb2.NodeLoad()
         self._readiness.observe(Probe.HEALTHY)
         try:
             metrics = await self._http.get(f"{base}/metrics")
         except httpx.HTTPError:
-            return True, node_pb2.NodeLoad()
+            return node_pb2.NodeLoad()
         if metrics.status_code != 200:
-            return True, node_pb2.NodeLoad()
+            return node_pb2.NodeLoad()
         parsed = parse_vllm_load(metrics.text)
         if parsed.ignored and parsed.ignored != self._ignored_figures:
             # Once per change, not once per probe: a broken /metrics stays broken a while.
             log.warning("engine_metrics_ignored", ignored=list(parsed.ignored))
         self._ignored_figures = parsed.ignored
-        return True, parsed.load
+        return parsed.load
 
     async def _served_model(self) -> str:
         base = self.config.engine_url.rstrip("/")

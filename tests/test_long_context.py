@@ -16,9 +16,8 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from controlplane.config import RegistryConfig
+from controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
 from controlplane.planner import PlannerConfig
-from controlplane.registry import HINT_BATCH_BYTES
 from controlplane.server import RunningRegistry
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.ports import free_port
@@ -157,7 +156,7 @@ async def test_a_batch_past_its_byte_budget_answers_the_rest_unclaimed(
         answered = [r for r in response.results if r.HasField("hint")]
         refused = [r for r in response.results if r.HasField("error")]
         assert answered and refused and len(answered) + len(refused) == 200
-        assert response.ByteSize() < HINT_BATCH_BYTES + 512 * 1024
+        assert response.ByteSize() < MAX_ANSWER_BYTES + 512 * 1024
         assert {r.error.reason for r in refused} == {registry_pb2.ERROR_REASON_BATCH_FULL}
         assert {r.hint.decision for r in answered} == {registry_pb2.HINT_DECISION_REUSE}
         # The refused ones were not claimed: each is still ACTIVE and reusable when asked again.

@@ -4,7 +4,7 @@ planner chooses every turn's path by them (see ``kvbroker.calibration``)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any
 
 import httpx
@@ -96,7 +96,7 @@ def calibrate(
             "node_id": m.node_id,
             "error": m.error,
             "probes": [{"tokens": t, "seconds": s} for t, s in m.probes],
-            "costs": _as_dict(m.costs),
+            "costs": asdict(m.costs) if m.costs is not None else None,
             "reads_measured": m.reads_measured,
             "stored": m.costs is not None and not dry_run,
         }
@@ -121,18 +121,6 @@ async def _measure(http: httpx.AsyncClient, node: node_pb2.Node, repeats: int) -
         [(p.tokens, p.seconds) for p in probes],
         per_block is not None,
     )
-
-
-def _as_dict(costs: Costs | None) -> dict[str, float] | None:
-    if costs is None:
-        return None
-    return {
-        "prefill_fixed_ms": costs.prefill_fixed_ms,
-        "prefill_us_per_token": costs.prefill_us_per_token,
-        "prefill_ns_per_token_context": costs.prefill_ns_per_token_context,
-        "read_fixed_ms": costs.read_fixed_ms,
-        "read_us_per_block": costs.read_us_per_block,
-    }
 
 
 def _table(results: list[Measured], dry_run: bool) -> None:
