@@ -57,7 +57,7 @@ class ErrorCode(StrEnum):
 
 class ApiError(Exception):
     """A request the router answers itself; raised anywhere under a route, answered by the
-    route's guard (``router.proxy``)."""
+    route's guard (``router.handlers``)."""
 
     def __init__(
         self,

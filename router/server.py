@@ -7,7 +7,8 @@ import uvicorn
 from kvbroker.common.grpc_client import RegistryEndpoint
 from router.auth import ApiKeys
 from router.config import RouterConfig
-from router.proxy import Router, build_app
+from router.handlers import build_app
+from router.proxy import Router
 
 
 def serve(registry: RegistryEndpoint, config: RouterConfig, api_keys: ApiKeys | None) -> None:

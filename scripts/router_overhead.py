@@ -24,7 +24,8 @@ from kvbroker.testing.engine import FakeEngine, serving
 from kvbroker.testing.factories import Heartbeats, node_spec
 from kvbroker.v1 import node_pb2
 from router.config import RouterConfig
-from router.proxy import Router, build_app
+from router.handlers import build_app
+from router.proxy import Router
 
 REQUESTS = 500
 BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}

@@ -26,7 +26,8 @@ from kvbroker.testing.factories import Heartbeats, block_hashes, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from router.config import RouterConfig
-from router.proxy import Router, build_app
+from router.handlers import build_app
+from router.proxy import Router
 from tests.conftest import FAST
 
 MODEL = "tiny-qwen3"

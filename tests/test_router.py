@@ -36,7 +36,8 @@ from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from router.auth import ApiKeys, Tenant
 from router.config import RouterConfig
-from router.proxy import Router, build_app
+from router.handlers import build_app
+from router.proxy import Router
 
 MODEL = "tiny-qwen3"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}

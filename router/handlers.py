@@ -1,0 +1,441 @@
+"""The router's HTTP face: the OpenAI-compatible endpoints over one ``Router`` (the
+completion routes with their legs and streaming, models, health, metrics, the session routes),
+each guarded so that a bug answers a typed 500 and keeps the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import httpx
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvbroker.common.grpc_client import RegistryCallError
+from kvbroker.common.handles import decode_local_params
+from kvbroker.common.labels import label
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from router.auth import SCOPE_KEY, Authenticate, Tenant
+from router.errors import (
+    ApiError,
+    ErrorCode,
+    ErrorType,
+    invalid_request,
+    upstream_failed,
+)
+from router.proxy import (
+    JSON_HEADERS,
+    ModelNotFound,
+    Plan,
+    RegistryDown,
+    Router,
+    UpstreamError,
+    engine_answer,
+    leg_failed,
+)
+from router.requests import (
+    PATH_HEADER,
+    Completion,
+    encode,
+    parse_completion,
+    parse_object,
+    read_body,
+    session_id,
+)
+
+log = structlog.get_logger("kvbroker.router")
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def _guarded(endpoint: Endpoint) -> Endpoint:
+    """Answers an ``ApiError`` raised anywhere under the endpoint, and anything else (a bug)
+    with a logged traceback and a typed 500, instead of Starlette's plain-text 500 that also
+    drops the client's keep-alive connection."""
+
+    @functools.wraps(endpoint)
+    async def guarded(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except ApiError as error:
+            return error.response()
+        except ClientDisconnect:
+            return Response(status_code=400)  # nobody is left to read an answer
+        except Exception:
+            log.exception("router_bug", path=request.url.path)
+            return _internal_error().response()
+
+    return guarded
+
+
+def _internal_error() -> ApiError:
+    return ApiError(
+        500,
+        "the router failed on this request (a bug; it is logged)",
+        ErrorType.SERVER,
+        ErrorCode.INTERNAL_ERROR,
+    )
+
+
+async def _http_exception(request: Request, error: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+    assert isinstance(error, HTTPException)
+    codes = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
+    api_error = ApiError(
+        error.status_code,
+        error.detail,
+        ErrorType.INVALID_REQUEST,
+        codes.get(error.status_code, ErrorCode.INVALID_VALUE),
+    )
+    return JSONResponse(api_error.body(), error.status_code, headers=error.headers)
+
+
+class Handlers:
+    """The HTTP endpoints, over one Router."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.config = router.config
+        self.metrics = router.metrics
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(
+            request.stream(), request.headers.get("content-length"), self.config.max_body_bytes
+        )
+
+    async def completions(self, request: Request) -> Response:
+        started = time.perf_counter()
+        tenant = _tenant(request)
+        completion = _scoped(
+            tenant, parse_completion(await self._body(request), request.headers, tenant.id_limit)
+        )
+        plan = await self._plan(completion)
+        self.metrics.hints.labels(plan.decision, plan.consistency).inc()
+        hint_done = time.perf_counter()
+        self.metrics.overhead_seconds.observe(hint_done - started)
+
+        path = request.url.path
+        prefill_node: node_pb2.NodeSpec | None = None
+        if plan.path == "DECODE_LOCAL":
+            # The holder computes the new suffix against its own cache: no prefill leg.
+            kv_params: Any = decode_local_params()
+        else:
+            try:
+                prefill_node, kv_params = await self._prefill_with_fallback(plan, path, completion)
+            except UpstreamError as error:
+                return error.response()
+        prefill_done = time.perf_counter()
+        if prefill_node is not None:
+            self.metrics.prefill_seconds.observe(prefill_done - hint_done)
+
+        decode_body = dict(completion.body)
+        decode_body["kv_transfer_params"] = kv_params
+        if completion.conversation:
+            decode_body["session_id"] = completion.conversation
+        log.info(
+            "routed",
+            conversation=completion.conversation or None,
+            decision=plan.decision,
+            consistency=plan.consistency,
+            reason=plan.reason,
+            path=plan.path,
+            prefill=prefill_node.node_id if prefill_node is not None else None,
+            decode=plan.decode.node_id,
+            prefill_ms=round(1000 * (prefill_done - hint_done), 1),
+        )
+        headers = {
+            "x-kvbroker-decision": plan.decision,
+            "x-kvbroker-consistency": plan.consistency,
+            PATH_HEADER: plan.path,
+            "x-kvbroker-prefill-ms": f"{1000 * (prefill_done - hint_done):.1f}",
+        }
+        leg = self.router.http.build_request(
+            "POST",
+            plan.decode.http_base_url + path,
+            content=encode(decode_body),
+            headers=JSON_HEADERS,
+        )
+        try:
+            if completion.stream:
+                return await self._stream(leg, plan.decode, headers, started, prefill_done)
+            response = await self.router.http.send(leg)
+            engine_answer(response, "decode", plan.decode)
+        except httpx.HTTPError as error:
+            raise leg_failed("decode", plan.decode, error) from error
+        except UpstreamError as error:
+            return error.response()
+        done = time.perf_counter()
+        self.metrics.decode_seconds.observe(done - prefill_done)
+        self.metrics.ttft_seconds.labels(plan.path).observe(done - started)
+        return Response(
+            response.content,
+            response.status_code,
+            media_type=response.headers.get("content-type", "application/json"),
+            headers=headers,
+        )
+
+    async def _plan(self, completion: Completion) -> Plan:
+        """The router's plan, or the registry's refusal as the client's answer."""
+        try:
+            return await self.router.plan(
+                completion.conversation, completion.model, completion.text, completion.wanted_path
+            )
+        except ModelNotFound as error:
+            raise ApiError(
+                404, str(error), ErrorType.INVALID_REQUEST, ErrorCode.MODEL_NOT_FOUND, "model"
+            ) from error
+        except RegistryDown as error:
+            raise ApiError(
+                503,
+                f"registry unreachable and no known node can serve the request: {error}",
+                ErrorType.UNAVAILABLE,
+                ErrorCode.REGISTRY_UNAVAILABLE,
+            ) from error
+        except RegistryCallError as error:
+            if error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT:
+                raise invalid_request(error.message, ErrorCode.INVALID_VALUE) from error
+            code = (
+                ErrorCode.NO_READY_NODE
+                if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+                else ErrorCode.REGISTRY_UNAVAILABLE
+            )
+            raise ApiError(503, error.message or "no route", ErrorType.UNAVAILABLE, code) from error
+
+    async def _prefill_with_fallback(
+        self, plan: Plan, path: str, completion: Completion
+    ) -> tuple[node_pb2.NodeSpec, Any]:
+        """P's params; when P is unreachable or does not answer within ``prefill_timeout_s``,
+        another ready P recomputes (no reuse)."""
+        try:
+            leg = self.router.prefill(plan.prefill, path, completion, plan.lease)
+            return plan.prefill, await leg
+        except httpx.TransportError as error:
+            fallback = self.router.other_prefill(plan.prefill.node_id, completion.model)
+            if fallback is None:
+                raise leg_failed("prefill", plan.prefill, error) from error
+            log.warning(
+                "prefill_node_failed",
+                node=plan.prefill.node_id,
+                error=repr(error),
+                retry=fallback.node_id,
+            )
+            self.metrics.prefill_failovers.inc()
+        except httpx.HTTPError as error:
+            raise leg_failed("prefill", plan.prefill, error) from error
+        try:
+            return fallback, await self.router.prefill(fallback, path, completion, None)
+        except httpx.HTTPError as error:
+            raise leg_failed("prefill", fallback, error) from error
+
+    async def _stream(
+        self,
+        leg: httpx.Request,
+        node: node_pb2.NodeSpec,
+        headers: dict[str, str],
+        started: float,
+        prefill_done: float,
+    ) -> Response:
+        """The decode leg streamed. Until its first chunk has arrived nothing is sent to the
+        client, so a failure up to then gets its own status (an engine's error answer, 502,
+        504); after it, the status line has gone and the stream ends with an error event
+        instead (``_relay``)."""
+        response = await self.router.http.send(leg, stream=True)
+        try:
+            if response.status_code != 200:
+                await response.aread()
+                engine_answer(response, "decode", node)  # raises: not a 200
+            content_type = response.headers.get("content-type", "")
+            if not content_type.startswith("text/event-stream"):
+                raise upstream_failed(
+                    f"the decode node {node.node_id} answered a stream with {content_type!r}",
+                    ErrorCode.UPSTREAM_INVALID_RESPONSE,
+                )
+            chunks = response.aiter_raw()
+            first = await anext(chunks, b"")
+        except BaseException:
+            await response.aclose()
+            raise
+        self.metrics.ttft_seconds.labels(headers[PATH_HEADER]).observe(
+            time.perf_counter() - started
+        )
+        return StreamingResponse(
+            _relay(self.router, response, first, chunks, node, prefill_done),
+            media_type=content_type,
+            headers=headers,
+        )
+
+    async def models(self, request: Request) -> Response:
+        names = sorted({n.spec.model for n in self.router.known_nodes if n.spec.model})
+        data = [{"id": name, "object": "model", "owned_by": "kvbroker"} for name in names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        """200 ``ok`` while the registry answers; 200 ``degraded`` while it does not but the
+        last node list can still route plain P/D (a load balancer should keep this router:
+        every other one is in the same place); 503 ``unavailable`` when neither, as every
+        request would get a 503."""
+        away = self.router.registry_away
+        if away is None:
+            return JSONResponse({"status": "ok"})
+        detail = {"registry": f"unreachable: {away}"}
+        if self.router.can_route_alone():
+            serving = "plain P/D from the last known node list, without KV reuse"
+            return JSONResponse({"status": "degraded", **detail, "serving": serving})
+        return JSONResponse({"status": "unavailable", **detail}, 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def keepalive(self, request: Request) -> Response:
+        """An agent busy in a long tool call keeps its conversation's KV retained."""
+        tenant = _tenant(request)
+        session = session_id(request.path_params["session_id"], limit=tenant.id_limit)
+        raw = await self._body(request)
+        payload = parse_object(raw) if raw else {}
+        renew = registry_pb2.RenewLeaseRequest(conversation_id=tenant.conversation(session))
+        ttl = payload.get("ttl_seconds")
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+                raise invalid_request(
+                    "ttl_seconds must be a positive number", ErrorCode.INVALID_VALUE, "ttl_seconds"
+                )
+            try:
+                renew.time_to_live.FromNanoseconds(int(ttl * 1e9))
+            except (ValueError, OverflowError):
+                raise invalid_request(
+                    "ttl_seconds is out of range", ErrorCode.INVALID_VALUE, "ttl_seconds"
+                ) from None
+        return await self._lease_call(self.router.stub.RenewLease(renew, timeout=2), session)
+
+    async def close_session(self, request: Request) -> Response:
+        """Explicit close: D frees the conversation's blocks at once."""
+        tenant = _tenant(request)
+        session = session_id(request.path_params["session_id"], limit=tenant.id_limit)
+        revoke = registry_pb2.RevokeLeaseRequest(
+            conversation_id=tenant.conversation(session), reason="session closed by client"
+        )
+        return await self._lease_call(self.router.stub.RevokeLease(revoke, timeout=2), session)
+
+    @staticmethod
+    async def _lease_call(call: Any, session: str) -> Response:
+        try:
+            lease = (await call).lease
+        except grpc.aio.AioRpcError as error:
+            status, code = _LEASE_CALL_ERRORS.get(
+                error.code(), (503, ErrorCode.REGISTRY_UNAVAILABLE)
+            )
+            message = error.details() or error.code().name
+            raise ApiError(status, message, ErrorType.SESSION, code) from error
+        return JSONResponse(
+            {
+                "session_id": session,
+                "lease_id": lease.lease_id,
+                "epoch": lease.epoch,
+                "state": label(lease_pb2.LeaseState, lease.state),
+                "ttl_seconds": lease.time_to_live.ToNanoseconds() / 1e9,
+            }
+        )
+
+
+def _tenant(request: Request) -> Tenant:
+    """The request's tenant, named by ``Authenticate`` (a KeyError, so a 500, if the request
+    did not pass through it: never served as anyone's)."""
+    tenant = request.scope[SCOPE_KEY]
+    assert isinstance(tenant, Tenant)
+    return tenant
+
+
+def _scoped(tenant: Tenant, completion: Completion) -> Completion:
+    """The completion with its session id scoped to ``tenant``, as the registry and both legs
+    see it (the decode engine reports its retention under the ``session_id`` it is given)."""
+    conversation = tenant.conversation(completion.conversation)
+    if conversation == completion.conversation:
+        return completion
+    body = dict(completion.body)
+    if "session_id" in body:
+        body["session_id"] = conversation
+    return dataclasses.replace(completion, body=body, conversation=conversation)
+
+
+_LEASE_CALL_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, ErrorCode.INVALID_VALUE),
+    grpc.StatusCode.NOT_FOUND: (404, ErrorCode.SESSION_NOT_FOUND),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, ErrorCode.SESSION_CONFLICT),
+}
+
+
+def build_app(router: Router) -> Starlette:
+    handlers = Handlers(router)
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", _guarded(handlers.completions), methods=["POST"]),
+            Route("/v1/completions", _guarded(handlers.completions), methods=["POST"]),
+            Route("/v1/models", _guarded(handlers.models), methods=["GET"]),
+            Route("/health", _guarded(handlers.health), methods=["GET"]),
+            Route("/metrics", _guarded(handlers.prometheus), methods=["GET"]),
+            Route(
+                "/v1/sessions/{session_id}/keepalive",
+                _guarded(handlers.keepalive),
+                methods=["POST"],
+            ),
+            Route(
+                "/v1/sessions/{session_id}", _guarded(handlers.close_session), methods=["DELETE"]
+            ),
+        ],
+        middleware=[Middleware(Authenticate, keys=router.api_keys, metrics=router.metrics)],
+        exception_handlers={HTTPException: _http_exception},
+        lifespan=lambda app: _lifespan(router),
+    )
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(router: Router) -> AsyncIterator[None]:
+    await router.start()
+    try:
+        yield
+    finally:
+        await router.close()
+
+
+async def _relay(
+    router: Router,
+    response: httpx.Response,
+    first: bytes,
+    chunks: AsyncIterator[bytes],
+    node: node_pb2.NodeSpec,
+    prefill_done: float,
+) -> AsyncIterator[bytes]:
+    """The rest of a streamed decode leg. A failure now cannot change the status (200, sent
+    with the first chunk): the stream ends with OpenAI's error object as an event, then
+    ``[DONE]``, as vLLM ends a stream that failed."""
+    last = first
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            last = chunk
+            yield chunk
+        router.metrics.decode_seconds.observe(time.perf_counter() - prefill_done)
+        return
+    except httpx.HTTPError as error:
+        failure = leg_failed("decode", node, error)
+    except Exception:
+        log.exception("router_bug", leg="decode stream")
+        failure = _internal_error()
+    finally:
+        await response.aclose()
+    # A chunk cut short would swallow the event: end it first.
+    separator = b"" if last.endswith(b"\n\n") else b"\n\n"
+    yield separator + failure.sse() + b"data: [DONE]\n\n"
