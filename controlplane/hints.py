@@ -96,7 +96,8 @@ class Hints:
         if reuse.reuses and lease is not None and not dry_run:
             await self._leases.claim(lease)
         if not dry_run:
-            prefill.assigned_since_heartbeat += 1
+            if path != planner.DECODE_LOCAL:  # a turn on D alone gives P no work
+                prefill.assigned_since_heartbeat += 1
             decode.assigned_since_heartbeat += 1
             if conversation_id:
                 self._turns.started(conversation_id)

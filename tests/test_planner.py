@@ -277,6 +277,19 @@ async def test_a_turn_that_just_finished_does_not_count_as_load() -> None:
     assert h.registry.nodes.runtime["decode-0"].pending == 0
 
 
+async def test_a_turn_on_the_decode_node_alone_is_no_load_on_a_prefill_node() -> None:
+    h = Harness()
+    await h.fleet()
+    await h.grant("conv-1", "req-1")
+    local = await reused(h, TurnRequest(prompt_tokens=90, new_tokens=20))
+    assert local.path == registry_pb2.TURN_PATH_DECODE_LOCAL
+    prefill = h.registry.nodes.runtime["prefill-0"]
+    assert prefill.pending == 0
+    bulk = await h.registry.routing_hint("conv-2", "", False, TurnRequest(prompt_tokens=4000))
+    assert bulk.path == registry_pb2.TURN_PATH_RECOMPUTE
+    assert prefill.pending == 1
+
+
 async def test_the_registry_remembers_which_prefill_node_computed_each_prompt() -> None:
     """Set by a hint that sends the turn to a prefill node (not a dry run, not DECODE_LOCAL);
     counted only while that node is the same engine, caches prefixes, and is READY."""
