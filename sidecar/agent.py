@@ -228,6 +228,7 @@ class Agent:
             or self.engine.capacity_blocks,
             retention_hard_cap=self.engine.retention_hard_cap,
             incarnation=self.incarnation,
+            prefix_caching=self.config.prefix_caching,
         )
 
     async def run(self) -> None:
