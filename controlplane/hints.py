@@ -65,7 +65,7 @@ class Hints:
         asked: TurnRequest = UNSAID,
     ) -> None:
         """Writes one hint into ``hint`` (call under the lock); unless ``dry_run``, claims the
-        lease it offers and counts the choice. The turn's path is the planner's."""
+        lease it offers for a READ and counts the choice. The turn's path is the planner's."""
         started = self._now()
         try:
             routes = self._nodes.routes(model)
@@ -93,7 +93,11 @@ class Hints:
                 else f"recomputing is estimated fastest ({plan.chosen.ttft_ms:.0f} ms)"
             )
             reuse = routing.Reuse(registry_pb2.HINT_DECISION_RECOMPUTE, why)
-        if reuse.reuses and lease is not None and not dry_run:
+        if path == planner.READ and reuse.reuses and lease is not None and not dry_run:
+            # Only a read needs the blocks kept for it. A DECODE_LOCAL turn reads nothing:
+            # the decode node shares the blocks once it admits the turn, and if they are
+            # released before that it computes the prompt itself. Claiming for it would keep
+            # them from the holder's pressure release for a whole claim.
             await self._leases.claim(lease)
         if not dry_run:
             if path != planner.DECODE_LOCAL:  # a turn on D alone gives P no work

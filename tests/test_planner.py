@@ -239,6 +239,20 @@ async def test_a_recompute_choice_claims_nothing() -> None:
     assert (await h.registry.get_lease(lease.lease_id)).state == lease_pb2.LEASE_STATE_ACTIVE
 
 
+async def test_a_decode_local_turn_claims_nothing_and_a_read_claims() -> None:
+    """No read happens on DECODE_LOCAL: its lease stays ACTIVE, so the holder may release it
+    under pressure (a claim would keep it for the whole claim)."""
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("conv-1", "req-1")
+    local = await reused(h, TurnRequest(prompt_tokens=90, new_tokens=20))
+    assert local.path == registry_pb2.TURN_PATH_DECODE_LOCAL
+    assert (await h.registry.get_lease(lease.lease_id)).state == lease_pb2.LEASE_STATE_ACTIVE
+    read = await reused(h, TurnRequest(wanted=registry_pb2.TURN_PATH_READ))
+    assert read.path == registry_pb2.TURN_PATH_READ
+    assert (await h.registry.get_lease(lease.lease_id)).state == lease_pb2.LEASE_STATE_CLAIMED
+
+
 async def test_cost_profiles_are_checked_stored_and_survive_re_registration() -> None:
     h = Harness()
     await h.fleet()
