@@ -53,6 +53,7 @@ LAYERS = {
     "test_drain_unit": "unit",
     "test_engine_load": "unit",
     "test_engine_rules": "unit",
+    "test_engine_work": "unit",
     "test_labels": "unit",
     "test_paths_bench": "unit",
     "test_planner": "unit",
