@@ -19,7 +19,6 @@ from controlplane.store import Store
 from controlplane.turns import Turns
 from kvbroker.common import routing
 from kvbroker.common.clock import from_timestamp
-from kvbroker.common.costs import DEFAULT_COSTS
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, registry_pb2
 
@@ -134,8 +133,8 @@ class Hints:
         )
         found = planner.estimates(
             turn,
-            prefill.costs or DEFAULT_COSTS,
-            holder.costs or DEFAULT_COSTS,
+            prefill.costs,
+            holder.costs,
             self._planner,
         )
         return planner.choose(found, asked.wanted), found

@@ -49,6 +49,7 @@ LAYERS = {
     "test_calibration": "integration",
     "test_checkpoints": "unit",
     "test_connector_scheduler": "unit",
+    "test_cost_correction": "unit",
     "test_deadlines": "unit",
     "test_drain_unit": "unit",
     "test_engine_load": "unit",
