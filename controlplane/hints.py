@@ -1,6 +1,11 @@
 """Routing hints: the routing rule (``kvbroker.common.routing``) applied to the registry's
 state, by the leader (which may claim the lease it offers) and by a follower answering from its
 cache while no leader can be reached (which may not).
+
+The leader's hint goes on the planner's path (``controlplane.planner``), and to the prefill
+node the planner chose: the least-loaded one the routing rule picks, or the one whose own
+prefix cache holds the conversation's last prompt (``PrefillCaches``) when that is estimated
+faster. A follower knows no such cache and keeps the routing rule's pick.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from controlplane.leases import Leases
 from controlplane.metrics import RegistryMetrics
 from controlplane.nodes import NodeRuntime, NodeSessions
 from controlplane.planner import UNSAID, TurnRequest
+from controlplane.prefill_caches import PrefillCaches
 from controlplane.store import Store
 from controlplane.turns import Turns
 from kvbroker.common import routing
@@ -47,6 +53,7 @@ class Hints:
         self._idle_ttl = idle_ttl
         self._round_robin = itertools.count()
         self._planner = planner_config
+        self.prefill_caches = PrefillCaches()
 
     async def hint(
         self,
@@ -73,21 +80,28 @@ class Hints:
         )
         holder_id = conversation.decode_node_id if conversation is not None else ""
         prefill, decode = routing.choose(routes, next(self._round_robin), holder=holder_id)
-        path, found = self._path(reuse, lease, prefill, decode, asked)
-        if reuse.reuses and path == planner.RECOMPUTE:
+        usable = lease if reuse.reuses else None
+        plan = self._plan(conversation_id, model, usable, prefill, decode, asked)
+        path = plan.path if plan is not None else planner.READ if usable else planner.RECOMPUTE
+        if plan is not None:
+            prefill = self._nodes.runtime[plan.prefill_node_id]
+        if reuse.reuses and plan is not None and plan.path == planner.RECOMPUTE:
             why = (
                 "recomputing was asked for"
                 if asked.wanted == planner.RECOMPUTE
-                else f"recomputing is estimated fastest ({found[0].ttft_ms:.0f} ms)"
+                else f"recomputing is estimated fastest ({plan.chosen.ttft_ms:.0f} ms)"
             )
             reuse = routing.Reuse(registry_pb2.HINT_DECISION_RECOMPUTE, why)
         if reuse.reuses and lease is not None and not dry_run:
             await self._leases.claim(lease)
         if not dry_run:
-            prefill.assigned_since_heartbeat += 1
+            if path != planner.DECODE_LOCAL:  # a turn on D alone gives P no work
+                prefill.assigned_since_heartbeat += 1
             decode.assigned_since_heartbeat += 1
             if conversation_id:
                 self._turns.started(conversation_id)
+                retained = usable.token_count if usable is not None else 0
+                self._note_prefill(conversation_id, path, prefill, retained, asked)
         hint.decision = reuse.decision
         hint.reason = reuse.reason
         hint.consistency = EXACT if reuse.exact else DEGRADED
@@ -96,48 +110,80 @@ class Hints:
         if reuse.reuses and lease is not None:
             self._leases.view(lease, into=hint.lease)
         hint.path = path
-        for estimate in found:
+        for estimate in plan.estimates if plan is not None else ():
             hint.estimates.add(
-                path=estimate.path, ttft_ms=estimate.ttft_ms, not_eligible=estimate.not_eligible
+                path=estimate.path,
+                ttft_ms=estimate.ttft_ms,
+                not_eligible=estimate.not_eligible,
+                prefill_node_id=estimate.prefill_node_id,
+                prefill_cached_tokens=estimate.cached_tokens,
             )
         consistency = "EXACT" if reuse.exact else "DEGRADED"
         self._metrics.hint(label(registry_pb2.HintDecision, reuse.decision), consistency).inc()
         self._metrics.hint_paths.labels(label(registry_pb2.TurnPath, path)).inc()
         self._metrics.hint_latency.observe(self._now() - started)
 
-    def _path(
+    def _plan(
         self,
-        reuse: routing.Reuse,
+        conversation_id: str,
+        model: str,
         lease: lease_pb2.Lease | None,
         prefill: NodeRuntime,
         decode: NodeRuntime,
         asked: TurnRequest,
-    ) -> tuple[registry_pb2.TurnPath, list[planner.Estimate]]:
-        """The turn's path and the estimates behind it. Without a usable lease there is only
-        recomputing; without the router's word on the prompt's size, today's read."""
-        if not reuse.reuses or lease is None:
-            return planner.RECOMPUTE, []
-        new_tokens = asked.new_after(lease.token_count)
-        if new_tokens is None and asked.wanted:
+    ) -> planner.Plan | None:
+        """The planner's choice for a turn that may reuse ``lease`` (None: nothing usable is
+        retained), between the least-loaded ``prefill`` and the prefill node whose own cache
+        holds the conversation. None when there is nothing to weigh: without a usable lease
+        only recomputing is left, and the prefill node matters only when one caches the
+        conversation; without the router's word on the prompt's size, a reused turn reads."""
+        cached = (
+            self.prefill_caches.cached(conversation_id, model, self._nodes.runtime)
+            if conversation_id
+            else None
+        )
+        if lease is None and cached is None:
+            return None
+        retained = lease.token_count if lease is not None else 0
+        new_tokens = asked.new_after(retained) if lease is not None else asked.prompt_after(0)
+        if new_tokens is None and asked.wanted and lease is not None:
             new_tokens = 1  # unsaid: eligibility is all that is weighed for the asked path
         if new_tokens is None:
-            return planner.READ, []
-        holder = self._nodes.runtime[lease.node_id]
+            return None
+        candidates = [_prefill(prefill)]
+        if cached is not None:
+            node, tokens = cached
+            if node is prefill:
+                candidates = [_prefill(prefill, tokens)]
+            else:
+                candidates.append(_prefill(node, tokens))
+        # D: the holder, whose cache has the retained tokens; else the turn's decode node.
+        holder = self._nodes.runtime[lease.node_id] if lease is not None else decode
         turn = planner.Turn(
-            retained_tokens=lease.token_count,
+            retained_tokens=retained,
             new_tokens=new_tokens,
             block_size=holder.spec.block_size,
-            prefill_running=prefill.pending,
             decode_running=holder.pending,
             holder_decodes=decode is holder,
         )
-        found = planner.estimates(
-            turn,
-            prefill.costs,
-            holder.costs,
-            self._planner,
-        )
-        return planner.choose(found, asked.wanted), found
+        return planner.plan(turn, candidates, holder.costs, self._planner, asked.wanted)
+
+    def _note_prefill(
+        self,
+        conversation_id: str,
+        path: registry_pb2.TurnPath,
+        prefill: NodeRuntime,
+        retained: int,
+        asked: TurnRequest,
+    ) -> None:
+        """A turn with a prefill leg leaves its prompt in that node's cache (when it caches
+        prefixes: ``PrefillCaches`` checks that when it is asked); a DECODE_LOCAL turn leaves
+        the prefill nodes' caches as they were, and so does a prompt of unknown size."""
+        if path == planner.DECODE_LOCAL:
+            return
+        tokens = asked.prompt_after(retained)
+        if tokens is not None:
+            self.prefill_caches.computed(conversation_id, prefill.spec, tokens)
 
     async def _current_lease(
         self, conversation: lease_pb2.Conversation | None, claim: bool
@@ -156,6 +202,10 @@ class Hints:
         if lease is not None:
             await self._leases.expire_if_due(lease)
         return lease
+
+
+def _prefill(node: NodeRuntime, cached_tokens: int = 0) -> planner.Prefill:
+    return planner.Prefill(node.node_id, node.costs, node.pending, cached_tokens)
 
 
 async def cached_hint(

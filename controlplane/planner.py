@@ -1,4 +1,5 @@
-"""Each turn on its fastest path: the cost model that chooses how a turn's prompt gets its KV.
+"""Each turn on its fastest path: the cost model that chooses how a turn's prompt gets its KV,
+and on which prefill node.
 
 Three paths (``registry_pb2.TurnPath``):
 
@@ -10,6 +11,12 @@ Three paths (``registry_pb2.TurnPath``):
   computes the suffix, and D reads the suffix's KV back from P to decode.
 - ``RECOMPUTE``: P computes the whole prompt; D reads all of its KV from P.
 
+A fourth source is free: P's own prefix cache. The P that computed the conversation's last
+prompt still caches it (vLLM's prefix caching, when the node says it is on), so on the next
+turn it reads from D only the retained blocks beyond it (the engine consults its own cache
+first) and computes only what lies beyond it. ``cached`` is that prompt's length in whole
+blocks, never more than the retained tokens.
+
 Estimated time to first token of each, from the turn (retained and new tokens) and the two
 nodes' ``Costs`` (measured by ``kvbroker calibrate``, defaults until then) and load:
 
@@ -17,17 +24,22 @@ nodes' ``Costs`` (measured by ``kvbroker calibrate``, defaults until then) and l
     read(blocks)          = read_fixed + blocks * read_per_block
 
     DECODE_LOCAL = prefill_D(new, retained)                         * load_D
-    READ         = lease_check + read_P(retained blocks) + prefill_P(new, retained) * load_P
-                   + read_D(new blocks)
-    RECOMPUTE    = prefill_P(all, 0) * load_P + read_D(all blocks)
+    READ         = lease_check + read_P(retained blocks - cached blocks)
+                   + prefill_P(new, retained) * load_P + read_D(new blocks)
+    RECOMPUTE    = prefill_P(all - cached, cached) * load_P + read_D(all blocks)
 
-where load = 1 + running requests (an engine shares its compute between what it runs). The
-planner takes the cheapest eligible path. The algorithm is here, apart from the registry's
-state; ``Hints`` feeds it and acts on its choice.
+where load = 1 + running requests (an engine shares its compute between what it runs) and
+all = retained + new. READ and RECOMPUTE are weighed on each candidate prefill node: the
+least loaded (``routing.choose``, which every router without a planner uses too) first, then
+the ones whose cache holds part of the conversation. The planner takes the cheapest eligible
+(path, prefill node); ties keep the earlier candidate, so with no cache anywhere the choice of
+P is the least-loaded one, as without a planner. The algorithm is here, apart from the
+registry's state; ``Hints`` feeds it and acts on its choice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbroker.common.costs import Costs
@@ -36,6 +48,8 @@ from kvbroker.v1 import registry_pb2
 DECODE_LOCAL = registry_pb2.TURN_PATH_DECODE_LOCAL
 READ = registry_pb2.TURN_PATH_READ
 RECOMPUTE = registry_pb2.TURN_PATH_RECOMPUTE
+
+NOTHING_RETAINED = "nothing is retained for this conversation"
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,15 @@ class TurnRequest:
     def of(cls, request: registry_pb2.GetRoutingHintRequest) -> TurnRequest:
         return cls(request.prompt_tokens, request.new_tokens, request.path)
 
+    def prompt_after(self, retained_tokens: int) -> int | None:
+        """The whole prompt: the router's estimate of it, else ``retained_tokens`` and its
+        estimate of the suffix; None when neither is known."""
+        if self.prompt_tokens:
+            return self.prompt_tokens
+        if self.new_tokens:
+            return retained_tokens + self.new_tokens
+        return None
+
     def new_after(self, retained_tokens: int) -> int | None:
         """The suffix beyond ``retained_tokens``: the router's own estimate of it, else its
         estimate of the whole prompt less what is retained; None when neither is known."""
@@ -79,16 +102,30 @@ UNSAID = TurnRequest()
 class Turn:
     """What the planner knows of one turn."""
 
-    retained_tokens: int  # in the holder's cache under the conversation's lease
+    retained_tokens: int  # in the holder's cache under the conversation's lease (0: none)
     new_tokens: int  # the prompt beyond them
     block_size: int
-    prefill_running: int  # requests the prefill node runs (or queues) now
     decode_running: int  # requests the holder runs (or queues) now
     # Whether the turn's decode node is the holder (it is unless the holder is draining).
     holder_decodes: bool = True
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // max(self.block_size, 1))
+
+    def whole_blocks(self, tokens: int) -> int:
+        return tokens // max(self.block_size, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """A prefill node the turn may go to, as the planner weighs it."""
+
+    node_id: str
+    costs: Costs
+    running: int  # requests it runs (or queues) now
+    # Tokens of this conversation's prompt its own prefix cache holds (0: none, or its engine
+    # caches no prefixes).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,38 +134,99 @@ class Estimate:
     ttft_ms: float
     # Empty when the path can be taken.
     not_eligible: str = ""
+    # The prefill node it is for (empty for DECODE_LOCAL), and the tokens counted from its
+    # own cache.
+    prefill_node_id: str = ""
+    cached_tokens: int = 0
 
 
-def estimates(turn: Turn, prefill: Costs, decode: Costs, config: PlannerConfig) -> list[Estimate]:
-    """Each path's estimated time to first token, cheapest first among the eligible."""
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The planner's choice, the prefill node the turn goes to (the first candidate when the
+    path has no prefill leg), and the estimates behind it, cheapest eligible first."""
+
+    chosen: Estimate
+    prefill_node_id: str
+    estimates: list[Estimate]
+
+    @property
+    def path(self) -> registry_pb2.TurnPath:
+        return self.chosen.path
+
+
+def plan(
+    turn: Turn,
+    prefills: Sequence[Prefill],
+    decode: Costs,
+    config: PlannerConfig,
+    wanted: registry_pb2.TurnPath = registry_pb2.TURN_PATH_UNSPECIFIED,
+) -> Plan:
+    """The cheapest eligible (path, prefill node) over ``prefills`` (not empty; the
+    least-loaded candidate first, so it wins ties); ``wanted`` when it is eligible, on its
+    cheapest prefill node. RECOMPUTE is always eligible."""
+    found = [_decode_local(turn, decode, config)]
+    for prefill in prefills:
+        found += _prefill_legs(turn, prefill, decode, config)
+    found.sort(key=_rank)  # stable: among equals the earlier candidate stays first
+    eligible = [e for e in found if not e.not_eligible]
+    best = next((e for e in eligible if e.path == wanted), eligible[0])
+    return Plan(best, best.prefill_node_id or prefills[0].node_id, found)
+
+
+def _rank(estimate: Estimate) -> tuple[bool, float]:
+    return bool(estimate.not_eligible), estimate.ttft_ms
+
+
+def _decode_local(turn: Turn, decode: Costs, config: PlannerConfig) -> Estimate:
+    load_d = 1 + turn.decode_running
+    ttft = decode.prefill_ms(turn.new_tokens, turn.retained_tokens) * load_d
+    return Estimate(DECODE_LOCAL, ttft, _local_refusal(turn, config))
+
+
+def _prefill_legs(
+    turn: Turn, prefill: Prefill, decode: Costs, config: PlannerConfig
+) -> list[Estimate]:
+    """READ and RECOMPUTE on one prefill node, counting what its own cache holds."""
     new, retained = turn.new_tokens, turn.retained_tokens
-    load_p, load_d = 1 + turn.prefill_running, 1 + turn.decode_running
-    local = decode.prefill_ms(new, retained) * load_d
+    total = new + retained
+    # vLLM caches whole blocks, and computes at least the prompt's last token itself.
+    cached_blocks = turn.whole_blocks(min(prefill.cached_tokens, total - 1))
+    cached = cached_blocks * turn.block_size
+    load_p = 1 + prefill.running
+    costs = prefill.costs
     read = (
         config.lease_check_ms
-        + prefill.read_ms(turn.blocks(retained))
-        + prefill.prefill_ms(new, retained) * load_p
+        + costs.read_ms(max(turn.blocks(retained) - cached_blocks, 0))
+        + costs.prefill_ms(new, retained) * load_p
         + decode.read_ms(turn.blocks(new))
     )
-    recompute = prefill.prefill_ms(new + retained, 0) * load_p + decode.read_ms(
-        turn.blocks(new + retained)
+    recompute = costs.prefill_ms(total - cached, cached) * load_p + decode.read_ms(
+        turn.blocks(total)
     )
-    found = [
-        Estimate(DECODE_LOCAL, local, _local_refusal(turn, config)),
-        Estimate(
-            READ,
-            read,
-            ""
-            if retained >= config.min_read_tokens
-            else f"{retained} retained tokens are under the read threshold of "
-            f"{config.min_read_tokens}",
-        ),
-        Estimate(RECOMPUTE, recompute),
+    return [
+        Estimate(READ, read, _read_refusal(retained, cached, config), prefill.node_id, cached),
+        Estimate(RECOMPUTE, recompute, "", prefill.node_id, cached),
     ]
-    return sorted(found, key=lambda e: (bool(e.not_eligible), e.ttft_ms))
+
+
+def _read_refusal(retained: int, cached: int, config: PlannerConfig) -> str:
+    """As the prefill engine decides (``engine_ext.verdict``): a read must bring at least the
+    threshold beyond what its own cache has."""
+    if not retained:
+        return NOTHING_RETAINED
+    remote = retained - cached
+    if remote >= max(config.min_read_tokens, 1):
+        return ""
+    beyond = " beyond the prefill node's own cache" if cached else ""
+    return (
+        f"{max(remote, 0)} retained tokens{beyond} are under the read threshold of "
+        f"{config.min_read_tokens}"
+    )
 
 
 def _local_refusal(turn: Turn, config: PlannerConfig) -> str:
+    if not turn.retained_tokens:
+        return NOTHING_RETAINED
     if not turn.holder_decodes:
         return "the holder is not this turn's decode node"
     if turn.new_tokens > config.max_local_prefill_tokens:
@@ -137,11 +235,3 @@ def _local_refusal(turn: Turn, config: PlannerConfig) -> str:
             f"{config.max_local_prefill_tokens}"
         )
     return ""
-
-
-def choose(
-    found: list[Estimate], wanted: registry_pb2.TurnPath = registry_pb2.TURN_PATH_UNSPECIFIED
-) -> registry_pb2.TurnPath:
-    """``wanted`` when it is eligible, else the cheapest eligible path (RECOMPUTE always is)."""
-    eligible = [e.path for e in found if not e.not_eligible]
-    return wanted if wanted in eligible else eligible[0]

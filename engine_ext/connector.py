@@ -39,6 +39,7 @@ from engine_ext import vllm_compat
 from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
 from engine_ext.pressure import (
     RetainedRequest,
+    admission_shortfall,
     blocks_to_admit,
     choose_reclaims,
     end_cause_of_free,
@@ -180,6 +181,11 @@ class NixlConnector(NixlPullConnector):
         self._budget_blocks = int(self.settings.retention_max_fraction * kv_cache_config.num_blocks)
         # Blocks the scheduler lacked this step to admit a waiting request (0: none).
         self._shortfall_blocks = 0
+        # Waiting requests the scheduler asked about and has not admitted, since when; and
+        # whether its last step scheduled nothing (an idle engine frees no blocks by itself).
+        self._unadmitted: dict[str, float] = {}
+        self._starved: set[str] = set()  # those already logged as short of blocks
+        self._scheduled_nothing = False
         self._block_pool: BlockPool | None = None
         self.link: EngineLink | None = None
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
@@ -221,7 +227,19 @@ class NixlConnector(NixlPullConnector):
             return
         in_use = local_hit_blocks_in_use(pool, request, num_computed_tokens // self._block_size)
         needed = blocks_to_admit(request.num_tokens, self._block_size, in_use)
-        shortfall = needed - free_blocks(pool)
+        now = time.perf_counter()
+        since = self._unadmitted.setdefault(request.request_id, now)
+        free = free_blocks(pool)
+        shortfall = admission_shortfall(
+            needed, free, now - since, self._scheduled_nothing, self.settings.reclaim_retry_s
+        )
+        if shortfall > 0 >= needed - free and request.request_id not in self._starved:
+            self._starved.add(request.request_id)
+            log.info(
+                "kvbroker: request %s waited %.1f s on an idle engine although %d free blocks "
+                "cover the %d it needs by the connector's count; releasing retention for it",
+                request.request_id, now - since, free, needed,
+            )  # fmt: skip
         self._shortfall_blocks = max(self._shortfall_blocks, shortfall)
 
     def has_pending_block_frees(self) -> bool:
@@ -338,6 +356,8 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._unadmitted.pop(request.request_id, None)
+        self._starved.discard(request.request_id)
         if vllm_compat.in_transfer_batch(self._sched, request.request_id):
             self._tracked.add(request.request_id)
 
@@ -352,6 +372,8 @@ class NixlConnector(NixlPullConnector):
         request_id = request.request_id
         # Finished (e.g. aborted) while its lease check was in flight: nothing will ask again.
         self._pending_checks.pop(request_id, None)
+        self._unadmitted.pop(request_id, None)
+        self._starved.discard(request_id)
         tracked = request_id in self._tracked
         self._tracked.discard(request_id)
         params = request.kv_transfer_params
@@ -380,7 +402,7 @@ class NixlConnector(NixlPullConnector):
         self._retained[request_id] = RetainedRequest(
             request_id=request_id,
             tokens=num_tokens,
-            blocks=len(block_ids[0]) if block_ids else 0,
+            block_ids=frozenset(block_ids[0]) if block_ids else frozenset(),
             hard_cap=first.hard_cap,
             deadline=first.free_at,
             last_active=now,
@@ -405,7 +427,8 @@ class NixlConnector(NixlPullConnector):
         self._apply_deadlines()
         self._reclaim(time.perf_counter())
         meta = super().build_connector_meta(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0 and self.settings.idle_step_sleep_s:
+        self._scheduled_nothing = scheduler_output.total_num_scheduled_tokens == 0
+        if self._scheduled_nothing and self.settings.idle_step_sleep_s:
             time.sleep(self.settings.idle_step_sleep_s)
         return meta
 

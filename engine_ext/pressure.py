@@ -4,7 +4,9 @@ is a cache, never a reservation", apart from vLLM so they can be tested on a fak
 Two triggers, both evaluated every engine step:
 
 * **Pressure.** The scheduler could not admit a waiting request, or grow a running one, for
-  lack of free blocks. The shortfall is released at once, lowest value first.
+  lack of free blocks. The shortfall is released at once, lowest value first; a request an
+  idle engine keeps waiting is short of blocks whatever the count says
+  (``admission_shortfall``).
 * **Budget** (off unless set). Retention may hold at most a share of the cache
   (``kvbroker_retention_max_fraction``), so new work rarely has to wait for a release at all
   and some room is already free if the engine loses the registry.
@@ -18,6 +20,7 @@ engine then keeps that request until the claim ends and picks others. Value come
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -34,7 +37,10 @@ class RetainedRequest:
 
     request_id: str
     tokens: int
-    blocks: int
+    # The KV blocks it holds. A conversation's turns share their prefix blocks (the next turn
+    # on the same engine reuses them through the prefix cache), so what retention holds is the
+    # union of these, and what releasing one frees is the part no other retained request holds.
+    block_ids: frozenset[int]
     # Never kept past this, whatever the registry says.
     hard_cap: float
     # The deadline the worker applies now.
@@ -48,6 +54,10 @@ class RetainedRequest:
     claimed_until: float = 0.0
     # Why the registry ended the lease, once it has (what the free is reported as).
     end_cause: int = lease_pb2.LEASE_END_CAUSE_UNSPECIFIED
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_ids)
 
     def value(self, now: float) -> RetentionValue:
         return RetentionValue(
@@ -71,6 +81,24 @@ def blocks_to_admit(prompt_tokens: int, block_size: int, hit_blocks_in_use: int)
     return -(-(prompt_tokens + 1) // block_size) - hit_blocks_in_use
 
 
+def admission_shortfall(
+    needed_blocks: int, free_blocks: int, waited_s: float, engine_idle: bool, patience_s: float
+) -> int:
+    """Blocks retention owes a waiting request: what it needs beyond the free blocks, and at
+    least one once it has waited ``patience_s`` on an engine that scheduled nothing.
+
+    vLLM admits by rules a connector does not see (blocks reserved for KV loads in flight, a
+    watermark), so a count that says a request fits while the scheduler keeps it waiting is
+    possible; on an idle engine nothing else will ever free a block, and the request would wait
+    for a release nobody asks for (measured: decode engines idle for minutes with requests
+    waiting and 90 % of their cache retained). An idle engine with a request waiting that long
+    is short of blocks whatever the count says."""
+    counted = needed_blocks - free_blocks
+    if engine_idle and waited_s >= patience_s:
+        return max(counted, 1)
+    return counted
+
+
 def choose_reclaims(
     retained: Iterable[RetainedRequest],
     now: float,
@@ -80,12 +108,21 @@ def choose_reclaims(
 ) -> list[tuple[RetainedRequest, int]]:
     """What to ask the registry to release now, with the cause: enough of the lowest-value
     requests to cover ``shortfall_blocks`` (PRESSURE), then to bring what retention holds
-    within ``budget_blocks`` (BUDGET). Blocks already being reclaimed count as freed;
-    requests a read may be in flight for are never chosen."""
+    within ``budget_blocks`` (BUDGET). Blocks are counted once however many retained requests
+    share them, and releasing a request frees only the blocks no other one still holds.
+    Blocks already being reclaimed count as freed; requests a read may be in flight for are
+    never chosen."""
     entries = list(retained)
-    reclaiming = sum(r.blocks for r in entries if r.being_reclaimed(now, retry_s))
+    holders = Counter(block for r in entries for block in r.block_ids)
+
+    def release(request: RetainedRequest) -> int:
+        """Takes the request's holds off the count; the blocks that frees."""
+        holders.subtract(request.block_ids)
+        return sum(holders[block] == 0 for block in request.block_ids)
+
+    reclaiming = sum(release(r) for r in entries if r.being_reclaimed(now, retry_s))
     pressure_left = shortfall_blocks - reclaiming
-    budget_left = sum(r.blocks for r in entries) - reclaiming - budget_blocks
+    budget_left = sum(count > 0 for count in holders.values()) - budget_blocks
     if pressure_left <= 0 and budget_left <= 0:
         return []
     candidates = sorted(
@@ -106,8 +143,9 @@ def choose_reclaims(
             chosen.append((request, BUDGET))
         else:
             break
-        pressure_left -= request.blocks
-        budget_left -= request.blocks
+        freed = release(request)
+        pressure_left -= freed
+        budget_left -= freed
     return chosen
 
 

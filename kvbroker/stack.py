@@ -55,12 +55,19 @@ def registry_command(listen: str, *flags: str) -> list[str]:
 
 
 def sidecar_command(
-    registry: str, engine_url: str, role: str, node_id: str, socket: Path
+    registry: str,
+    engine_url: str,
+    role: str,
+    node_id: str,
+    socket: Path,
+    prefix_caching: bool = True,
 ) -> list[str]:
-    """`kvbroker sidecar run` for one engine, serving its engine on a unix socket."""
+    """`kvbroker sidecar run` for one engine, serving its engine on a unix socket;
+    ``prefix_caching`` says whether that engine caches prefixes."""
     return [
         KVBROKER, "sidecar", "run", "--registry", registry, "--engine-url", engine_url,
         "--role", role, "--node-id", node_id, "--listen", f"unix:{socket}", "--log-format", "json",
+        "--prefix-caching" if prefix_caching else "--no-prefix-caching",
     ]  # fmt: skip
 
 
@@ -168,7 +175,7 @@ class Stack:
         name = f"sidecar-{engine.role}"
         argv = sidecar_command(
             self.registry_address, self.url(engine), engine.role, f"{engine.role}-0",
-            self.socket_path(engine),
+            self.socket_path(engine), self.prefix_caching(engine),
         )  # fmt: skip
         return ChildProcess(
             name, argv, self._log(name), ready=[Announces()], env=self.kvbroker_env()
@@ -218,12 +225,18 @@ class Stack:
             "UCX_NET_DEVICES": "lo",
         }
 
+    def prefix_caching(self, engine: EngineSpec) -> bool:
+        """Whether the engine caches prefixes: the decode engine always (DECODE_LOCAL finds the
+        retained blocks in it), the prefill engine as configured. Its vLLM flag and its
+        sidecar's both follow this."""
+        return engine.role != "prefill" or self.config.prefill_prefix_caching
+
     def engine_argv(self, engine: EngineSpec) -> list[str]:
         assert self.model_dir is not None
         caching = (
-            "--no-enable-prefix-caching"
-            if engine.role == "prefill" and not self.config.prefill_prefix_caching
-            else "--enable-prefix-caching"
+            "--enable-prefix-caching"
+            if self.prefix_caching(engine)
+            else "--no-enable-prefix-caching"
         )
         return [
             PYTHON, "-m", "vllm.entrypoints.openai.api_server",

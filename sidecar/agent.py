@@ -233,6 +233,7 @@ class Agent:
             or self.engine.capacity_blocks,
             retention_hard_cap=self.engine.retention_hard_cap,
             incarnation=self.incarnation,
+            prefix_caching=self.config.prefix_caching,
         )
 
     async def run(self) -> None:

@@ -17,6 +17,9 @@ class SidecarConfig:
     model: str = ""
     # Advertised HTTP base URL when it differs from engine_url (NAT, another interface).
     advertise_url: str = ""
+    # Whether the engine caches prefixes (vLLM does unless started with
+    # --no-enable-prefix-caching): the planner counts a prefill node's own cache only then.
+    prefix_caching: bool = True
     max_batch: int = 512
     backoff_initial_s: float = 0.1
     # Short: after a registry failover the holder's replay is what lets its KV be reused

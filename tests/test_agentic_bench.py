@@ -74,7 +74,9 @@ def test_cli_defaults_match_the_config() -> None:
     assert sorted(options["arms"].default.split(",")) == sorted(defaults.arms)
 
 
-def _record(turn: int, ttft_ms: float, decision: str, decode_wait_ms: float) -> AgenticRecord:
+def _record(
+    turn: int, ttft_ms: float, decision: str, decode_wait_ms: float, path: str = "READ"
+) -> AgenticRecord:
     return AgenticRecord(
         arm="kvbroker",
         conversation_id="c",
@@ -82,6 +84,7 @@ def _record(turn: int, ttft_ms: float, decision: str, decode_wait_ms: float) -> 
         gap_s=0.0,
         after_tool_call=False,
         decision=decision,
+        path=path,
         input_num_tokens=100,
         output_num_tokens=16,
         ttft_ms=ttft_ms,
@@ -97,9 +100,9 @@ def test_summary_figures() -> None:
     result = ArmResult(
         "kvbroker",
         records=[
-            _record(1, 100, "MISS", 50),  # the first turn never counts for reuse
-            _record(2, 200, "REUSE", 50),
-            _record(3, 300, "RECOMPUTE", 50),
+            _record(1, 100, "MISS", 50, "RECOMPUTE"),  # the first turn never counts for reuse
+            _record(2, 200, "REUSE", 50, "DECODE_LOCAL"),
+            _record(3, 300, "RECOMPUTE", 50, "RECOMPUTE"),
             _record(4, 5000, "REUSE", 4500),  # a stall
             _record(5, 400, "REUSE", math.nan),
         ],
@@ -110,6 +113,7 @@ def test_summary_figures() -> None:
     assert (row["requests"], row["errors"], row["stalls"]) == (5, 1, 1)
     assert row["reuse_opportunities"] == 4
     assert row["reuse_rate"] == pytest.approx(3 / 4)
+    assert row["paths"] == {"DECODE_LOCAL": 1, "READ": 2, "RECOMPUTE": 2}
     assert row["ttft_p50_ms"] == 300
     assert row["ttft_max_ms"] == 5000
     assert row["ttft_p90_ms"] == pytest.approx(3160)  # interpolated between 400 and 5000

@@ -99,6 +99,9 @@ def test_overlays_describe_the_whole_deployment(rendered: tuple[str, list[dict[s
         assert config["kv_role"] == ("kv_producer" if role == "prefill" else "kv_consumer")
         socket = config["kv_connector_extra_config"]["kvbroker_sidecar"]
         assert socket in sidecar.argv
+        # The sidecar tells the registry what the engine does with its prefix cache.
+        engine_caches = "--no-enable-prefix-caching" not in vllm.argv
+        assert ("--no-prefix-caching" not in sidecar.argv) == engine_caches, role
         assert vllm.spec["readinessProbe"]["httpGet"]["path"] == "/health"
     registry_container = registry.containers()[0]
     assert registry_container.spec["readinessProbe"]["grpc"]["port"] == 7070

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from controlplane import planner
 from controlplane.errors import InvalidArgument
-from controlplane.planner import PlannerConfig, Turn, TurnRequest
+from controlplane.planner import PlannerConfig, Prefill, Turn, TurnRequest
 from controlplane.registry import Registry
 from kvbroker.common.clock import to_timestamp
-from kvbroker.common.costs import DEFAULT_COSTS
+from kvbroker.common.costs import DEFAULT_COSTS, Costs
 from kvbroker.common.labels import label
+from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.test_registry_unit import CONFIG, Harness
 
@@ -27,18 +28,28 @@ def turn(retained: int, new: int, **rest: object) -> Turn:
         "retained_tokens": retained,
         "new_tokens": new,
         "block_size": 16,
-        "prefill_running": 0,
         "decode_running": 0,
     }
     fields.update(rest)
     return Turn(**fields)  # type: ignore[arg-type]
 
 
-def chosen(t: Turn, config: PlannerConfig = CFG) -> str:
-    return label(
-        registry_pb2.TurnPath,
-        planner.choose(planner.estimates(t, DEFAULT_COSTS, DEFAULT_COSTS, config)),
-    )
+def p(
+    node_id: str = "p0", running: int = 0, cached: int = 0, costs: Costs = DEFAULT_COSTS
+) -> Prefill:
+    return Prefill(node_id, costs, running, cached)
+
+
+def plan(t: Turn, *prefills: Prefill, config: PlannerConfig = CFG) -> planner.Plan:
+    return planner.plan(t, prefills or (p(),), DEFAULT_COSTS, config)
+
+
+def chosen(t: Turn, *prefills: Prefill, config: PlannerConfig = CFG) -> str:
+    return label(registry_pb2.TurnPath, plan(t, *prefills, config=config).path)
+
+
+def estimate(found: planner.Plan, path: int, prefill: str = "p0") -> planner.Estimate:
+    return next(e for e in found.estimates if e.path == path and e.prefill_node_id in ("", prefill))
 
 
 def test_a_one_line_follow_up_moves_no_kv() -> None:
@@ -47,10 +58,10 @@ def test_a_one_line_follow_up_moves_no_kv() -> None:
 
 
 def test_a_bulk_suffix_is_computed_on_the_prefill_node() -> None:
-    found = planner.estimates(turn(3000, 4000), DEFAULT_COSTS, DEFAULT_COSTS, CFG)
-    local = next(e for e in found if e.path == planner.DECODE_LOCAL)
+    found = plan(turn(3000, 4000))
+    local = estimate(found, planner.DECODE_LOCAL)
     assert "over the decode node's local limit of 2048" in local.not_eligible
-    assert planner.choose(found) == planner.READ
+    assert found.path == planner.READ
 
 
 def test_no_decode_local_when_the_holder_is_not_the_decode_node() -> None:
@@ -68,8 +79,7 @@ def test_a_busy_decode_node_sends_the_suffix_to_the_prefill_node() -> None:
 
 def test_slow_reads_make_recomputing_short_conversations_faster() -> None:
     slow_nixl = replace(DEFAULT_COSTS, read_fixed_ms=500.0)
-    found = planner.estimates(turn(300, 3000), slow_nixl, DEFAULT_COSTS, CFG)
-    assert planner.choose(found) == planner.RECOMPUTE
+    assert chosen(turn(300, 3000), p(costs=slow_nixl)) == "RECOMPUTE"
 
 
 @given(
@@ -77,16 +87,104 @@ def test_slow_reads_make_recomputing_short_conversations_faster() -> None:
     new=st.integers(1, 50_000),
     prefill_running=st.integers(0, 16),
     decode_running=st.integers(0, 16),
+    cached=st.integers(0, 250_000),
 )
 def test_the_choice_is_the_cheapest_eligible_path(
-    retained: int, new: int, prefill_running: int, decode_running: int
+    retained: int, new: int, prefill_running: int, decode_running: int, cached: int
 ) -> None:
-    t = turn(retained, new, prefill_running=prefill_running, decode_running=decode_running)
-    found = planner.estimates(t, DEFAULT_COSTS, DEFAULT_COSTS, CFG)
-    eligible = [e for e in found if not e.not_eligible]
-    assert {e.path for e in found} == {planner.DECODE_LOCAL, planner.READ, planner.RECOMPUTE}
-    assert planner.choose(found) == min(eligible, key=lambda e: e.ttft_ms).path
-    assert all(e.ttft_ms > 0 for e in found)
+    t = turn(retained, new, decode_running=decode_running)
+    found = plan(t, p(running=prefill_running), p("p1", prefill_running, cached))
+    eligible = [e for e in found.estimates if not e.not_eligible]
+    assert [e.path for e in found.estimates].count(planner.DECODE_LOCAL) == 1
+    assert {(e.path, e.prefill_node_id) for e in found.estimates} >= {
+        (planner.READ, "p0"), (planner.RECOMPUTE, "p0"), (planner.READ, "p1"),
+        (planner.RECOMPUTE, "p1"),
+    }  # fmt: skip
+    assert found.chosen == min(eligible, key=lambda e: e.ttft_ms)
+    assert all(e.ttft_ms > 0 for e in found.estimates)
+    # Never slower than what P1's own cache gives for free.
+    assert found.chosen.ttft_ms <= estimate(found, planner.RECOMPUTE, "p1").ttft_ms
+
+
+# ---------------------------------------------------------------------- P's own cache
+
+
+def test_p_s_cache_shortens_recompute_to_what_lies_beyond_it() -> None:
+    """P computed the last prompt (3,000 tokens); the holder retains it with the answer
+    (3,200), and 40 new tokens follow: P computes 240 tokens after 3,000 cached ones."""
+    t = turn(3200, 40)
+    cold, warm = plan(t, p()), plan(t, p(cached=3000))
+    recompute = estimate(warm, planner.RECOMPUTE)
+    cached = 3000 // 16 * 16  # whole blocks only
+    assert recompute.cached_tokens == cached
+    assert recompute.ttft_ms == pytest.approx(
+        DEFAULT_COSTS.prefill_ms(3240 - cached, cached) + DEFAULT_COSTS.read_ms(-(-3240 // 16))
+    )
+    assert recompute.ttft_ms < estimate(cold, planner.RECOMPUTE).ttft_ms / 5
+
+
+def test_p_s_cache_shortens_a_read_to_the_blocks_beyond_it() -> None:
+    t = turn(3200, 40)
+    read = estimate(plan(t, p(cached=3000)), planner.READ)
+    beyond = -(-3200 // 16) - 3000 // 16
+    assert read.ttft_ms == pytest.approx(
+        CFG.lease_check_ms
+        + DEFAULT_COSTS.read_ms(beyond)
+        + DEFAULT_COSTS.prefill_ms(40, 3200)
+        + DEFAULT_COSTS.read_ms(-(-40 // 16))
+    )
+
+
+def test_a_read_that_brings_too_little_beyond_p_s_cache_is_refused() -> None:
+    """As the prefill engine's own rule: 3,200 retained, 3,168 cached: 32 tokens to read."""
+    read = estimate(plan(turn(3200, 40), p(cached=3168)), planner.READ)
+    assert read.not_eligible == (
+        "32 retained tokens beyond the prefill node's own cache are under the read threshold of 64"
+    )
+
+
+def test_p_s_cache_never_covers_the_whole_prompt() -> None:
+    """vLLM computes at least the prompt's last token itself."""
+    t = turn(0, 100)
+    assert estimate(plan(t, p(cached=5000)), planner.RECOMPUTE).cached_tokens == 96
+
+
+def test_nothing_retained_leaves_only_recompute() -> None:
+    found = plan(turn(0, 3000), p(), p("p1", cached=2000))
+    assert [e.path for e in found.estimates if not e.not_eligible] == [planner.RECOMPUTE] * 2
+    assert estimate(found, planner.DECODE_LOCAL).not_eligible == planner.NOTHING_RETAINED
+    assert (found.path, found.prefill_node_id) == (planner.RECOMPUTE, "p1")
+
+
+def test_a_bulk_suffix_goes_to_the_prefill_node_that_caches_the_conversation() -> None:
+    """The suffix is over D's local limit: P0 (least loaded) would read 3,200 tokens' blocks
+    and P1, which prefilled the last turn, recomputes from its cache instead."""
+    found = plan(turn(3200, 3000), p("p0"), p("p1", cached=3000))
+    assert found.prefill_node_id == "p1"
+    assert found.chosen.prefill_node_id == "p1"
+
+
+def test_a_busy_caching_prefill_node_loses_to_an_idle_one() -> None:
+    found = plan(turn(3200, 3000), p("p0"), p("p1", running=8, cached=3000))
+    assert found.prefill_node_id == "p0"
+
+
+def test_without_any_cache_the_least_loaded_candidate_keeps_the_turn() -> None:
+    """Equal estimates: the first candidate (routing's least-loaded pick) wins the tie."""
+    for first, second in (("p0", "p1"), ("p1", "p0")):
+        found = plan(turn(3200, 3000), p(first), p(second))
+        assert found.prefill_node_id == first
+
+
+def test_decode_local_keeps_the_least_loaded_prefill_node() -> None:
+    found = plan(turn(3200, 20), p("p0"), p("p1", cached=3000))
+    assert (found.path, found.prefill_node_id) == (planner.DECODE_LOCAL, "p0")
+
+
+def test_an_asked_path_is_taken_on_its_cheapest_prefill_node() -> None:
+    t = turn(3200, 20)
+    found = planner.plan(t, [p("p0"), p("p1", cached=3000)], DEFAULT_COSTS, CFG, planner.RECOMPUTE)
+    assert (found.path, found.prefill_node_id) == (planner.RECOMPUTE, "p1")
 
 
 def test_the_router_s_estimates_give_the_suffix() -> None:
@@ -94,6 +192,12 @@ def test_the_router_s_estimates_give_the_suffix() -> None:
     assert TurnRequest(prompt_tokens=3100).new_after(3000) == 100
     assert TurnRequest(prompt_tokens=2000).new_after(3000) == 1
     assert TurnRequest().new_after(3000) is None
+
+
+def test_the_router_s_estimates_give_the_whole_prompt() -> None:
+    assert TurnRequest(prompt_tokens=3100, new_tokens=40).prompt_after(3000) == 3100
+    assert TurnRequest(new_tokens=40).prompt_after(3000) == 3040
+    assert TurnRequest().prompt_after(3000) is None
 
 
 # ---------------------------------------------------------------------- in the registry
@@ -171,3 +275,56 @@ async def test_a_turn_that_just_finished_does_not_count_as_load() -> None:
     hint = await reused(h, TurnRequest(prompt_tokens=1600, new_tokens=1500), dry_run=True)
     assert hint.path == registry_pb2.TURN_PATH_DECODE_LOCAL
     assert h.registry.nodes.runtime["decode-0"].pending == 0
+
+
+async def test_a_turn_on_the_decode_node_alone_is_no_load_on_a_prefill_node() -> None:
+    h = Harness()
+    await h.fleet()
+    await h.grant("conv-1", "req-1")
+    local = await reused(h, TurnRequest(prompt_tokens=90, new_tokens=20))
+    assert local.path == registry_pb2.TURN_PATH_DECODE_LOCAL
+    prefill = h.registry.nodes.runtime["prefill-0"]
+    assert prefill.pending == 0
+    bulk = await h.registry.routing_hint("conv-2", "", False, TurnRequest(prompt_tokens=4000))
+    assert bulk.path == registry_pb2.TURN_PATH_RECOMPUTE
+    assert prefill.pending == 1
+
+
+async def test_the_registry_remembers_which_prefill_node_computed_each_prompt() -> None:
+    """Set by a hint that sends the turn to a prefill node (not a dry run, not DECODE_LOCAL);
+    counted only while that node is the same engine, caches prefixes, and is READY."""
+    h = Harness()
+    h.prefill.prefix_caching = True
+    other = node_spec("prefill-1", node_pb2.NODE_ROLE_PREFILL, port=5702)
+    other.prefix_caching = True
+    await h.fleet()
+    await h.registry.register_node(other)
+    caches = h.registry.hints.prefill_caches
+
+    def cached(conversation: str = "conv-1") -> tuple[str, int] | None:
+        found = caches.cached(conversation, "", h.registry.nodes.runtime)
+        return (found[0].node_id, found[1]) if found is not None else None
+
+    await h.registry.routing_hint("conv-2", "", True, TurnRequest(prompt_tokens=3000))
+    assert cached("conv-2") is None  # a dry run computes nothing
+    first = await h.registry.routing_hint("conv-1", "", False, TurnRequest(prompt_tokens=3000))
+    assert cached() == (first.prefill.node_id, 3000)
+    await h.heartbeat(h.decode, h.prefill, other)  # the first turn's load is reported gone
+    await h.grant("conv-1", "req-1")  # 64 tokens retained
+    local = await reused(h, TurnRequest(prompt_tokens=90, new_tokens=20))
+    assert local.path == registry_pb2.TURN_PATH_DECODE_LOCAL
+    assert cached() == (first.prefill.node_id, 3000)  # as it was
+    # The lease was consumed by that turn: the next recomputes, on the node that caches it.
+    again = await reused(h, TurnRequest(prompt_tokens=3200), dry_run=True)
+    assert (again.decision, again.path) == (
+        registry_pb2.HINT_DECISION_RECOMPUTE, registry_pb2.TURN_PATH_RECOMPUTE,
+    )  # fmt: skip
+    assert again.prefill.node_id == first.prefill.node_id
+    assert {e.prefill_node_id for e in again.estimates} >= {first.prefill.node_id}
+    caching = h.prefill if first.prefill.node_id == h.prefill.node_id else other
+    await h.registry.heartbeat(caching.node_id, caching.incarnation, False, node_pb2.NodeLoad())
+    assert cached() is None  # not READY
+    restarted = node_spec(caching.node_id, node_pb2.NODE_ROLE_PREFILL, port=5704)
+    restarted.prefix_caching = True
+    await h.registry.register_node(restarted)
+    assert cached() is None  # a new engine: its cache is empty

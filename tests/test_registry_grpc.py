@@ -420,3 +420,41 @@ async def test_metrics_are_exported(
     assert 'kvbroker_lease_events_total{event="grant"} 1.0' in text
     assert 'kvbroker_retained_blocks{node="decode-1"} 20.0' in text
     assert "kvbroker_hint_latency_seconds_bucket" in text
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+async def test_a_conversation_s_next_turn_goes_to_the_prefill_node_that_caches_it(
+    stub: RegistryServiceStub, caching: bool
+) -> None:
+    """Two ready prefill nodes. The first turn (3,000 tokens) goes to one; its retention
+    (prompt and answer, 3,200 tokens) is reported; the second turn brings a bulk suffix (over
+    the decode node's local limit). With prefix caching on, the node that prefilled the first
+    turn gets the second, and the hint says what its cache holds; with it off, the turn goes
+    round robin to the other node, as it would without a planner."""
+    decode = node_spec("decode-0")
+    prefills = [node_spec(f"prefill-{i}", PREFILL, port=5700 + 2 * i) for i in range(2)]
+    for spec in prefills:
+        spec.prefix_caching = caching
+
+    async def turn(prompt_tokens: int, new_tokens: int = 0) -> registry_pb2.RoutingHint:
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id="conv-p", prompt_tokens=prompt_tokens, new_tokens=new_tokens
+        )
+        return (await stub.GetRoutingHint(request, timeout=5)).hint
+
+    async with Heartbeats(stub, decode, *prefills):
+        first = await turn(3000)
+        assert first.decision == registry_pb2.HINT_DECISION_MISS
+        await grant(stub, decode, "conv-p", "req-1", tokens=3200)
+        await asyncio.sleep(0.3)  # heartbeats since: the first turn no longer counts as load
+        second = await turn(6240, new_tokens=3040)
+    assert second.decision == registry_pb2.HINT_DECISION_REUSE
+    assert second.path == registry_pb2.TURN_PATH_READ
+    other = next(p.node_id for p in prefills if p.node_id != first.prefill.node_id)
+    cached = {e.prefill_node_id: e.prefill_cached_tokens for e in second.estimates}
+    if caching:
+        assert second.prefill.node_id == first.prefill.node_id
+        assert cached == {"": 0, other: 0, first.prefill.node_id: 3000 // 16 * 16}
+    else:
+        assert second.prefill.node_id == other
+        assert cached == {"": 0, other: 0}

@@ -12,6 +12,7 @@ from engine_ext.pressure import (
     BUDGET,
     PRESSURE,
     RetainedRequest,
+    admission_shortfall,
     blocks_to_admit,
     choose_reclaims,
     end_cause_of_free,
@@ -19,14 +20,22 @@ from engine_ext.pressure import (
 from kvbroker.common.retention_value import RetentionValue
 from kvbroker.v1 import lease_pb2
 
+_next_block = iter(range(1_000_000))
+
 
 def retained(
-    request_id: str, blocks: int = 10, idle_s: float = 0.0, ttl_s: float = 60.0, now: float = 100
+    request_id: str,
+    blocks: int = 10,
+    idle_s: float = 0.0,
+    ttl_s: float = 60.0,
+    now: float = 100,
+    shared: frozenset[int] = frozenset(),
 ) -> RetainedRequest:
+    """A retained request holding ``blocks`` blocks of its own, besides any ``shared`` ones."""
     return RetainedRequest(
         request_id=request_id,
-        tokens=blocks * 128,
-        blocks=blocks,
+        tokens=(blocks + len(shared)) * 128,
+        block_ids=shared | {next(_next_block) for _ in range(blocks)},
         hard_cap=now + 480,
         deadline=now - idle_s + ttl_s,
         last_active=now - idle_s,
@@ -130,3 +139,33 @@ def test_a_local_hit_on_free_cached_blocks_still_needs_those_blocks() -> None:
     assert blocks_to_admit(3300, 128, hit_blocks_in_use=20) == 6
     assert blocks_to_admit(127, 128, hit_blocks_in_use=0) == 1
     assert blocks_to_admit(128, 128, hit_blocks_in_use=0) == 2
+
+
+def test_blocks_a_conversation_s_turns_share_count_once() -> None:
+    """Turn 2 on the same decode engine reuses turn 1's prefix blocks: until turn 1's lease is
+    superseded both are retained, holding 12 blocks between them, not 22."""
+    turn_1 = retained("turn-1", blocks=1, idle_s=50, shared=frozenset(range(-10, 0)))
+    turn_2 = retained("turn-2", blocks=11, shared=frozenset(range(-10, 0)))
+    other = retained("other", blocks=10, idle_s=20)
+    entries = [turn_1, turn_2, other]
+    # 32 distinct blocks within a budget of 32: nothing to trim (counted twice, 42 would be).
+    assert choose_reclaims(entries, 100, shortfall_blocks=0, budget_blocks=32, retry_s=1) == []
+    # Releasing turn 1 frees its one block of its own: a shortfall of 5 takes "other" too.
+    chosen = choose_reclaims(entries, 100, shortfall_blocks=5, budget_blocks=1000, retry_s=1)
+    assert [r.request_id for r, _ in chosen] == ["turn-1", "other"]
+    # Two requests holding the same blocks free nothing alone: both go.
+    copy = retained("copy", blocks=0, idle_s=90, shared=turn_2.block_ids)
+    chosen = choose_reclaims([copy, turn_2], 100, shortfall_blocks=5, budget_blocks=1000, retry_s=1)
+    assert [r.request_id for r, _ in chosen] == ["copy", "turn-2"]
+
+
+def test_a_request_an_idle_engine_keeps_waiting_is_short_of_blocks() -> None:
+    # By the count: 20 needed, 8 free.
+    assert admission_shortfall(20, 8, waited_s=0.0, engine_idle=True, patience_s=1.0) == 12
+    # The count says it fits: a busy engine will free blocks as its requests finish...
+    assert admission_shortfall(6, 8, waited_s=30.0, engine_idle=False, patience_s=1.0) == -2
+    # ... and a request only just asked about may yet be admitted.
+    assert admission_shortfall(6, 8, waited_s=0.5, engine_idle=True, patience_s=1.0) == -2
+    # An idle engine that kept it waiting past the patience is short, whatever the count.
+    assert admission_shortfall(6, 8, waited_s=1.0, engine_idle=True, patience_s=1.0) == 1
+    assert admission_shortfall(20, 8, waited_s=5.0, engine_idle=True, patience_s=1.0) == 12

@@ -139,6 +139,7 @@ async def test_retention_is_visible_and_deadlines_reach_the_engine(stack: Stack)
     assert node.spec.engine_id == "engine-decode-0"
     assert node.spec.model == "tiny-qwen3"  # learned from the engine's /v1/models
     assert node.spec.http_base_url == stack.engine.url
+    assert node.spec.prefix_caching  # vLLM's default, and so the sidecar's
 
     table = await run_cli("lease", "ls", "--registry", stack.registry.address)
     assert lease.lease_id in table.stdout and "conv-1" in table.stdout

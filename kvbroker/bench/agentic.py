@@ -38,6 +38,7 @@ import math
 import signal
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -187,6 +188,8 @@ class AgenticRecord:
     gap_s: float
     after_tool_call: bool
     decision: str
+    # How the prompt got its KV (READ, DECODE_LOCAL, RECOMPUTE: the router's x-kvbroker-path).
+    path: str
     input_num_tokens: int
     output_num_tokens: int
     ttft_ms: float
@@ -347,6 +350,7 @@ async def _session(
                 gap_s=round(gap.seconds, 3),
                 after_tool_call=gap.tool_call,
                 decision=measured["decision"],
+                path=measured["path"],
                 input_num_tokens=measured["input_num_tokens"],
                 output_num_tokens=measured["output_num_tokens"],
                 ttft_ms=measured["ttft_ms"],
@@ -421,7 +425,8 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def summarise(result: ArmResult) -> dict[str, Any]:
     """One arm's figures: TTFT percentiles, reuse rate (turns after the first whose decision
-    was REUSE), stalls (requests that waited for blocks), and D's sampled gauges."""
+    was REUSE), stalls (requests that waited for blocks), turns by path, and D's sampled
+    gauges."""
     ttft = [r.ttft_ms for r in result.records]
     later = [r for r in result.records if r.turn > 1]
     usage = [sample[1] for sample in result.decode_samples]
@@ -439,6 +444,7 @@ def summarise(result: ArmResult) -> dict[str, Any]:
             sum(r.decision == "REUSE" for r in later) / len(later) if later else math.nan
         ),
         "stalls": sum(r.waited_for_blocks for r in result.records),
+        "paths": dict(sorted(Counter(r.path for r in result.records).items())),
         "decode_wait_p50_ms": quantile(waits, 0.5),
         "decode_wait_max_ms": max(waits, default=math.nan),
         "decode_kv_usage_mean": statistics.fmean(usage) if usage else math.nan,

@@ -76,9 +76,12 @@ def hint(
         fields.append(("path", label(registry_pb2.TurnPath, result.path)))
         for estimate in result.estimates:
             why_not = f" (not eligible: {estimate.not_eligible})" if estimate.not_eligible else ""
+            where = f" on {estimate.prefill_node_id}" if estimate.prefill_node_id else ""
+            if estimate.prefill_cached_tokens:
+                where += f" ({estimate.prefill_cached_tokens} tokens in its cache)"
             fields.append(
                 (
-                    f"  {label(registry_pb2.TurnPath, estimate.path)}",
+                    f"  {label(registry_pb2.TurnPath, estimate.path)}{where}",
                     f"{estimate.ttft_ms:.0f} ms{why_not}",
                 )
             )

@@ -78,6 +78,13 @@ def sidecar_run(
         str,
         typer.Option(envvar="KVBROKER_ADVERTISE_URL", help="URL routers use [default: engine's]."),
     ] = SidecarConfig.advertise_url,
+    prefix_caching: Annotated[
+        bool,
+        typer.Option(
+            envvar="KVBROKER_PREFIX_CACHING",
+            help="The engine caches prefixes: off when vLLM runs with --no-enable-prefix-caching.",
+        ),
+    ] = SidecarConfig.prefix_caching,
     metrics_listen: MetricsListenOpt = None,
     metrics_tls_cert: Annotated[
         Path | None,
@@ -127,6 +134,7 @@ def sidecar_run(
         engine_url=engine_url,
         model=model,
         advertise_url=advertise_url,
+        prefix_caching=prefix_caching,
     )
     if (metrics_tls_cert is None) != (metrics_tls_key is None):
         fail("--metrics-tls-cert and --metrics-tls-key go together", 2)

@@ -433,14 +433,18 @@ class GetRoutingHintRequest(_message.Message):
     def __init__(self, conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., dry_run: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ...) -> None: ...
 
 class PathEstimate(_message.Message):
-    __slots__ = ("path", "ttft_ms", "not_eligible")
+    __slots__ = ("path", "ttft_ms", "not_eligible", "prefill_node_id", "prefill_cached_tokens")
     PATH_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     NOT_ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     path: TurnPath
     ttft_ms: float
     not_eligible: str
-    def __init__(self, path: _Optional[_Union[TurnPath, str]] = ..., ttft_ms: _Optional[float] = ..., not_eligible: _Optional[str] = ...) -> None: ...
+    prefill_node_id: str
+    prefill_cached_tokens: int
+    def __init__(self, path: _Optional[_Union[TurnPath, str]] = ..., ttft_ms: _Optional[float] = ..., not_eligible: _Optional[str] = ..., prefill_node_id: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RoutingHint(_message.Message):
     __slots__ = ("decision", "reason", "consistency", "prefill", "decode", "lease", "path", "estimates")
