@@ -25,7 +25,6 @@ from controlplane.store import Store
 from controlplane.turns import Turns
 from kvbroker.common import routing
 from kvbroker.common.clock import from_timestamp
-from kvbroker.common.costs import DEFAULT_COSTS
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, registry_pb2
 
@@ -171,9 +170,7 @@ class Hints:
             decode_running=holder.pending,
             holder_decodes=decode is holder,
         )
-        return planner.plan(
-            turn, candidates, holder.costs or DEFAULT_COSTS, self._planner, asked.wanted
-        )
+        return planner.plan(turn, candidates, holder.costs, self._planner, asked.wanted)
 
     def _note_prefill(
         self,
@@ -212,7 +209,7 @@ class Hints:
 
 
 def _prefill(node: NodeRuntime, cached_tokens: int = 0) -> planner.Prefill:
-    return planner.Prefill(node.node_id, node.costs or DEFAULT_COSTS, node.pending, cached_tokens)
+    return planner.Prefill(node.node_id, node.costs, node.pending, cached_tokens)
 
 
 async def cached_hint(

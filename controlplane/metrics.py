@@ -23,6 +23,9 @@ class NodeFigures:
     retained_bytes: int
     # Retained blocks over the node's KV capacity (0 when it reported none).
     retained_fraction: float
+    # The live correction of its prefill and read costs (1: as calibrated).
+    prefill_correction: float = 1.0
+    read_correction: float = 1.0
 
 
 class _NodeGauges(Collector):
@@ -49,16 +52,24 @@ class _NodeGauges(Collector):
             "Share of a node's KV cache retained under live leases, per node.",
             labels=["node"],
         )
+        correction = GaugeMetricFamily(
+            "kvbroker_node_cost_correction",
+            "Live correction of a node's calibrated costs (observed over predicted time, "
+            "weighted), per node and figure (prefill, read).",
+            labels=["node", "figure"],
+        )
         states = GaugeMetricFamily("kvbroker_nodes", "Registered nodes by state.", labels=["state"])
         counts: dict[str, int] = dict.fromkeys(("READY", "NOT_READY", "DRAINING", "DOWN"), 0)
         for figure in figures:
             blocks.add_metric([figure.node_id], figure.retained_blocks)
             size.add_metric([figure.node_id], figure.retained_bytes)
             fraction.add_metric([figure.node_id], figure.retained_fraction)
+            correction.add_metric([figure.node_id, "prefill"], figure.prefill_correction)
+            correction.add_metric([figure.node_id, "read"], figure.read_correction)
             counts[figure.state] = counts.get(figure.state, 0) + 1
         for state, count in counts.items():
             states.add_metric([state], count)
-        yield from (leases, blocks, size, fraction, states)
+        yield from (leases, blocks, size, fraction, correction, states)
 
 
 class RegistryMetrics:

@@ -9,11 +9,12 @@ this part's to end.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
 from controlplane.config import RegistryConfig
+from controlplane.cost_correction import CostCorrection, planned_costs
 from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from controlplane.errors import (
     NodeDown,
@@ -25,7 +26,7 @@ from controlplane.metrics import NodeFigures
 from controlplane.store import Store
 from controlplane.validation import Validation
 from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
-from kvbroker.common.costs import Costs
+from kvbroker.common.costs import DEFAULT_COSTS, Costs
 from kvbroker.common.labels import label
 from kvbroker.common.routing import (
     DECODE_ROLES,
@@ -53,12 +54,27 @@ class NodeRuntime(RoutedNode):
     # False for a node known only from the store (after a takeover) until its sidecar replays:
     # its engine may hold deadlines this registry never sent, so its leases are not offered.
     synced: bool = True
-    # Its measured costs; None until calibrated (the planner's defaults apply).
-    costs: Costs | None = None
+    # Its measured costs (None until calibrated: the defaults apply) and their live correction
+    # from the work it reports; set through ``calibrate`` and ``observe``, which keep ``costs``,
+    # what the planner weighs, in step with both.
+    calibrated: Costs | None = None
+    correction: CostCorrection = field(default_factory=CostCorrection)
+    costs: Costs = DEFAULT_COSTS
     # Draining: when work last touched it (the drain began, a lease on it ended), and when
     # its last heartbeat, with the load it reported, arrived.
     busy_at: float = 0.0
     load_at: float = 0.0
+
+    def calibrate(self, calibrated: Costs | None) -> None:
+        """New measured costs (or none): the live correction starts again from 1."""
+        self.calibrated = calibrated
+        self.correction = CostCorrection()
+        self.costs = planned_costs(calibrated, self.correction)
+
+    def observe(self, work: node_pb2.EngineWork) -> None:
+        """Work the node's engine reported: its correction weighs it."""
+        if self.correction.observe(work, self.calibrated or DEFAULT_COSTS):
+            self.costs = planned_costs(self.calibrated, self.correction)
 
 
 class NodeSessions:
@@ -112,6 +128,7 @@ class NodeSessions:
             view.live_leases = runtime.live_leases
             view.retained_blocks = runtime.retained_blocks
             view.drained = self.drained(runtime)
+            view.cost_correction.CopyFrom(runtime.correction.to_proto())
         return view
 
     def drained(self, runtime: NodeRuntime) -> bool:
@@ -147,6 +164,8 @@ class NodeSessions:
                 retained_blocks=r.retained_blocks,
                 retained_bytes=r.retained_blocks * r.spec.bytes_per_block,
                 retained_fraction=r.retained_fraction,
+                prefill_correction=r.correction.prefill,
+                read_correction=r.correction.read,
             )
             for r in list(self.runtime.values())
         ]
@@ -202,7 +221,7 @@ class NodeSessions:
             node.registered_time.CopyFrom(old.registered_time)
             node.state = DRAINING if old.state == DRAINING else READY
         runtime = self._set_runtime(spec, node.state, fresh=not same_incarnation)
-        runtime.costs = _costs(node.cost)
+        runtime.calibrate(_costs(node.cost))
         await self._store.put_node(node)
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, spec.node_id), now + self._ttl())
         self._deadlines.cancel((DeadlineKind.FORGET_NODE, spec.node_id))
@@ -215,7 +234,12 @@ class NodeSessions:
         return node
 
     async def heartbeat(
-        self, node_id: str, incarnation: str, engine_ready: bool, load: node_pb2.NodeLoad
+        self,
+        node_id: str,
+        incarnation: str,
+        engine_ready: bool,
+        load: node_pb2.NodeLoad,
+        work: node_pb2.EngineWork | None = None,
     ) -> node_pb2.Node:
         node = await self.session(node_id, incarnation)
         now = self._now()
@@ -236,6 +260,8 @@ class NodeSessions:
         runtime.note_load(load)
         runtime.load_at = now
         runtime.assigned_since_heartbeat = runtime.finished_since_heartbeat = 0
+        if work is not None:
+            runtime.observe(work)
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, node_id), now + self._ttl())
         return node
 
@@ -256,13 +282,13 @@ class NodeSessions:
 
     async def set_costs(self, node_id: str, cost: node_pb2.CostProfile) -> node_pb2.Node:
         """Stores a node's measured costs (``kvbroker calibrate``); the planner uses them from
-        the next hint on."""
+        the next hint on, the live correction starting again from 1."""
         node = await self.node(node_id)
         node.cost.CopyFrom(cost)
         await self._store.put_node(node)
         runtime = self.runtime.get(node_id)
         if runtime is not None:
-            runtime.costs = _costs(node.cost)
+            runtime.calibrate(_costs(node.cost))
         self._log.info("node_costs", node=node_id)
         return node
 
@@ -297,7 +323,7 @@ class NodeSessions:
         now = self._now()
         for node in nodes:
             runtime = NodeRuntime(node.spec, state=node.state, synced=False)
-            runtime.costs = _costs(node.cost)
+            runtime.calibrate(_costs(node.cost))
             runtime.note_load(node.load)
             self.runtime[node.spec.node_id] = runtime
             if node.state != DOWN:

@@ -220,12 +220,21 @@ class Registry:
             return self.nodes.view(await self.nodes.register(spec, old))
 
     async def heartbeat(
-        self, node_id: str, incarnation: str, engine_ready: bool, load: node_pb2.NodeLoad
+        self,
+        node_id: str,
+        incarnation: str,
+        engine_ready: bool,
+        load: node_pb2.NodeLoad,
+        work: node_pb2.EngineWork | None = None,
     ) -> node_pb2.Node:
+        """A node's heartbeat, with its engine's load and the work it did since the last
+        one (None: none)."""
         self._validate.session(node_id, incarnation)
         self._validate.load(load)
+        if work is not None:
+            self._validate.work(work)
         async with self._mutation():
-            node = await self.nodes.heartbeat(node_id, incarnation, engine_ready, load)
+            node = await self.nodes.heartbeat(node_id, incarnation, engine_ready, load, work)
             return self.nodes.view(node)
 
     async def deregister_node(self, node_id: str, incarnation: str) -> node_pb2.Node:

@@ -210,7 +210,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.HeartbeatResponse:
         node = await registry.heartbeat(
-            request.node_id, request.incarnation, request.engine_ready, request.load
+            request.node_id,
+            request.incarnation,
+            request.engine_ready,
+            request.load,
+            request.work if request.HasField("work") else None,
         )
         return registry_pb2.HeartbeatResponse(node=node)
 

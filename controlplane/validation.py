@@ -143,6 +143,12 @@ class Validation:
             raise InvalidArgument(f"load.kv_cache_usage {usage} is not a fraction in [0, 1]")
 
     @staticmethod
+    def work(work: node_pb2.EngineWork) -> None:
+        for field, value in work.ListFields():
+            if field.type == field.TYPE_DOUBLE and (not math.isfinite(value) or value < 0):
+                raise InvalidArgument(f"work.{field.name} {value} is not a finite non-negative")
+
+    @staticmethod
     def costs(cost: node_pb2.CostProfile) -> None:
         for field, value in cost.ListFields():
             if field.type == field.TYPE_DOUBLE and (not math.isfinite(value) or value < 0):

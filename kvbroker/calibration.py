@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.costs import DEFAULT_COSTS, Costs
+from kvbroker.common.engine_metrics import blocks, read_totals
 
 PROBE_TOKENS = (64, 512, 2048)
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
@@ -91,16 +91,11 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | No
 
 def read_cost_us_per_block(metrics_text: str, bytes_per_block: int) -> float | None:
     """Mean NIXL read time per block the node has read, or None if it has read nothing."""
-    seconds = transferred = 0.0
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == "vllm:nixl_xfer_time_seconds_sum":
-                seconds += sample.value
-            elif sample.name == "vllm:nixl_bytes_transferred_sum":
-                transferred += sample.value
-    if seconds <= 0 or transferred <= 0 or bytes_per_block <= 0:
+    totals = read_totals(metrics_text)
+    if totals is None or totals.read_seconds <= 0:
         return None
-    return seconds * 1e6 / (transferred / bytes_per_block)
+    read = blocks(totals.read_bytes, bytes_per_block)
+    return totals.read_seconds * 1e6 / read if read > 0 else None
 
 
 def fresh_prompt(tokens: int, rng: random.Random) -> str:

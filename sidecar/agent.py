@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.batcher import Batcher
 from kvbroker.common.clock import from_duration
+from kvbroker.common.engine_metrics import Totals, TotalsReader, WorkMeter
 from kvbroker.common.grpc_client import (
     RegistryEndpoint,
     from_grpc_error,
@@ -129,6 +130,8 @@ class Agent:
         self._load = node_pb2.NodeLoad()
         # Why the last /metrics answer's figures were ignored, if they were.
         self._ignored_figures: tuple[str, ...] = ()
+        # The engine's work between probes, until a heartbeat carries it.
+        self._work = WorkMeter()
 
     # ------------------------------------------------------------ engine side
 
@@ -137,8 +140,10 @@ class Agent:
     ) -> None:
         """The engine (re)connected: what it retains now replaces the mirror."""
         if self.engine is not None and self.engine.engine_id != info.engine_id:
-            # Another engine process: the old one's blocks are gone with it.
+            # Another engine process: the old one's blocks are gone with it, and its metrics
+            # began again.
             self.incarnation = uuid.uuid4().hex
+            self._work = WorkMeter()
         self.engine = info
         self._mirror.replace(retained)
         self._engine_attached.set()
@@ -414,8 +419,10 @@ class Agent:
         raise SessionLostError("the registry closed the command stream")
 
     async def _heartbeats(self, stub: RegistryServiceStub) -> None:
-        """Heartbeats carry the latest probe's word; they never wait on a probe, so a slow
-        engine cannot make its node miss heartbeats and lose its session."""
+        """Heartbeats carry the latest probe's word and the engine's work since the last
+        heartbeat; they never wait on a probe, so a slow engine cannot make its node miss
+        heartbeats and lose its session. Work a failed heartbeat carried is not sent again: it
+        only refines estimates, and the next intervals' work does as well."""
         while True:
             try:
                 await stub.Heartbeat(
@@ -424,6 +431,7 @@ class Agent:
                         incarnation=self.incarnation,
                         engine_ready=self.engine_ready,
                         load=self._load,
+                        work=self._work.take(),
                     ),
                     timeout=_RPC_TIMEOUT_S,
                 )
@@ -446,12 +454,14 @@ class Agent:
         return self._readiness.ready
 
     async def _probe_engine(self) -> None:
-        """vLLM's /health for readiness (``Readiness`` decides) and /metrics for load."""
+        """vLLM's /health for readiness (``Readiness`` decides) and /metrics for load and the
+        work done since the last probe."""
         self._load = await self._probe()
         self.metrics.engine_ready.set(1 if self.engine_ready else 0)
 
     async def _probe(self) -> node_pb2.NodeLoad:
-        """The engine's load, its readiness noted on the way (``Readiness``)."""
+        """The engine's load, its readiness and work noted on the way (``Readiness``,
+        ``WorkMeter``)."""
         base = self.config.engine_url.rstrip("/")
         try:
             health = await self._http.get(f"{base}/health")
@@ -476,6 +486,7 @@ class Agent:
             # Once per change, not once per probe: a broken /metrics stays broken a while.
             log.warning("engine_metrics_ignored", ignored=list(parsed.ignored))
         self._ignored_figures = parsed.ignored
+        self._work.observe(parsed.totals, self.engine.bytes_per_block if self.engine else 0)
         return parsed.load
 
     async def _served_model(self) -> str:
@@ -500,27 +511,35 @@ _QUOTED = 200
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """What one /metrics answer said: the figures that could be read, and why any others were
-    ignored (empty when none was)."""
+    """What one /metrics answer said: the figures that could be read, its running totals of
+    work (None when any was unusable), and why any figures were ignored (empty when none
+    was)."""
 
     load: node_pb2.NodeLoad
+    totals: Totals | None = None
     ignored: tuple[str, ...] = ()
 
 
 def parse_vllm_load(text: str) -> EngineLoad:
-    """Running/waiting requests and KV usage from vLLM's Prometheus text.
+    """Running/waiting requests and KV usage from vLLM's Prometheus text, and its running
+    totals of work (``engine_metrics.TotalsReader``).
 
     Total: whatever the engine answers, it returns. A body that is not Prometheus text (an HTML
     error page) gives no figures; a count that is not finite, is negative or does not fit the
-    proto's uint32, and a usage outside 0..1, is ignored; each says why in ``ignored``. A bad
-    answer costs the node its load figures, never its probe loop and so its session."""
+    proto's uint32, and a usage outside 0..1, is ignored, and a total that is not finite or is
+    negative costs the answer its totals; each says why in ``ignored``. A bad answer costs the
+    node its load figures (the next good one counts the work of both), never its probe loop
+    and so its session."""
     counts = dict.fromkeys(_COUNTS.values(), 0)
     usage = 0.0
     ignored: list[str] = []
+    totals = TotalsReader()
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 value = sample.value
+                if totals.add(sample):
+                    continue
                 if sample.name in _COUNTS:
                     if not (math.isfinite(value) and 0 <= value <= _MAX_COUNT):
                         ignored.append(f"{sample.name} = {value!r} is not a count")
@@ -538,5 +557,9 @@ def parse_vllm_load(text: str) -> EngineLoad:
     # offending line, which may be a whole error page: the log gets its start.
     except Exception as error:
         why = f"not Prometheus text: {type(error).__name__}: {str(error)[:_QUOTED]}"
-        return EngineLoad(node_pb2.NodeLoad(), (why,))
-    return EngineLoad(node_pb2.NodeLoad(kv_cache_usage=usage, **counts), tuple(ignored))
+        return EngineLoad(node_pb2.NodeLoad(), ignored=(why,))
+    return EngineLoad(
+        node_pb2.NodeLoad(kv_cache_usage=usage, **counts),
+        totals.totals(),
+        (*ignored, *totals.ignored),
+    )

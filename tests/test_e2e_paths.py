@@ -18,8 +18,9 @@ import pytest
 import pytest_asyncio
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.tasks import poll_until
 from kvbroker.stack import Stack, StackConfig
-from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.conftest import run_cli
 from tests.test_e2e import MODEL, current_lease, reads_by_prefill, user_message
 
@@ -119,6 +120,29 @@ async def test_every_path_gives_the_same_tokens(stack: Stack, http: httpx.AsyncC
             assert after.epoch > before.epoch
     plain, _ = await turn(stack, http, messages, None)
     assert set(answers.values()) == {plain}, answers
+    await assert_costs_corrected_live(stack)
+
+
+async def assert_costs_corrected_live(stack: Stack) -> None:
+    """Real vLLM metrics parse: every node has reported prefills and some node NIXL reads,
+    and the registry's correction of its costs moved on them (within a few heartbeats)."""
+
+    async def reported() -> list[node_pb2.Node] | None:
+        async with open_channel(RegistryEndpoint.parse(stack.registry_address)) as channel:
+            response = await registry_stub(channel).ListNodes(
+                registry_pb2.ListNodesRequest(), timeout=5
+            )
+        nodes = list(response.nodes)
+        done = all(n.cost_correction.prefill_samples for n in nodes) and any(
+            n.cost_correction.read_samples for n in nodes
+        )
+        return nodes if done else None
+
+    nodes = await poll_until(reported, 15, "live cost corrections", every_s=0.5, retrying=())
+    assert nodes is not None
+    for node in nodes:
+        for factor in (node.cost_correction.prefill, node.cost_correction.read):
+            assert 0.25 <= factor <= 4.0
 
 
 async def test_the_planner_moves_off_the_decode_node_as_the_suffix_grows(

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
+import httpx
 import pytest
 
-from kvbroker.common.clock import to_duration
+from kvbroker.common.clock import to_duration, to_timestamp
 from kvbroker.common.engine_link import Deadline, EngineLink
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
@@ -29,6 +30,7 @@ from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from sidecar.agent import Agent
 from sidecar.config import SidecarConfig
 from tests.conftest import run_cli, spawn_registry
+from tests.test_engine_work import vllm_metrics
 
 SESSION_FLAGS = ("--heartbeat-interval", "0.2", "--session-ttl", "1.0", "--revoke-grace", "0.5")
 
@@ -100,7 +102,9 @@ class Stack:
 @pytest.fixture
 async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
     port = free_port()
-    registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{port}")
+    registry = await spawn_registry(
+        *SESSION_FLAGS, "--metrics-listen", "127.0.0.1:0", listen=f"127.0.0.1:{port}"
+    )
     socket_path = tmp_path / "s.sock"
     async with (
         FakeEngine("decode-0") as engine,
@@ -507,6 +511,52 @@ async def test_an_engine_answering_garbage_metrics_keeps_its_session_and_readine
     assert [x.lease_id for x in await live_leases(stack.stub)] == [lease.lease_id]
     stack.engine.metrics_body = None
     await eventually(lambda: _running_requests(stack.stub, 3))
+
+
+async def test_the_engine_s_work_corrects_its_node_s_costs_live(stack: Stack) -> None:
+    """The engine's /metrics says it has prefilled 4x slower than the node's (default) costs
+    predict: the sidecar reports the work with a heartbeat, and the registry's view of the node,
+    the CLI and the registry's metric show the correction; a calibration resets it."""
+    # Work the engine did before the sidecar looked: a baseline, not work of an interval.
+    stack.engine.metrics_body = vllm_metrics(50, 100.0, computed=5000, prompt=5000)
+    await asyncio.sleep(0.6)  # a few probes (0.2 s apart) read it
+    view = await _node(stack.stub)
+    assert view.cost_correction.prefill == 1.0 and view.cost_correction.prefill_samples == 0
+
+    # Then 10 prefills of 400 tokens: 10 * (25 + 400 * 0.45) = 2.05 s at the defaults; 8.2 s.
+    stack.engine.metrics_body = vllm_metrics(
+        prefills=60, prefill_seconds=108.2, computed=9000, prompt=9000
+    )
+
+    async def corrected() -> node_pb2.Node | None:
+        node = await _node(stack.stub)
+        return node if node.cost_correction.prefill_samples else None
+
+    node = await eventually(corrected)
+    assert node is not None
+    assert node.cost_correction.prefill == pytest.approx(4**0.2)  # one sample: a fifth of the way
+    assert (node.cost_correction.read, node.cost_correction.read_samples) == (1.0, 0)
+    await asyncio.sleep(0.6)  # the counters stand still: no more work, no more samples
+    assert (await _node(stack.stub)).cost_correction.prefill_samples == 1
+
+    shown = await run_cli("node", "get", "decode-0", "--registry", stack.registry.address)
+    assert shown.code == 0, shown.stderr
+    assert "x1.32/x1.00" in shown.stdout and "x1.32 (1)" in shown.stdout
+    async with httpx.AsyncClient(timeout=5) as client:
+        page = await client.get(f"http://{stack.registry.announced['metrics']}/metrics")
+    assert 'kvbroker_node_cost_correction{figure="prefill",node="decode-0"} 1.3' in page.text
+
+    profile = node_pb2.CostProfile(prefill_us_per_token=900.0, calibrated_time=to_timestamp(1.0))
+    await stack.stub.SetCostProfile(
+        registry_pb2.SetCostProfileRequest(node_id="decode-0", cost=profile), timeout=5
+    )
+    assert (await _node(stack.stub)).cost_correction == node_pb2.CostCorrection(
+        prefill=1.0, read=1.0
+    )
+
+
+async def _node(stub: RegistryServiceStub) -> node_pb2.Node:
+    return (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"), timeout=5)).node
 
 
 async def _running_requests(stub: RegistryServiceStub, n: int) -> bool:

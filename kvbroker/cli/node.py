@@ -1,4 +1,4 @@
-"""``kvbroker node``: list and drain nodes."""
+"""``kvbroker node``: list, show and drain nodes."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from kvbroker.cli.output import (
     unreachable,
     when,
 )
+from kvbroker.common.costs import DEFAULT_COSTS, Costs
 from kvbroker.common.labels import by_lower_label, label
 from kvbroker.v1 import node_pb2, registry_pb2
 
@@ -51,6 +52,13 @@ def _retained(node: node_pb2.Node) -> str:
     return f"{node.retained_blocks}/{capacity}{share} {mib:.0f}MiB"
 
 
+def _correction(node: node_pb2.Node) -> str:
+    """The live correction of its prefill and read costs, as factors (``-``: not reported)."""
+    if not node.HasField("cost_correction"):
+        return "-"
+    return f"x{node.cost_correction.prefill:.2f}/x{node.cost_correction.read:.2f}"
+
+
 def _node_rows(nodes: list[node_pb2.Node]) -> list[list[str]]:
     return [
         [
@@ -65,6 +73,7 @@ def _node_rows(nodes: list[node_pb2.Node]) -> list[list[str]]:
             str(n.spec.retention_budget_blocks or "-"),
             str(n.load.running_requests + n.load.waiting_requests),
             f"{n.cost.prefill_us_per_token:.0f}" if n.cost.HasField("calibrated_time") else "-",
+            _correction(n),
             when(n.last_heartbeat_time),
         ]
         for n in nodes
@@ -83,6 +92,7 @@ _NODE_COLUMNS = [
     "BUDGET",
     "QUEUE",
     "µs/TOKEN",
+    "LIVE P/R",
     "HEARTBEAT",
 ]
 
@@ -116,6 +126,62 @@ def node_ls(
         [to_dict(n) for n in nodes],
         lambda: emit_table("nodes", _NODE_COLUMNS, _node_rows(nodes), "no nodes registered"),
     )
+
+
+def _cost_rows(node: node_pb2.Node) -> list[list[str]]:
+    """Each cost figure as calibrated (or the default), and the live factor on it."""
+    calibrated = node.cost.HasField("calibrated_time")
+    costs = Costs.of(node.cost) if calibrated else DEFAULT_COSTS
+    source = when(node.cost.calibrated_time) if calibrated else "default"
+    factors = node.cost_correction
+    figures = [
+        ("prefill fixed ms", costs.prefill_fixed_ms, factors.prefill, factors.prefill_samples),
+        ("prefill µs/token", costs.prefill_us_per_token, factors.prefill, factors.prefill_samples),
+        (
+            "prefill ns/token·context",
+            costs.prefill_ns_per_token_context,
+            factors.prefill,
+            factors.prefill_samples,
+        ),
+        ("read fixed ms", costs.read_fixed_ms, factors.read, factors.read_samples),
+        ("read µs/block", costs.read_us_per_block, factors.read, factors.read_samples),
+    ]
+    live = node.HasField("cost_correction")
+    return [
+        [name, f"{value:g}", source, f"x{factor:.2f} ({samples})" if live else "-"]
+        for name, value, factor, samples in figures
+    ]
+
+
+@node_app.command("get")
+def node_get(
+    node_id: Annotated[str, typer.Argument(help="The node to show.")],
+    registry: RegistryOpt = DEFAULT_REGISTRY,
+    token: TokenOpt = None,
+    token_file: TokenFileOpt = None,
+    tls_ca: TlsCaOpt = None,
+    tls_client_cert: TlsClientCertOpt = None,
+    tls_client_key: TlsClientKeyOpt = None,
+    output: OutputOpt = OutputFormat.table,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Show one node: its row of `node ls`, and its costs as calibrated with the live
+    correction the planner scales them by (and how many heartbeats of work moved it)."""
+
+    async def rpc(stub: Any) -> node_pb2.Node:
+        request = registry_pb2.GetNodeRequest(node_id=node_id)
+        return (await stub.GetNode(request, timeout=timeout)).node  # type: ignore[no-any-return]
+
+    node = call_registry(
+        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
+    )
+
+    def tables() -> None:
+        emit_table("nodes", _NODE_COLUMNS, _node_rows([node]), "")
+        columns = ["FIGURE", "VALUE", "CALIBRATED", "LIVE FACTOR (HEARTBEATS)"]
+        emit_table(f"costs of {node_id}", columns, _cost_rows(node), "")
+
+    render(output, to_dict(node), tables)
 
 
 # With --wait and no --timeout: the whole drain's limit, under the decode pod's 120 s

@@ -1,6 +1,7 @@
 """A node's costs as the planner weighs them (``controlplane/planner.py``): what
 ``kvbroker calibrate`` measures and the registry stores (``node_pb2.CostProfile``), and the
-defaults until a node is calibrated."""
+defaults until a node is calibrated. The planner weighs them scaled by the node's live
+correction (``controlplane/cost_correction.py``)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,26 @@ class Costs:
     read_fixed_ms: float
     read_us_per_block: float
 
-    def prefill_ms(self, new_tokens: int, context_tokens: int) -> float:
+    def prefill_ms(self, new_tokens: float, context_tokens: float) -> float:
         return (
             self.prefill_fixed_ms
             + new_tokens * self.prefill_us_per_token / 1e3
             + new_tokens * context_tokens * self.prefill_ns_per_token_context / 1e6
         )
 
-    def read_ms(self, blocks: int) -> float:
+    def read_ms(self, blocks: float) -> float:
         return self.read_fixed_ms + blocks * self.read_us_per_block / 1e3
+
+    def scaled(self, prefill: float, read: float) -> Costs:
+        """These costs with the prefill figures times ``prefill`` and the read figures times
+        ``read`` (a live correction, ``controlplane/cost_correction.py``)."""
+        return Costs(
+            self.prefill_fixed_ms * prefill,
+            self.prefill_us_per_token * prefill,
+            self.prefill_ns_per_token_context * prefill,
+            self.read_fixed_ms * read,
+            self.read_us_per_block * read,
+        )
 
     @classmethod
     def of(cls, profile: node_pb2.CostProfile) -> Costs:

@@ -60,6 +60,36 @@ class CostProfile(_message.Message):
     calibrated_time: _timestamp_pb2.Timestamp
     def __init__(self, prefill_fixed_ms: _Optional[float] = ..., prefill_us_per_token: _Optional[float] = ..., prefill_ns_per_token_context: _Optional[float] = ..., read_fixed_ms: _Optional[float] = ..., read_us_per_block: _Optional[float] = ..., calibrated_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
+class EngineWork(_message.Message):
+    __slots__ = ("prefills", "prefill_computed_tokens", "prefill_cached_tokens", "prefill_seconds", "reads", "read_blocks", "read_seconds")
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READS_FIELD_NUMBER: _ClassVar[int]
+    READ_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    prefills: int
+    prefill_computed_tokens: int
+    prefill_cached_tokens: int
+    prefill_seconds: float
+    reads: int
+    read_blocks: float
+    read_seconds: float
+    def __init__(self, prefills: _Optional[int] = ..., prefill_computed_tokens: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., reads: _Optional[int] = ..., read_blocks: _Optional[float] = ..., read_seconds: _Optional[float] = ...) -> None: ...
+
+class CostCorrection(_message.Message):
+    __slots__ = ("prefill", "read", "prefill_samples", "read_samples")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    READ_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    prefill: float
+    read: float
+    prefill_samples: int
+    read_samples: int
+    def __init__(self, prefill: _Optional[float] = ..., read: _Optional[float] = ..., prefill_samples: _Optional[int] = ..., read_samples: _Optional[int] = ...) -> None: ...
+
 class NodeSpec(_message.Message):
     __slots__ = ("node_id", "role", "engine_id", "side_channel_host", "side_channel_port", "http_base_url", "model", "block_size", "capacity_blocks", "bytes_per_block", "incarnation", "retention_budget_blocks", "retention_hard_cap", "prefix_caching")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -93,7 +123,7 @@ class NodeSpec(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., http_base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., incarnation: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("spec", "state", "load", "registered_time", "last_heartbeat_time", "live_leases", "retained_blocks", "cost", "drained")
+    __slots__ = ("spec", "state", "load", "registered_time", "last_heartbeat_time", "live_leases", "retained_blocks", "cost", "drained", "cost_correction")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +133,7 @@ class Node(_message.Message):
     RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    COST_CORRECTION_FIELD_NUMBER: _ClassVar[int]
     spec: NodeSpec
     state: NodeState
     load: NodeLoad
@@ -112,4 +143,5 @@ class Node(_message.Message):
     retained_blocks: int
     cost: CostProfile
     drained: bool
-    def __init__(self, spec: _Optional[_Union[NodeSpec, _Mapping]] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., registered_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_leases: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., cost: _Optional[_Union[CostProfile, _Mapping]] = ..., drained: _Optional[bool] = ...) -> None: ...
+    cost_correction: CostCorrection
+    def __init__(self, spec: _Optional[_Union[NodeSpec, _Mapping]] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., registered_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_leases: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., cost: _Optional[_Union[CostProfile, _Mapping]] = ..., drained: _Optional[bool] = ..., cost_correction: _Optional[_Union[CostCorrection, _Mapping]] = ...) -> None: ...

@@ -111,16 +111,18 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, node: _Optional[_Union[_node_pb2.Node, _Mapping]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., session_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "engine_ready", "load")
+    __slots__ = ("node_id", "incarnation", "engine_ready", "load", "work")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_READY_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: str
     engine_ready: bool
     load: _node_pb2.NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., engine_ready: _Optional[bool] = ..., load: _Optional[_Union[_node_pb2.NodeLoad, _Mapping]] = ...) -> None: ...
+    work: _node_pb2.EngineWork
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., engine_ready: _Optional[bool] = ..., load: _Optional[_Union[_node_pb2.NodeLoad, _Mapping]] = ..., work: _Optional[_Union[_node_pb2.EngineWork, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("node",)

@@ -1,0 +1,175 @@
+"""A node's live cost correction (``controlplane/cost_correction.py``): the weighted average of
+observed over predicted time, clamped, blind to tiny samples; and as the registry keeps it
+(on a fake clock, no server): the costs the planner weighs follow it, a calibration resets it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.cost_correction import (
+    MAX_FACTOR,
+    MIN_FACTOR,
+    WEIGHT,
+    CostCorrection,
+    planned_costs,
+)
+from controlplane.errors import InvalidArgument
+from kvbroker.common.clock import to_timestamp
+from kvbroker.common.costs import DEFAULT_COSTS, Costs
+from kvbroker.v1 import node_pb2
+from tests.test_registry_unit import Harness
+
+COSTS = Costs(
+    prefill_fixed_ms=10.0,
+    prefill_us_per_token=100.0,
+    prefill_ns_per_token_context=0.0,
+    read_fixed_ms=5.0,
+    read_us_per_block=500.0,
+)
+
+
+def prefills(requests: int, tokens_each: int, seconds: float) -> node_pb2.EngineWork:
+    return node_pb2.EngineWork(
+        prefills=requests,
+        prefill_computed_tokens=requests * tokens_each,
+        prefill_seconds=seconds,
+    )
+
+
+def reads(transfers: int, blocks_each: int, seconds: float) -> node_pb2.EngineWork:
+    return node_pb2.EngineWork(
+        reads=transfers, read_blocks=transfers * blocks_each, read_seconds=seconds
+    )
+
+
+def test_one_sample_moves_the_factor_a_weight_of_the_way_in_log() -> None:
+    correction = CostCorrection()
+    # 4 requests of 400 tokens: 4 * (10 + 40) = 200 ms predicted; 400 ms observed.
+    assert correction.observe(prefills(4, 400, 0.4), COSTS)
+    assert correction.prefill == pytest.approx(2**WEIGHT)
+    assert (correction.read, correction.prefill_samples, correction.read_samples) == (1.0, 1, 0)
+
+
+def test_a_steadily_slower_node_converges_to_its_ratio() -> None:
+    correction = CostCorrection()
+    for _ in range(60):
+        correction.observe(prefills(4, 400, 0.6), COSTS)  # 3x the 200 ms predicted
+        correction.observe(reads(2, 16, 0.013), COSTS)  # 2 * (5 + 8) = 26 ms: half of it
+    assert correction.prefill == pytest.approx(3.0, rel=1e-4)
+    assert correction.read == pytest.approx(0.5, rel=1e-4)
+
+
+def test_an_outlier_is_clamped() -> None:
+    correction = CostCorrection()
+    correction.observe(prefills(4, 400, 1000.0), COSTS)  # 5000x
+    assert correction.prefill == pytest.approx(MAX_FACTOR**WEIGHT)
+    for _ in range(200):
+        correction.observe(prefills(4, 400, 0.0001), COSTS)
+    assert correction.prefill == pytest.approx(MIN_FACTOR, rel=1e-6)
+
+
+def test_tiny_samples_and_empty_parts_move_nothing() -> None:
+    correction = CostCorrection()
+    # One 10-token request on a node priced at 0.1 ms fixed: under a millisecond predicted.
+    fast = Costs(0.1, 10.0, 0.0, 0.1, 10.0)
+    assert not correction.observe(prefills(1, 10, 5.0), fast)
+    assert not correction.observe(reads(1, 1, 5.0), fast)
+    assert not correction.observe(node_pb2.EngineWork(), COSTS)
+    assert not correction.observe(prefills(4, 400, 0.0), COSTS)  # no time: no measurement
+    assert correction == CostCorrection()
+
+
+def test_cached_tokens_are_priced_as_context() -> None:
+    with_context = Costs(10.0, 100.0, 1000.0, 5.0, 500.0)
+    correction = CostCorrection()
+    work = prefills(2, 100, 0.0)
+    work.prefill_cached_tokens = 2 * 1000
+    # Each request: 10 + 100 * 0.1 + 100 * 1000 * 1000 / 1e6 = 120 ms; 240 ms for both.
+    work.prefill_seconds = 0.240
+    correction.observe(work, with_context)
+    assert correction.prefill == pytest.approx(1.0)
+    assert correction.prefill_samples == 1
+
+
+def test_the_planner_weighs_the_calibrated_costs_scaled() -> None:
+    correction = CostCorrection(prefill=2.0, read=0.5)
+    planned = planned_costs(COSTS, correction)
+    assert planned.prefill_ms(400, 1000) == pytest.approx(2 * COSTS.prefill_ms(400, 1000))
+    assert planned.read_ms(16) == pytest.approx(0.5 * COSTS.read_ms(16))
+    assert planned_costs(None, CostCorrection()) == DEFAULT_COSTS
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2**20),
+            st.integers(0, 2**30),
+            st.floats(0, 1e9),
+            st.integers(0, 2**20),
+            st.floats(0, 1e9),
+            st.floats(0, 1e9),
+        ),
+        max_size=20,
+    )
+)
+def test_the_factors_stay_in_range_whatever_is_reported(
+    samples: list[tuple[int, int, float, int, float, float]],
+) -> None:
+    correction = CostCorrection()
+    for requests, tokens, seconds, transfers, blocks, read_seconds in samples:
+        work = node_pb2.EngineWork(
+            prefills=requests,
+            prefill_computed_tokens=tokens,
+            prefill_seconds=seconds,
+            reads=transfers,
+            read_blocks=blocks,
+            read_seconds=read_seconds,
+        )
+        correction.observe(work, DEFAULT_COSTS)
+        for factor in (correction.prefill, correction.read):
+            assert math.isfinite(factor) and MIN_FACTOR - 1e-9 <= factor <= MAX_FACTOR + 1e-9
+
+
+async def test_the_registry_scales_a_node_s_costs_and_a_calibration_resets_them() -> None:
+    h = Harness()
+    await h.fleet()
+    spec = h.prefill
+    runtime = h.registry.nodes.runtime[spec.node_id]
+    assert runtime.costs == DEFAULT_COSTS
+    # 4 requests of 400 tokens at the defaults: 4 * (25 + 180) = 820 ms predicted.
+    slow = prefills(4, 400, 1.64)
+    for _ in range(3):
+        await h.registry.heartbeat(spec.node_id, spec.incarnation, True, node_pb2.NodeLoad(), slow)
+    factor = 2 ** (1 - (1 - WEIGHT) ** 3)
+    assert runtime.costs.prefill_us_per_token == pytest.approx(
+        DEFAULT_COSTS.prefill_us_per_token * factor
+    )
+    assert runtime.costs.read_us_per_block == DEFAULT_COSTS.read_us_per_block
+    view = await h.registry.get_node(spec.node_id)
+    assert view.cost_correction.prefill == pytest.approx(factor)
+    assert (view.cost_correction.read, view.cost_correction.prefill_samples) == (1.0, 3)
+    assert (view.cost.prefill_us_per_token, view.cost.HasField("calibrated_time")) == (0, False)
+
+    profile = node_pb2.CostProfile(
+        prefill_fixed_ms=5.0, prefill_us_per_token=200.0, calibrated_time=to_timestamp(1.0)
+    )
+    view = await h.registry.set_cost_profile(spec.node_id, profile)
+    assert view.cost_correction == node_pb2.CostCorrection(prefill=1.0, read=1.0)
+    assert runtime.costs == Costs.of(profile)
+    # Against the new profile: 4 * (5 + 80) = 340 ms predicted, 1.64 s observed: clamped to 4.
+    await h.registry.heartbeat(spec.node_id, spec.incarnation, True, node_pb2.NodeLoad(), slow)
+    assert runtime.costs.prefill_fixed_ms == pytest.approx(5.0 * MAX_FACTOR**WEIGHT)
+
+
+async def test_work_that_cannot_be_is_refused_and_moves_nothing() -> None:
+    h = Harness()
+    await h.fleet()
+    spec = h.prefill
+    bad = prefills(4, 400, float("nan"))
+    with pytest.raises(InvalidArgument, match="not a finite non-negative"):
+        await h.registry.heartbeat(spec.node_id, spec.incarnation, True, node_pb2.NodeLoad(), bad)
+    assert h.registry.nodes.runtime[spec.node_id].correction == CostCorrection()
