@@ -326,49 +326,58 @@ def _mark(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "NO")
 
 
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _comparisons(row: Mapping[str, Any], arm: str) -> list[tuple[str, bool | None]]:
+    """The ratios judged against ``arm`` at this point, with their verdicts: the planner's to
+    the best fixed arm and to reuse off, READ's to the planner."""
+    verdicts = row["targets"]
+    found: list[tuple[str, bool | None]] = []
+    if arm == row["best_fixed_arm"]:
+        found.append((f"planner/best {_times(row['planner_vs_best'])}", verdicts["within_best"]))
+    if arm == "off":
+        found.append(
+            (f"planner/off {_times(row['planner_vs_off'])}", verdicts["not_slower_than_off"])
+        )
+    if arm == "read" and "speedup_over_read" in verdicts:
+        found.append(
+            (f"read/planner {_times(row['read_vs_planner'])}", verdicts["speedup_over_read"])
+        )
+    return found
+
+
 def print_table(rows: Sequence[Mapping[str, Any]], console: Console) -> None:
+    """One line per point and arm; each ratio the targets judge is on the line of the arm
+    the planner is compared with."""
     table = Table(
-        title="follow-up TTFT by arm, ms: median (IQR); targets: planner <= "
-        f"{WITHIN_BEST:.2f}x best fixed, <= off, read/planner >= {SPEEDUP_OVER_READ}x",
+        title=f"follow-up TTFT by arm; targets: planner/best <= {WITHIN_BEST:.2f}x, "
+        f"planner/off <= 1, read/planner >= {SPEEDUP_OVER_READ}x at the longest one-line",
         title_justify="left",
     )
-    present = [arm for arm in ARMS if any(arm in row["arms"] for row in rows)]
-    columns = ("context", "suffix", "tokens", *present, "planner took", "/best", "/off",
-               "10 %", "<=off", "vs read")  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="right")
-
-    def ratio(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}x"
-
+    for column in ("context", "suffix", "arm", "tokens", "median", "IQR", "took", "ratio",
+                   "target"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("arm", "took", "ratio") else "right")
     for row in rows:
-        cells = []
-        for arm in present:
-            figures = row["arms"].get(arm)
-            cells.append(
-                "-"
-                if figures is None
-                else f"{figures['median_ms']:.0f} ({figures['q1_ms']:.0f}-{figures['q3_ms']:.0f})"
+        for index, (arm, figures) in enumerate(row["arms"].items()):
+            comparisons = _comparisons(row, arm)
+            table.add_row(
+                str(row["length"]) if index == 0 else "",
+                str(row["suffix"]) if index == 0 else "",
+                arm,
+                f"{figures['input_tokens']:.0f}",
+                f"{figures['median_ms']:.0f} ms",
+                f"{figures['q1_ms']:.0f}-{figures['q3_ms']:.0f}",
+                ", ".join(f"{path} {n}" for path, n in sorted(figures["paths"].items())),
+                "\n".join(text for text, _ in comparisons),
+                "\n".join(_mark(value) for _, value in comparisons),
             )
-        took = row["arms"].get("planner", {}).get("paths", {})
-        verdicts = row["targets"]
-        table.add_row(
-            str(row["length"]),
-            str(row["suffix"]),
-            f"{row['input_tokens']:.0f}",
-            *cells,
-            ", ".join(f"{path} {count}" for path, count in sorted(took.items())) or "-",
-            ratio(row["planner_vs_best"]),
-            ratio(row["planner_vs_off"]),
-            _mark(verdicts["within_best"]),
-            _mark(verdicts["not_slower_than_off"]),
-            _mark(verdicts.get("speedup_over_read")),
-        )
+        table.add_section()
     console.print(table)
-    overall = verdict(rows)
     console.print(
         "targets at every point: "
-        + ", ".join(f"{name} {_mark(value)}" for name, value in overall.items())
+        + ", ".join(f"{name} {_mark(value)}" for name, value in verdict(rows).items())
     )
 
 
