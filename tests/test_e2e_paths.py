@@ -193,10 +193,15 @@ async def test_calibrate_measures_the_real_engines(stack: Stack, http: httpx.Asy
 
 
 async def test_the_multiturn_bench_arms_take_their_paths(stack: Stack) -> None:
-    """A tiny run of the benchmark: every arm at every point, each fixed arm on its path
-    (READ alone reading from D), reuse off without a session, and a summary of it all."""
+    """A tiny run of the benchmark, the nodes calibrated after its warm-up: every arm at every
+    point, each fixed arm on its path (READ alone reading from D), reuse off without a
+    session, and a summary of it all."""
     config = MultiturnConfig(
-        lengths=(300,), repeats=2, max_tokens=4, suffix_tokens={"one-line": 8, "bulk": 200}
+        lengths=(300,),
+        repeats=2,
+        max_tokens=4,
+        calibrate=True,
+        suffix_tokens={"one-line": 8, "bulk": 200},
     )
     records = await run_multiturn(stack, config, Console(quiet=True))
     follow_ups = [r for r in records if r.kind == "follow-up"]

@@ -222,3 +222,4 @@ def test_cli_defaults_match_the_config() -> None:
     assert tuple(int(n) for n in options["lengths"].default.split(",")) == defaults.lengths
     assert options["repeats"].default == defaults.repeats
     assert options["max_tokens"].default == defaults.max_tokens
+    assert options["calibrate"].default == defaults.calibrate

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -34,7 +35,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvbroker.bench.turns import TurnRecord, measured_turn
-from kvbroker.stack import Stack
+from kvbroker.stack import KVBROKER, Stack
 
 # The path each fixed arm asks for; "planner" asks for none, "off" sends no session id.
 FIXED_PATHS = {"read": "READ", "decode-local": "DECODE_LOCAL", "recompute": "RECOMPUTE"}
@@ -93,6 +94,9 @@ class MultiturnConfig:
     # One per arm: each arm then takes each place in the rotated order once.
     repeats: int = len(ARMS)
     max_tokens: int = 16
+    # Measure the nodes' costs (`kvbroker calibrate`) after the warm-up, as an operator
+    # would: otherwise the planner estimates from kvbroker.common.costs' defaults.
+    calibrate: bool = False
     suffix_tokens: Mapping[str, int] = field(default_factory=lambda: dict(SUFFIX_TOKENS))
 
     def __post_init__(self) -> None:
@@ -138,6 +142,8 @@ async def run_multiturn(
     points = [(length, suffix) for length in config.lengths for suffix in config.suffixes]
     async with httpx.AsyncClient(timeout=600) as client:
         tokens_per_char = await _warm_up(stack, client, config)
+        if config.calibrate:
+            await _calibrate(stack, console)
         with Progress(console=console) as progress:
             task = progress.add_task("multi-turn", total=len(points) * config.repeats)
             for index, (length, suffix) in enumerate(points):
@@ -161,6 +167,24 @@ async def _warm_up(stack: Stack, client: httpx.AsyncClient, config: MultiturnCon
         (opening, _) = await conversation.run(stack, client, config, tokens_per_char)
         tokens_per_char = opening.input_num_tokens / conversation.opening_chars
     return tokens_per_char
+
+
+async def _calibrate(stack: Stack, console: Console) -> None:
+    """``kvbroker calibrate`` on the stack's registry, its table shown. After the warm-up,
+    whose READ turns gave P a read cost of its own."""
+    process = await asyncio.create_subprocess_exec(
+        KVBROKER,
+        "calibrate",
+        "--registry",
+        stack.registry_address,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, **stack.kvbroker_env()},
+    )
+    out, _ = await process.communicate()
+    console.print(out.decode(), end="", markup=False, highlight=False)
+    if process.returncode != 0:
+        raise RuntimeError(f"kvbroker calibrate failed (exit {process.returncode})")
 
 
 @dataclass

@@ -46,6 +46,13 @@ def bench_multiturn(
     prefill_cache: Annotated[
         Switch, typer.Option(help="The prefill node's own prefix cache.")
     ] = Switch.off,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            help="Measure the nodes' costs for the planner (kvbroker calibrate) after the "
+            "warm-up; without it the planner estimates from default costs."
+        ),
+    ] = False,
     model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
     workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-bench"),
 ) -> None:
@@ -68,6 +75,7 @@ def bench_multiturn(
             arms=_names(arms),
             repeats=repeats,
             max_tokens=max_tokens,
+            calibrate=calibrate,
         )
         config.check_fits(StackConfig.max_model_len)
     except ValueError as error:
@@ -83,6 +91,7 @@ def bench_multiturn(
             "model_dir": str(stack.model_dir),
             "repeats": config.repeats,
             "max_tokens": config.max_tokens,
+            "calibrated": config.calibrate,
             "suffix_tokens": {name: config.suffix_tokens[name] for name in config.suffixes},
         }
         written = [*write(records, rows, output, meta)]
