@@ -57,10 +57,12 @@ test-fast: install etcd
 demo: install
 	$(BIN)/kvbroker demo
 
-# The multi-turn benchmark with the prefill node's own prefix cache off, then on.
+# The multi-turn benchmark, calibrated, with the prefill node's own prefix cache off, then on.
 bench: install
-	$(BIN)/kvbroker bench multiturn --prefill-cache off --output results/multiturn-prefill-cache-off
-	$(BIN)/kvbroker bench multiturn --prefill-cache on --output results/multiturn-prefill-cache-on
+	$(BIN)/kvbroker bench multiturn --calibrate --prefill-cache off \
+		--output results/multiturn-prefill-cache-off
+	$(BIN)/kvbroker bench multiturn --calibrate --prefill-cache on \
+		--output results/multiturn-prefill-cache-on
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache
