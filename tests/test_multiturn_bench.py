@@ -106,7 +106,7 @@ def test_summary_spread_ratios_and_targets() -> None:
         95,
         105,
     )
-    assert row["best_fixed_arm"] == "decode-local"
+    assert row["best_fixed_arm"] == "decode-local" and row["planner_took_best_path"]
     assert row["planner_vs_best"] == pytest.approx(1.2)
     assert row["planner_vs_off"] == pytest.approx(120 / 900)
     assert row["read_vs_planner"] == pytest.approx(320 / 120)
@@ -156,7 +156,7 @@ def test_targets_by_point() -> None:
     }
     # RECOMPUTE is best here (90): 105/90 is over 10 %, and off (95) beats the planner; the
     # READ target is judged only at the longest one-line point.
-    assert short["best_fixed_arm"] == "recompute"
+    assert short["best_fixed_arm"] == "recompute" and not short["planner_took_best_path"]
     assert short["targets"] == {"within_best": False, "not_slower_than_off": False}
     assert "speedup_over_read" not in bulk["targets"]
     assert verdict(rows) == {
@@ -170,6 +170,7 @@ def test_targets_without_their_arms_are_not_judged() -> None:
     """--arms planner,off (the reuse on/off comparison): no fixed path, no READ."""
     (row,) = summarise(point({"planner": (100,), "off": (300,)}, "DECODE_LOCAL"))
     assert row["best_fixed_arm"] is None and row["planner_vs_best"] is None
+    assert not row["planner_took_best_path"]
     assert row["targets"] == {
         "within_best": None,
         "not_slower_than_off": True,
@@ -201,7 +202,7 @@ def test_table_json_and_chart(tmp_path: Path) -> None:
     console = Console(record=True, width=250)
     print_table(rows, console)
     text = console.export_text()
-    assert "DECODE_LOCAL 2" in text and "READ 2" in text and "1.16x" in text
+    assert "DECODE_LOCAL 2" in text and "READ 2" in text and "1.16x (same path)" in text
     assert "within_best NO" in text and "not_slower_than_off yes" in text
     written = write(records, rows, tmp_path, {"prefill_prefix_caching": True})
     assert [p.name for p in written] == ["records.jsonl", "summary.json"]

@@ -91,8 +91,9 @@ class MultiturnConfig:
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
     suffixes: tuple[str, ...] = tuple(SUFFIX_TOKENS)
     arms: tuple[str, ...] = ARMS
-    # One per arm: each arm then takes each place in the rotated order once.
-    repeats: int = len(ARMS)
+    # Each arm twice in each place of the rotated order. On this 2-core machine one sample
+    # can be twice another on the same path; a median of ten bears a few such.
+    repeats: int = 2 * len(ARMS)
     max_tokens: int = 16
     # Measure the nodes' costs (`kvbroker calibrate`) after the warm-up, as an operator
     # would: otherwise the planner estimates from kvbroker.common.costs' defaults.
@@ -328,6 +329,11 @@ def summarise(records: Sequence[TurnRecord]) -> list[dict[str, Any]]:
             "planner_vs_best": _ratio(median.get("planner"), median.get(best or "")),
             "planner_vs_off": _ratio(median.get("planner"), median.get("off")),
             "read_vs_planner": _ratio(median.get("read"), median.get("planner")),
+            # Every planner follow-up took the best fixed arm's path: then a gap between the
+            # two is no wrong choice, but noise or the cost of planning.
+            "planner_took_best_path": best is not None
+            and "planner" in arms
+            and set(arms["planner"]["paths"]) == {FIXED_PATHS[best]},
         }
         row["targets"] = targets(row, length == longest)
         rows.append(row)
@@ -360,7 +366,10 @@ def _comparisons(row: Mapping[str, Any], arm: str) -> list[tuple[str, bool | Non
     verdicts = row["targets"]
     found: list[tuple[str, bool | None]] = []
     if arm == row["best_fixed_arm"]:
-        found.append((f"planner/best {_times(row['planner_vs_best'])}", verdicts["within_best"]))
+        same = " (same path)" if row["planner_took_best_path"] else ""
+        found.append(
+            (f"planner/best {_times(row['planner_vs_best'])}{same}", verdicts["within_best"])
+        )
     if arm == "off":
         found.append(
             (f"planner/off {_times(row['planner_vs_off'])}", verdicts["not_slower_than_off"])

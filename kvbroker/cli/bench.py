@@ -41,7 +41,7 @@ def bench_multiturn(
     lengths: Annotated[
         str, typer.Option(help="Context lengths, tokens.")
     ] = "512,1024,2048,4096,6144",
-    repeats: Annotated[int, typer.Option(min=1, help="Follow-ups per point and arm.")] = 5,
+    repeats: Annotated[int, typer.Option(min=1, help="Follow-ups per point and arm.")] = 10,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 16,
     prefill_cache: Annotated[
         Switch, typer.Option(help="The prefill node's own prefix cache.")
