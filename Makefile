@@ -57,8 +57,12 @@ test-fast: install etcd
 demo: install
 	$(BIN)/kvbroker demo
 
+# The multi-turn benchmark, calibrated, with the prefill node's own prefix cache off, then on.
 bench: install
-	$(BIN)/kvbroker bench multiturn --output results/multiturn
+	$(BIN)/kvbroker bench multiturn --calibrate --prefill-cache off \
+		--output results/multiturn-prefill-cache-off
+	$(BIN)/kvbroker bench multiturn --calibrate --prefill-cache on \
+		--output results/multiturn-prefill-cache-on
 
 clean:
 	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache

@@ -56,7 +56,7 @@ LAYERS = {
     "test_engine_rules": "unit",
     "test_engine_work": "unit",
     "test_labels": "unit",
-    "test_paths_bench": "unit",
+    "test_multiturn_bench": "unit",
     "test_planner": "unit",
     "test_ports": "unit",
     "test_prompt_size": "unit",

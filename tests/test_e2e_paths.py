@@ -3,7 +3,8 @@ straight to the decode node that holds the conversation), READ (P reads D's KV o
 RECOMPUTE give the same tokens at temperature 0; the registry's planner switches from
 DECODE_LOCAL to a prefill-node path as the new suffix grows; a DECODE_LOCAL turn keeps the
 conversation retained for the next, and one whose lease ended or whose prefix changed still
-answers correctly.
+answers correctly; `kvbroker bench multiturn`'s arms, on a tiny configuration, each take
+their path.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from rich.console import Console
 
+from kvbroker.bench.multiturn import ARMS, FIXED_PATHS, MultiturnConfig, run_multiturn, summarise
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.tasks import poll_until
 from kvbroker.stack import Stack, StackConfig
@@ -211,3 +214,40 @@ async def test_calibrate_measures_the_real_engines(stack: Stack, http: httpx.Asy
         assert node["costs"]["prefill_us_per_token"] > 0
         assert [p["tokens"] for p in node["probes"]] == sorted(p["tokens"] for p in node["probes"])
     assert any(node["reads_measured"] for node in measured.values())
+
+
+async def test_the_multiturn_bench_arms_take_their_paths(stack: Stack) -> None:
+    """A tiny run of the benchmark, the nodes calibrated after its warm-up: every arm at every
+    point, each fixed arm on its path (READ alone reading from D), reuse off without a
+    session, and a summary of it all."""
+    config = MultiturnConfig(
+        lengths=(300,),
+        repeats=2,
+        max_tokens=4,
+        calibrate=True,
+        suffix_tokens={"one-line": 8, "bulk": 200},
+    )
+    records = await run_multiturn(stack, config, Console(quiet=True))
+    follow_ups = [r for r in records if r.kind == "follow-up"]
+    assert len(follow_ups) == len(ARMS) * 2 * 2
+    assert len(records) == 2 * len(follow_ups)  # each after its opening
+    for record in follow_ups:
+        if record.arm in FIXED_PATHS:
+            assert record.path == FIXED_PATHS[record.arm], record
+        assert (record.kv_reads > 0) == (record.path == "READ"), record
+        if record.arm == "off":
+            assert record.path != "DECODE_LOCAL" and record.decision == "MISS", record
+        assert 0 < record.ttft_ms <= record.e2e_ms
+    # The same conversation for every arm at a point and repetition: the prompts differ by
+    # the answers to the opening at most.
+    for suffix in ("one-line", "bulk"):
+        for repetition in range(config.repeats):
+            prompts = [
+                r.input_num_tokens
+                for r in follow_ups
+                if (r.suffix, r.repetition) == (suffix, repetition)
+            ]
+            assert max(prompts) - min(prompts) <= config.max_tokens, prompts
+    rows = summarise(records)
+    assert [(row["length"], row["suffix"]) for row in rows] == [(300, "one-line"), (300, "bulk")]
+    assert all(set(row["arms"]) == set(ARMS) for row in rows)

@@ -27,10 +27,13 @@ NIXL_METRICS = {
 @dataclass
 class TurnRecord:
     conversation_id: str
-    turn: int
-    # "grow" (adds bulk context) or "follow-up" (a short question: the measured point).
+    # "opening" (the conversation's first turn) or "follow-up" (the measured point).
     kind: str
-    reuse: bool
+    # The benchmark arm (kvbroker.bench.multiturn.ARMS), the new suffix's size and the
+    # repetition of its point.
+    arm: str
+    suffix: str
+    repetition: int
     target_tokens: int
     input_num_tokens: int
     output_num_tokens: int

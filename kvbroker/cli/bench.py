@@ -5,7 +5,6 @@ their defaults from TraceConfig."""
 from __future__ import annotations
 
 import asyncio
-import json
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -19,80 +18,93 @@ from rich.text import Text
 from kvbroker.bench.retention import TraceConfig
 from kvbroker.cli.options import finite, positive_seconds, seconds
 from kvbroker.cli.output import fail, say
-from kvbroker.cli.stack import run_with_stack
+from kvbroker.cli.stack import Switch, run_with_stack
 
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 
 
 @bench_app.command("multiturn")
 def bench_multiturn(
-    output: Annotated[Path, typer.Option(help="Where records and charts go.")] = Path(
+    output: Annotated[Path, typer.Option(help="Where records, summary and chart go.")] = Path(
         "results/multiturn"
     ),
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="Arms: planner, the fixed paths read, decode-local, recompute, and off "
+            "(reuse off: plain P/D)."
+        ),
+    ] = "planner,read,decode-local,recompute,off",
+    suffix: Annotated[
+        str, typer.Option(help="New suffix sizes: one-line (a question), bulk (a tool result).")
+    ] = "one-line,bulk",
     lengths: Annotated[
-        str, typer.Option(help="Prompt lengths the conversations grow through.")
+        str, typer.Option(help="Context lengths, tokens.")
     ] = "512,1024,2048,4096,6144",
-    conversations: Annotated[int, typer.Option(min=1, help="Conversations per mode.")] = 3,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 32,
-    model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
-    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-bench"),
-) -> None:
-    """TTFT vs prompt length with reuse ON and OFF in the same run: JSON, charts, a table."""
-    try:
-        targets = [int(n) for n in lengths.split(",")]
-    except ValueError:
-        fail(f"--lengths {lengths!r} is not a comma-separated list of token counts", 2)
-    from kvbroker.bench.multiturn import plot, print_table, run_sweep, summarise, write_records
-
-    async def body(stack: Any, console: Console) -> None:
-        records = await run_sweep(stack, output, targets, conversations, max_tokens, console)
-        write_records(records, output)
-        rows = summarise(records)
-        print_table(rows, console)
-        (output / "summary.json").write_text(
-            json.dumps({"model_dir": str(stack.model_dir), "rows": rows}, indent=2)
-        )
-        charts = plot(rows, output, f"TTFT vs prompt length ({stack.config.served_model}, CPU)")
-        console.print(
-            Text(f"records, summary and charts in {output}: {', '.join(c.name for c in charts)}")
-        )
-
-    run_with_stack(True, model, workdir, body)
-
-
-@bench_app.command("paths")
-def bench_paths(
-    output: Annotated[Path, typer.Option(help="Where records, summary and chart go.")] = Path(
-        "results/paths"
-    ),
-    lengths: Annotated[str, typer.Option(help="Context lengths, tokens.")] = "1024,4096",
-    conversations: Annotated[int, typer.Option(min=1, help="Follow-ups per point and arm.")] = 2,
+    repeats: Annotated[int, typer.Option(min=1, help="Follow-ups per point and arm.")] = 10,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 16,
     prefill_cache: Annotated[
-        bool, typer.Option(help="Run the prefill node with its own prefix cache on.")
+        Switch, typer.Option(help="The prefill node's own prefix cache.")
+    ] = Switch.off,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            help="Measure the nodes' costs for the planner (kvbroker calibrate) after the "
+            "warm-up; without it the planner estimates from default costs."
+        ),
     ] = False,
     model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
     workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-bench"),
 ) -> None:
-    """Follow-up TTFT on each fixed path (READ, DECODE_LOCAL, RECOMPUTE) against the planner,
-    by context length and suffix size: JSON, a chart, a table."""
+    """A follow-up's TTFT by path (the planner, each fixed path, reuse off), context length
+    and new suffix size, the arms interleaved: JSON, a chart, a table with the targets."""
+    from kvbroker.bench.multiturn import (
+        MultiturnConfig,
+        plot,
+        print_table,
+        run_multiturn,
+        summarise,
+        write,
+    )
+    from kvbroker.stack import StackConfig
+
     try:
-        targets = [int(n) for n in lengths.split(",")]
-    except ValueError:
-        fail(f"--lengths {lengths!r} is not a comma-separated list of token counts", 2)
-    from kvbroker.bench.paths import plot, print_table, run_paths, summarise, write
+        config = MultiturnConfig(
+            lengths=tuple(int(n) for n in lengths.split(",")),
+            suffixes=_names(suffix),
+            arms=_names(arms),
+            repeats=repeats,
+            max_tokens=max_tokens,
+            calibrate=calibrate,
+        )
+        config.check_fits(StackConfig.max_model_len)
+    except ValueError as error:
+        fail(f"{error} (--lengths {lengths!r}, --suffix {suffix!r}, --arms {arms!r})", 2)
+    cache = prefill_cache is Switch.on
 
     async def body(stack: Any, console: Console) -> None:
-        results = await run_paths(stack, targets, conversations, max_tokens, console)
-        rows = summarise(results)
+        records = await run_multiturn(stack, config, console)
+        rows = summarise(records)
         print_table(rows, console)
-        meta = {"prefill_prefix_caching": prefill_cache, "model_dir": str(stack.model_dir)}
-        write(results, rows, output, meta)
-        cache = "P's prefix cache on" if prefill_cache else "P's prefix cache off"
-        chart = plot(rows, output, f"Follow-up TTFT by path ({cache}, CPU)")
-        console.print(Text(f"records, summary and chart in {output}: {chart.name}"))
+        meta = {
+            "prefill_prefix_caching": cache,
+            "model_dir": str(stack.model_dir),
+            "repeats": config.repeats,
+            "max_tokens": config.max_tokens,
+            "calibrated": config.calibrate,
+            "suffix_tokens": {name: config.suffix_tokens[name] for name in config.suffixes},
+        }
+        written = [*write(records, rows, output, meta)]
+        title = f"Follow-up TTFT by path (P's prefix cache {prefill_cache.value}, CPU)"
+        written.append(plot(rows, output, title))
+        console.print(Text(f"written: {', '.join(str(p) for p in written)}"))
 
-    run_with_stack(True, model, workdir, body, prefill_prefix_caching=prefill_cache)
+    run_with_stack(True, model, workdir, body, prefill_prefix_caching=cache)
+
+
+def _names(value: str) -> tuple[str, ...]:
+    """A comma-separated list of names, blanks dropped."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
 
 
 @bench_app.command("retention")
@@ -299,7 +311,7 @@ def bench_agentic(
     from kvbroker.bench.agentic import ARMS, AgenticConfig, print_table, run_agentic, summarise
     from kvbroker.bench.agentic import write as write_agentic
 
-    chosen = tuple(a.strip() for a in arms.split(",") if a.strip())
+    chosen = _names(arms)
     if not chosen or any(a not in ARMS for a in chosen):
         fail(f"--arms {arms!r}: choose from {', '.join(ARMS)}", 2)
     config = AgenticConfig(
