@@ -358,6 +358,12 @@ class NixlConnector(NixlPullConnector):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         self._unadmitted.pop(request.request_id, None)
         self._starved.discard(request.request_id)
+        params = request.kv_transfer_params
+        if params and params.get(handles.DECODE_LOCAL_KEY):
+            # A turn on the decode node alone sets neither transfer flag, so vLLM does not
+            # take it into its transfer path; it is retained like a decode leg when it
+            # finishes, and only a request the worker tracks can ever be freed.
+            vllm_compat.track_for_free(self._sched, request.request_id)
         if vllm_compat.in_transfer_batch(self._sched, request.request_id):
             self._tracked.add(request.request_id)
 
@@ -378,18 +384,22 @@ class NixlConnector(NixlPullConnector):
         self._tracked.discard(request_id)
         params = request.kv_transfer_params
         in_transfer_path = params and (
-            params.get("do_remote_decode")
-            or params.get("do_remote_prefill")
-            or params.get(handles.DECODE_LOCAL_KEY)
+            params.get("do_remote_decode") or params.get("do_remote_prefill")
         )
         if params and not tracked and not in_transfer_path:
-            # Params that never entered the transfer path (neither flag set): vLLM would
-            # retain the blocks with a deadline its worker never applies. Free them now.
+            # Params that never entered the transfer path (neither flag set, or a DECODE_LOCAL
+            # turn that never ran): vLLM would retain the blocks with a deadline its worker
+            # never applies. Free them now.
             return False, None
         delay_free, out = self._sched.request_finished(request, block_ids)
         is_decode_retention = bool(delay_free and out and out.get("do_remote_decode"))
         if not is_decode_retention:
             return delay_free, out
+        if not tracked:
+            # The worker never saw it (update_state_after_alloc): it would drop every deadline
+            # given for it, so retaining it would hold its blocks for good.
+            log.warning("kvbroker: not retaining %s: vLLM's worker does not track it", request_id)
+            return False, None
         assert out is not None
         session = vllm_compat.session_id(request)
         if not session or self.link is None:

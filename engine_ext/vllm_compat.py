@@ -53,6 +53,7 @@ __all__ = [
     "served_model_name",
     "session_id",
     "side_channel_address",
+    "track_for_free",
 ]
 
 SUPPORTED_VLLM = "0.32"
@@ -84,6 +85,16 @@ def in_transfer_batch(scheduler: NixlPullConnectorScheduler, request_id: str) ->
     """Whether vLLM's NIXL scheduler took the request into its transfer path this step
     (``update_state_after_alloc`` with transfer params): only those does it track for freeing."""
     return request_id in scheduler._reqs_in_batch
+
+
+def track_for_free(scheduler: NixlPullConnectorScheduler, request_id: str) -> None:
+    """Takes a request into vLLM's NIXL transfer path this step, as vLLM does itself only for
+    requests with ``do_remote_decode`` or ``do_remote_prefill`` set. Its worker applies a
+    ``free_at`` deadline (and counts a remote read's notification) only for requests it saw in
+    some step's ``reqs_in_batch`` (``NixlPullConnectorWorker.start_load_kv``); for any other
+    the deadline is dropped, the request is never reported ``finished_sending``, and the
+    scheduler, told to delay the free, never frees its blocks."""
+    scheduler._reqs_in_batch.add(request_id)
 
 
 def free_at(scheduler: NixlPullConnectorScheduler, request_id: str, deadline: float) -> None:

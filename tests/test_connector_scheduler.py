@@ -24,12 +24,16 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from engine_ext import vllm_compat
 from engine_ext.connector import NixlConnector
 from engine_ext.prefix import prefix_hashes
 from engine_ext.testmodel import make_model
@@ -241,3 +245,140 @@ def test_a_request_aborted_while_its_check_is_in_flight_leaves_nothing_behind(
     connector = scheduler.connector
     assert isinstance(connector, NixlConnector)
     assert connector._pending_checks == {}
+
+
+# ------------------------------------------------------------ decode side: what the worker frees
+
+
+@pytest.fixture(scope="module")
+def decode_config() -> VllmConfig:
+    """A decode engine as the stack runs one: prefix caching (a DECODE_LOCAL turn finds its
+    conversation's retained blocks there) and vLLM's bidirectional retention."""
+    model = ModelConfig(model=str(make_model()), dtype="float32", seed=0, skip_tokenizer_init=True)
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_connector_module_path="engine_ext.connector",
+            kv_role="kv_consumer",
+            kv_connector_extra_config={
+                "bidirectional_kv_xfer": True,
+                "kv_recompute_threshold": THRESHOLD,
+                "kvbroker_idle_step_sleep_s": 0,
+            },
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+@pytest.fixture
+def decode_scheduler(decode_config: VllmConfig) -> Iterator[Scheduler]:
+    num_blocks = 64
+    decode_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    built = Scheduler(
+        vllm_config=decode_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(decode_config),
+        block_size=BLOCK_SIZE,
+    )
+    connector = built.connector
+    assert isinstance(connector, NixlConnector)
+    connector.link = FakeLeaseLink()
+    yield built
+    built.shutdown()
+
+
+class WorkerFrees:
+    """vLLM 0.32's NIXL pull worker's bookkeeping of delayed frees
+    (``NixlPullConnectorWorker.start_load_kv``), step by step: a request it will ever free
+    must first come in some step's ``reqs_in_batch``; a ``reqs_to_send`` deadline for any other
+    request is dropped, so its blocks are never reported ``finished_sending`` and the
+    scheduler never frees them."""
+
+    def __init__(self) -> None:
+        self.to_process: set[str] = set()
+        self.deadlines: dict[str, float] = {}
+
+    def step(self, output: SchedulerOutput) -> None:
+        meta = output.kv_connector_metadata
+        assert isinstance(meta, NixlConnectorMetadata)
+        self.to_process |= set(meta.reqs_in_batch)
+        self.to_process -= set(meta.reqs_not_processed)
+        for request_id, deadline in meta.reqs_to_send.items():
+            if request_id in self.to_process:
+                self.deadlines[request_id] = deadline
+
+
+init_none_hash(sha256)
+
+
+def decode_local_request(request_id: str, tokens: list[int]) -> Request:
+    """A turn the planner sent to the decode node alone (``handles.decode_local_params``)."""
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        session_id="conversation-1",
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+    request.kv_transfer_params = handles.decode_local_params()
+    return request
+
+
+def test_a_decode_local_turn_is_retained_only_as_the_worker_will_free_it(
+    decode_scheduler: Scheduler,
+) -> None:
+    connector = decode_scheduler.connector
+    assert isinstance(connector, NixlConnector)
+    worker = WorkerFrees()
+    request = decode_local_request("d-local", prompt())
+    decode_scheduler.add_request(request)
+    output = decode_scheduler.schedule()
+    worker.step(output)
+    assert scheduled_tokens(output, request) == PROMPT_TOKENS
+
+    decode_scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
+    worker.step(decode_scheduler.schedule())
+    # Retained under a lease, as after a decode leg ...
+    assert "d-local" in connector._retained
+    # ... and the worker holds a deadline for it, so the lease's end (a reclaim, an expiry)
+    # frees the blocks. Without one they stay allocated whatever the registry says.
+    assert "d-local" in worker.deadlines
+
+    # The registry ends the lease (a reclaim under pressure): the worker frees at once.
+    connector._retained["d-local"].end_cause = lease_pb2.LEASE_END_CAUSE_PRESSURE
+    vllm_compat.free_at(connector._sched, "d-local", time.perf_counter())
+    worker.step(decode_scheduler.schedule())
+    assert worker.deadlines["d-local"] <= time.perf_counter()
+
+
+def test_a_decode_local_turn_aborted_before_it_ran_keeps_nothing(
+    decode_scheduler: Scheduler,
+) -> None:
+    connector = decode_scheduler.connector
+    assert isinstance(connector, NixlConnector)
+    request = decode_local_request("d-aborted", prompt())
+    decode_scheduler.add_request(request)
+    decode_scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    assert connector._retained == {}
+    assert decode_scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
