@@ -211,7 +211,10 @@ async def test_calibrate_measures_the_real_engines(stack: Stack, http: httpx.Asy
     assert len(measured) == 2  # the prefill and the decode node
     for node in measured.values():
         assert node["stored"]
-        assert node["costs"]["prefill_us_per_token"] > 0
+        # Prefill grows with the prompt: NNLS may put it all in the per-token or all in the
+        # context term, depending on the probes' noise, but not in the fixed cost alone.
+        costs = node["costs"]
+        assert costs["prefill_us_per_token"] > 0 or costs["prefill_ns_per_token_context"] > 0
         assert [p["tokens"] for p in node["probes"]] == sorted(p["tokens"] for p in node["probes"])
     assert any(node["reads_measured"] for node in measured.values())
 
