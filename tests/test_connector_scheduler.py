@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -61,8 +61,10 @@ class FakeLeaseLink(EngineLink):
         return future
 
 
-@pytest.fixture(scope="module")
-def vllm_config() -> VllmConfig:
+def engine_config(
+    role: Literal["kv_producer", "kv_consumer"], prefix_caching: bool, extra: dict[str, object]
+) -> VllmConfig:
+    """A small engine on the test model with kvbroker's connector, as the stack configures it."""
     model = ModelConfig(model=str(make_model()), dtype="float32", seed=0, skip_tokenizer_init=True)
     return VllmConfig(
         model_config=model,
@@ -72,25 +74,20 @@ def vllm_config() -> VllmConfig:
             max_model_len=1024,
             is_encoder_decoder=False,
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(
             kv_connector="NixlConnector",
             kv_connector_module_path="engine_ext.connector",
-            kv_role="kv_producer",
-            kv_connector_extra_config={
-                "kv_recompute_threshold": THRESHOLD,
-                "kvbroker_lease_check_timeout_s": WAIT_S,
-                "kvbroker_idle_step_sleep_s": 0,
-            },
+            kv_role=role,
+            kv_connector_extra_config={"kv_recompute_threshold": THRESHOLD, **extra},
         ),
         device_config=DeviceConfig("cpu"),
     )
 
 
-@pytest.fixture
-def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
-    num_blocks = 256
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
+def real_scheduler(config: VllmConfig, num_blocks: int) -> Scheduler:
+    """vLLM's own scheduler over ``num_blocks`` blocks of one full-attention group."""
+    config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -103,12 +100,26 @@ def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
             )
         ],
     )
-    built = Scheduler(
-        vllm_config=vllm_config,
+    return Scheduler(
+        vllm_config=config,
         kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
+        structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
     )
+
+
+@pytest.fixture(scope="module")
+def vllm_config() -> VllmConfig:
+    return engine_config(
+        "kv_producer",
+        prefix_caching=False,
+        extra={"kvbroker_lease_check_timeout_s": WAIT_S, "kvbroker_idle_step_sleep_s": 0},
+    )
+
+
+@pytest.fixture
+def scheduler(vllm_config: VllmConfig) -> Iterator[Scheduler]:
+    built = real_scheduler(vllm_config, 256)
     yield built
     built.shutdown()
 
@@ -254,52 +265,16 @@ def test_a_request_aborted_while_its_check_is_in_flight_leaves_nothing_behind(
 def decode_config() -> VllmConfig:
     """A decode engine as the stack runs one: prefix caching (a DECODE_LOCAL turn finds its
     conversation's retained blocks there) and vLLM's bidirectional retention."""
-    model = ModelConfig(model=str(make_model()), dtype="float32", seed=0, skip_tokenizer_init=True)
-    return VllmConfig(
-        model_config=model,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=1024,
-            max_model_len=1024,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_connector_module_path="engine_ext.connector",
-            kv_role="kv_consumer",
-            kv_connector_extra_config={
-                "bidirectional_kv_xfer": True,
-                "kv_recompute_threshold": THRESHOLD,
-                "kvbroker_idle_step_sleep_s": 0,
-            },
-        ),
-        device_config=DeviceConfig("cpu"),
+    return engine_config(
+        "kv_consumer",
+        prefix_caching=True,
+        extra={"bidirectional_kv_xfer": True, "kvbroker_idle_step_sleep_s": 0},
     )
 
 
 @pytest.fixture
 def decode_scheduler(decode_config: VllmConfig) -> Iterator[Scheduler]:
-    num_blocks = 64
-    decode_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
-                ),
-            )
-        ],
-    )
-    built = Scheduler(
-        vllm_config=decode_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(decode_config),
-        block_size=BLOCK_SIZE,
-    )
+    built = real_scheduler(decode_config, 64)
     connector = built.connector
     assert isinstance(connector, NixlConnector)
     connector.link = FakeLeaseLink()
