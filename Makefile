@@ -43,7 +43,7 @@ lint: install
 	$(BUF) lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy .
+	$(BIN)/mypy kvbroker tests scripts
 
 # Fast tests in parallel, then the slow ones on their own: end-to-end on real vLLM engines,
 # and the soak of registry replicas killed under load.

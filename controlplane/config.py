@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controlplane.idle_ttl import IdleTtlConfig
-from controlplane.planner import PlannerConfig
 from kvbroker.common import ids
+from kvbroker.controlplane.idle_ttl import IdleTtlConfig
+from kvbroker.controlplane.planner import PlannerConfig
 
 # etcd's default --max-request-bytes is 1.5 MiB; ``EtcdBackend`` keeps 0.5 MiB of it for a
 # transaction's framing, and a record needs room for its key.

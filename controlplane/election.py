@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import structlog
 from aetcd import rpc
 
-from controlplane.errors import StoreUnavailable
-from controlplane.etcd_store import ETCD_ERRORS, EtcdConnection, key_created_at
+from kvbroker.controlplane.errors import StoreUnavailable
+from kvbroker.controlplane.etcd_store import ETCD_ERRORS, EtcdConnection, key_created_at
 
 log = structlog.get_logger("kvbroker.registry")
 

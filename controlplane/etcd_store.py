@@ -28,9 +28,9 @@ import aetcd.utils
 import grpc
 from aetcd import rpc
 
-from controlplane.errors import StoreRefused, StoreUnavailable
-from controlplane.state_cache import RecordKind, StateCache
-from controlplane.store import CachedStore, Change, Deposed, WatchEvent, WriteLimits
+from kvbroker.controlplane.errors import StoreRefused, StoreUnavailable
+from kvbroker.controlplane.state_cache import RecordKind, StateCache
+from kvbroker.controlplane.store import CachedStore, Change, Deposed, WatchEvent, WriteLimits
 
 # etcd's defaults: --max-txn-ops 128 and --max-request-bytes 1.5 MiB, of which 0.5 MiB is left
 # for the request's own framing (``EtcdBackend.size`` counts keys and values).

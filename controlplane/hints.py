@@ -13,19 +13,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from controlplane import planner
-from controlplane.errors import NoLeader, NoReadyNode
-from controlplane.idle_ttl import IdleTtl
-from controlplane.leases import Leases
-from controlplane.metrics import RegistryMetrics
-from controlplane.nodes import NodeRuntime, NodeSessions
-from controlplane.planner import UNSAID, TurnRequest
-from controlplane.prefill_caches import PrefillCaches
-from controlplane.store import Store
-from controlplane.turns import Turns
 from kvbroker.common import routing
 from kvbroker.common.clock import from_timestamp
 from kvbroker.common.labels import label
+from kvbroker.controlplane import planner
+from kvbroker.controlplane.errors import NoLeader, NoReadyNode
+from kvbroker.controlplane.idle_ttl import IdleTtl
+from kvbroker.controlplane.leases import Leases
+from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.nodes import NodeRuntime, NodeSessions
+from kvbroker.controlplane.planner import UNSAID, TurnRequest
+from kvbroker.controlplane.prefill_caches import PrefillCaches
+from kvbroker.controlplane.store import Store
+from kvbroker.controlplane.turns import Turns
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 EXACT = registry_pb2.HINT_CONSISTENCY_EXACT

@@ -31,9 +31,9 @@ from typing import Any
 
 import grpc
 
-from controlplane.errors import PermissionDenied, Unauthenticated
 from kvbroker.common.credentials import read_digest_file, token_digest
 from kvbroker.common.grpc_client import AUTH_METADATA_KEY
+from kvbroker.controlplane.errors import PermissionDenied, Unauthenticated
 
 
 class Role(enum.Enum):

@@ -17,9 +17,13 @@ from collections.abc import Callable, Iterable, Sequence
 
 import structlog
 
-from controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
-from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
-from controlplane.errors import (
+from kvbroker.common.checkpoints import Checkpoints
+from kvbroker.common.clock import from_timestamp, stamp_duration, stamp_time
+from kvbroker.common.labels import label
+from kvbroker.common.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
+from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
+from kvbroker.controlplane.errors import (
     ConversationNotFound,
     InvalidArgument,
     LeaseEnded,
@@ -27,17 +31,13 @@ from controlplane.errors import (
     NoLiveLease,
     NotHolder,
 )
-from controlplane.idle_ttl import IdleTtl
-from controlplane.metrics import RegistryMetrics
-from controlplane.nodes import NodeSessions
-from controlplane.outbox import Outbox
-from controlplane.store import Store
-from controlplane.turns import Turns
-from controlplane.validation import Validation, block_count
-from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import from_timestamp, stamp_duration, stamp_time
-from kvbroker.common.labels import label
-from kvbroker.common.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane.idle_ttl import IdleTtl
+from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.nodes import NodeSessions
+from kvbroker.controlplane.outbox import Outbox
+from kvbroker.controlplane.store import Store
+from kvbroker.controlplane.turns import Turns
+from kvbroker.controlplane.validation import Validation, block_count
 from kvbroker.v1 import lease_pb2, node_pb2
 
 ACTIVE = lease_pb2.LEASE_STATE_ACTIVE

@@ -13,18 +13,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from controlplane.config import RegistryConfig
-from controlplane.cost_correction import CostCorrection, planned_costs
-from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
-from controlplane.errors import (
-    NodeDown,
-    NodeNotRegistered,
-    NotADecodeNode,
-    SessionLost,
-)
-from controlplane.metrics import NodeFigures
-from controlplane.store import Store
-from controlplane.validation import Validation
 from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
 from kvbroker.common.costs import DEFAULT_COSTS, Costs
 from kvbroker.common.labels import label
@@ -34,6 +22,18 @@ from kvbroker.common.routing import (
     Routes,
     candidates,
 )
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.cost_correction import CostCorrection, planned_costs
+from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
+from kvbroker.controlplane.errors import (
+    NodeDown,
+    NodeNotRegistered,
+    NotADecodeNode,
+    SessionLost,
+)
+from kvbroker.controlplane.metrics import NodeFigures
+from kvbroker.controlplane.store import Store
+from kvbroker.controlplane.validation import Validation
 from kvbroker.v1 import node_pb2
 
 READY = node_pb2.NODE_STATE_READY

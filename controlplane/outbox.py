@@ -13,8 +13,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from controlplane.metrics import RegistryMetrics
 from kvbroker.common.clock import to_duration
+from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 

@@ -26,9 +26,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import structlog
 
-from controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
-from controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
-from controlplane.errors import (
+from kvbroker.common.checkpoints import Checkpoints
+from kvbroker.common.clock import MonotonicClock
+from kvbroker.controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
+from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
+from kvbroker.controlplane.errors import (
     BatchFull,
     CommitUndone,
     InvalidArgument,
@@ -37,19 +39,17 @@ from controlplane.errors import (
     StoreUnavailable,
     hint_error,
 )
-from controlplane.hints import Hints
-from controlplane.idle_ttl import IdleTtl
-from controlplane.leases import Leases
-from controlplane.metrics import RegistryMetrics
-from controlplane.nodes import DOWN, NodeSessions
-from controlplane.outbox import Outbox, Unsent
-from controlplane.planner import UNSAID, TurnRequest
-from controlplane.retention import RetentionReports
-from controlplane.store import Store
-from controlplane.turns import Turns
-from controlplane.validation import Validation
-from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import MonotonicClock
+from kvbroker.controlplane.hints import Hints
+from kvbroker.controlplane.idle_ttl import IdleTtl
+from kvbroker.controlplane.leases import Leases
+from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.nodes import DOWN, NodeSessions
+from kvbroker.controlplane.outbox import Outbox, Unsent
+from kvbroker.controlplane.planner import UNSAID, TurnRequest
+from kvbroker.controlplane.retention import RetentionReports
+from kvbroker.controlplane.store import Store
+from kvbroker.controlplane.turns import Turns
+from kvbroker.controlplane.validation import Validation
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")

@@ -27,15 +27,15 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane.config import RegistryConfig
-from controlplane.election import Election, Term
-from controlplane.errors import StoreUnavailable
-from controlplane.etcd_store import EtcdStore
-from controlplane.hints import cached_hint
-from controlplane.metrics import RegistryMetrics
-from controlplane.registry import Registry
 from kvbroker.common.clock import MonotonicClock
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.election import Election, Term
+from kvbroker.controlplane.errors import StoreUnavailable
+from kvbroker.controlplane.etcd_store import EtcdStore
+from kvbroker.controlplane.hints import cached_hint
+from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.registry import Registry
 from kvbroker.v1 import registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 

@@ -12,8 +12,11 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from controlplane.errors import InvalidArgument, NotHolder, RegistryError, hint_error
-from controlplane.leases import (
+from kvbroker.common.checkpoints import Checkpoints
+from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
+from kvbroker.common.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane.errors import InvalidArgument, NotHolder, RegistryError, hint_error
+from kvbroker.controlplane.leases import (
     ENGINE,
     FENCED,
     PRESSURE,
@@ -21,13 +24,10 @@ from controlplane.leases import (
     REVOKED,
     Leases,
 )
-from controlplane.nodes import NodeRuntime, NodeSessions
-from controlplane.outbox import Outbox
-from controlplane.store import Store
-from controlplane.validation import MAX_COUNTER, Validation
-from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
-from kvbroker.common.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane.nodes import NodeRuntime, NodeSessions
+from kvbroker.controlplane.outbox import Outbox
+from kvbroker.controlplane.store import Store
+from kvbroker.controlplane.validation import MAX_COUNTER, Validation
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 # Events with the block count of each (counted once, when checked), or the error a malformed

@@ -15,16 +15,21 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane.config import RegistryConfig
-from controlplane.etcd_store import MAX_BLOCK_HASHES, EtcdEndpoints, EtcdStore
-from controlplane.identity import Credentials
-from controlplane.metrics import RegistryMetrics
-from controlplane.registry import Registry
-from controlplane.replica import Replica, ReplicaOptions
-from controlplane.service import Leadership, RegistryServicer, Standalone, add_registry_service
-from controlplane.store import MemoryStore
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.metrics_http import MetricsTls, serve_metrics
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.etcd_store import MAX_BLOCK_HASHES, EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.identity import Credentials
+from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.replica import Replica, ReplicaOptions
+from kvbroker.controlplane.service import (
+    Leadership,
+    RegistryServicer,
+    Standalone,
+    add_registry_service,
+)
+from kvbroker.controlplane.store import MemoryStore
 from kvbroker.v1 import registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")

@@ -21,19 +21,19 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
-from controlplane.errors import (
+from kvbroker.common.clock import from_duration, to_duration
+from kvbroker.common.grpc_client import from_grpc_error
+from kvbroker.controlplane.errors import (
     InvalidArgument,
     NoLeader,
     RegistryError,
     hint_error,
     status_metadata,
 )
-from controlplane.identity import Credentials, Principal, authorize, sees_incarnation
-from controlplane.metrics import RegistryMetrics
-from controlplane.planner import TurnRequest
-from controlplane.registry import Registry
-from kvbroker.common.clock import from_duration, to_duration
-from kvbroker.common.grpc_client import from_grpc_error
+from kvbroker.controlplane.identity import Credentials, Principal, authorize, sees_incarnation
+from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.planner import TurnRequest
+from kvbroker.controlplane.registry import Registry
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 

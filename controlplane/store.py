@@ -34,8 +34,8 @@ from typing import Protocol
 
 import structlog
 
-from controlplane.errors import CommitUndone, RegistryError, StoreRefused, StoreUnavailable
-from controlplane.state_cache import RecordKind, StateCache
+from kvbroker.controlplane.errors import CommitUndone, RegistryError, StoreRefused, StoreUnavailable
+from kvbroker.controlplane.state_cache import RecordKind, StateCache
 from kvbroker.v1 import lease_pb2, node_pb2
 
 __all__ = [

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from controlplane.config import RegistryConfig
-from controlplane.metrics import RegistryMetrics
-from controlplane.store import Store
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.store import Store
 from kvbroker.v1 import lease_pb2
 
 

@@ -17,9 +17,9 @@ from collections.abc import Iterable, Sequence
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
-from controlplane.config import RegistryConfig
-from controlplane.errors import InvalidArgument
 from kvbroker.common import ids
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 # Epochs and sequences stay far below uint64's end, so incrementing one never overflows.

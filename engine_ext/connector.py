@@ -4,7 +4,7 @@ verified local-then-remote match.
 Load it into unmodified vLLM with::
 
     --kv-transfer-config '{"kv_connector": "NixlConnector",
-                           "kv_connector_module_path": "engine_ext.connector", ...}'
+                           "kv_connector_module_path": "kvbroker.engine_ext.connector", ...}'
 
 It keeps vLLM's class name because several of vLLM's config checks match on it.
 
@@ -35,17 +35,33 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine_ext import vllm_compat
-from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
-from engine_ext.pressure import (
+from kvbroker.common import handles
+from kvbroker.common.checkpoints import Checkpoints
+from kvbroker.common.clock import to_duration
+from kvbroker.common.engine_link import EngineLink, LeaseAnswer
+from kvbroker.common.retention_deadline import (
+    LeaseDeadline,
+    RetentionDeadline,
+    first_deadline,
+    next_deadline,
+)
+from kvbroker.engine_ext import vllm_compat
+from kvbroker.engine_ext.prefix import prefix_hashes, verified_prefix_tokens
+from kvbroker.engine_ext.pressure import (
     RetainedRequest,
     admission_shortfall,
     blocks_to_admit,
     choose_reclaims,
     end_cause_of_free,
 )
-from engine_ext.verdict import LeaseCheck, RemoteOffer, Verdict, remote_verdict, worth_reading
-from engine_ext.vllm_compat import (
+from kvbroker.engine_ext.verdict import (
+    LeaseCheck,
+    RemoteOffer,
+    Verdict,
+    remote_verdict,
+    worth_reading,
+)
+from kvbroker.engine_ext.vllm_compat import (
     BlockPool,
     KVCacheBlocks,
     KVCacheConfig,
@@ -59,16 +75,6 @@ from engine_ext.vllm_compat import (
     VllmConfig,
     free_blocks,
     local_hit_blocks_in_use,
-)
-from kvbroker.common import handles
-from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import to_duration
-from kvbroker.common.engine_link import EngineLink, LeaseAnswer
-from kvbroker.common.retention_deadline import (
-    LeaseDeadline,
-    RetentionDeadline,
-    first_deadline,
-    next_deadline,
 )
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 

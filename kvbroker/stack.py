@@ -44,7 +44,7 @@ def make_test_model() -> Path:
     import subprocess
 
     out = subprocess.run(
-        [PYTHON, "-m", "engine_ext.testmodel"], check=True, capture_output=True, text=True
+        [PYTHON, "-m", "kvbroker.engine_ext.testmodel"], check=True, capture_output=True, text=True
     )
     return Path(out.stdout.strip().splitlines()[-1])
 
@@ -202,7 +202,7 @@ class Stack:
         return json.dumps(
             {
                 "kv_connector": "NixlConnector",
-                "kv_connector_module_path": "engine_ext.connector",
+                "kv_connector_module_path": "kvbroker.engine_ext.connector",
                 "kv_role": "kv_producer" if engine.role == "prefill" else "kv_consumer",
                 "kv_buffer_device": "cpu",
                 "kv_load_failure_policy": "recompute",

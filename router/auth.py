@@ -30,8 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbroker.common.credentials import read_digest_file, token_digest
 from kvbroker.common.ids import MAX_ID_LENGTH
-from router.errors import ApiError, ErrorCode, ErrorType
-from router.metrics import RouterMetrics
+from kvbroker.router.errors import ApiError, ErrorCode, ErrorType
+from kvbroker.router.metrics import RouterMetrics
 
 # Between a tenant and its client's session id in the conversation id the registry sees.
 SEPARATOR = "/"

@@ -26,16 +26,15 @@ from starlette.routing import Route
 from kvbroker.common.grpc_client import RegistryCallError
 from kvbroker.common.handles import decode_local_params
 from kvbroker.common.labels import label
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-from router.auth import SCOPE_KEY, Authenticate, Tenant
-from router.errors import (
+from kvbroker.router.auth import SCOPE_KEY, Authenticate, Tenant
+from kvbroker.router.errors import (
     ApiError,
     ErrorCode,
     ErrorType,
     invalid_request,
     upstream_failed,
 )
-from router.proxy import (
+from kvbroker.router.proxy import (
     JSON_HEADERS,
     ModelNotFound,
     Plan,
@@ -45,7 +44,7 @@ from router.proxy import (
     engine_answer,
     leg_failed,
 )
-from router.requests import (
+from kvbroker.router.requests import (
     PATH_HEADER,
     Completion,
     encode,
@@ -54,6 +53,7 @@ from router.requests import (
     read_body,
     session_id,
 )
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.router")
 

@@ -42,20 +42,20 @@ from kvbroker.common.grpc_client import (
 from kvbroker.common.handles import prefill_params
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.labels import label
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-from router.auth import ApiKeys
-from router.config import RouterConfig
-from router.errors import (
+from kvbroker.router.auth import ApiKeys
+from kvbroker.router.config import RouterConfig
+from kvbroker.router.errors import (
     ApiError,
     ErrorCode,
     upstream_failed,
 )
-from router.metrics import RouterMetrics
-from router.prompt_size import PromptSize, PromptText
-from router.requests import (
+from kvbroker.router.metrics import RouterMetrics
+from kvbroker.router.prompt_size import PromptSize, PromptText
+from kvbroker.router.requests import (
     Completion,
     encode,
 )
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.router")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.common import ids
+from kvbroker.router.errors import ApiError, ErrorCode, ErrorType, invalid_request
+from kvbroker.router.prompt_size import PromptText
 from kvbroker.v1 import registry_pb2
-from router.errors import ApiError, ErrorCode, ErrorType, invalid_request
-from router.prompt_size import PromptText
 
 SESSION_HEADER = "x-session-id"
 # A request may ask for its turn's path (READ, DECODE_LOCAL, RECOMPUTE); responses say which.

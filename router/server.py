@@ -5,10 +5,10 @@ from __future__ import annotations
 import uvicorn
 
 from kvbroker.common.grpc_client import RegistryEndpoint
-from router.auth import ApiKeys
-from router.config import RouterConfig
-from router.handlers import build_app
-from router.proxy import Router
+from kvbroker.router.auth import ApiKeys
+from kvbroker.router.config import RouterConfig
+from kvbroker.router.handlers import build_app
+from kvbroker.router.proxy import Router
 
 
 def serve(registry: RegistryEndpoint, config: RouterConfig, api_keys: ApiKeys | None) -> None:

@@ -17,15 +17,15 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controlplane.server import ServerOptions, start_registry
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
+from kvbroker.controlplane.server import ServerOptions, start_registry
+from kvbroker.router.config import RouterConfig
+from kvbroker.router.handlers import build_app
+from kvbroker.router.proxy import Router
 from kvbroker.testing.engine import FakeEngine, serving
 from kvbroker.testing.factories import Heartbeats, node_spec
 from kvbroker.v1 import node_pb2
-from router.config import RouterConfig
-from router.handlers import build_app
-from router.proxy import Router
 
 REQUESTS = 500
 BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}

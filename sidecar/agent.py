@@ -43,11 +43,11 @@ from kvbroker.common.labels import label
 from kvbroker.common.retention_mirror import RetentionMirror
 from kvbroker.common.routing import read_refusal
 from kvbroker.common.tasks import until_first_exits
+from kvbroker.sidecar.config import SidecarConfig
+from kvbroker.sidecar.metrics import SidecarMetrics
+from kvbroker.sidecar.readiness import Probe, Readiness
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from sidecar.config import SidecarConfig
-from sidecar.metrics import SidecarMetrics
-from sidecar.readiness import Probe, Readiness
 
 log = structlog.get_logger("kvbroker.sidecar")
 

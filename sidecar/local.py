@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvbroker.sidecar.agent import Agent
 from kvbroker.v1 import sidecar_pb2, sidecar_pb2_grpc
-from sidecar.agent import Agent
 
 
 class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):

@@ -18,10 +18,10 @@ import structlog
 
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.metrics_http import MetricsTls, serve_metrics
+from kvbroker.sidecar.agent import Agent
+from kvbroker.sidecar.config import SidecarConfig
+from kvbroker.sidecar.local import SidecarServicer
 from kvbroker.v1 import sidecar_pb2_grpc
-from sidecar.agent import Agent
-from sidecar.config import SidecarConfig
-from sidecar.local import SidecarServicer
 
 log = structlog.get_logger("kvbroker.sidecar")
 

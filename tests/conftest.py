@@ -17,10 +17,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from controlplane.config import RegistryConfig
-from controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.stack import KVBROKER
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import registry_pb2_grpc

@@ -12,8 +12,8 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from engine_ext.pressure import blocks_to_admit
-from engine_ext.vllm_compat import free_blocks, local_hit_blocks_in_use
+from kvbroker.engine_ext.pressure import blocks_to_admit
+from kvbroker.engine_ext.vllm_compat import free_blocks, local_hit_blocks_in_use
 
 BLOCK_SIZE = 16
 

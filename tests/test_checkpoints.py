@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_ext.prefix import prefix_hashes, verified_prefix_tokens
 from kvbroker.common.checkpoints import MAX_CHECKPOINTS, Checkpoints, checkpoint_blocks, thin
+from kvbroker.engine_ext.prefix import prefix_hashes, verified_prefix_tokens
 
 BLOCK = 16
 

@@ -33,13 +33,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from engine_ext import vllm_compat
-from engine_ext.connector import NixlConnector
-from engine_ext.prefix import prefix_hashes
-from engine_ext.testmodel import make_model
-from engine_ext.vllm_compat import KVCacheConfig
 from kvbroker.common import handles
 from kvbroker.common.engine_link import EngineLink, LeaseAnswer
+from kvbroker.engine_ext import vllm_compat
+from kvbroker.engine_ext.connector import NixlConnector
+from kvbroker.engine_ext.prefix import prefix_hashes
+from kvbroker.engine_ext.testmodel import make_model
+from kvbroker.engine_ext.vllm_compat import KVCacheConfig
 from kvbroker.v1 import lease_pb2, sidecar_pb2
 
 BLOCK_SIZE = 16
@@ -77,7 +77,7 @@ def engine_config(
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(
             kv_connector="NixlConnector",
-            kv_connector_module_path="engine_ext.connector",
+            kv_connector_module_path="kvbroker.engine_ext.connector",
             kv_role=role,
             kv_connector_extra_config={"kv_recompute_threshold": THRESHOLD, **extra},
         ),

@@ -10,16 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.cost_correction import (
+from kvbroker.common.clock import to_timestamp
+from kvbroker.common.costs import DEFAULT_COSTS, Costs
+from kvbroker.controlplane.cost_correction import (
     MAX_FACTOR,
     MIN_FACTOR,
     WEIGHT,
     CostCorrection,
     planned_costs,
 )
-from controlplane.errors import InvalidArgument
-from kvbroker.common.clock import to_timestamp
-from kvbroker.common.costs import DEFAULT_COSTS, Costs
+from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.v1 import node_pb2
 from tests.test_registry_unit import Harness
 

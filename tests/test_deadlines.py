@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from controlplane.deadlines import DeadlineQueue
+from kvbroker.controlplane.deadlines import DeadlineQueue
 
 
 class FakeClock:

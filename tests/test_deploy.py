@@ -20,11 +20,11 @@ from typer._click.core import Command, Context
 from typer._click.exceptions import UsageError
 from typer.core import TyperGroup
 
-from controlplane.etcd_store import EtcdEndpoints
 from kvbroker.cli.main import app
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import ChildProcess, http_ok
+from kvbroker.controlplane.etcd_store import EtcdEndpoints
 from kvbroker.stack import router_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.manifests import (
@@ -95,7 +95,7 @@ def test_overlays_describe_the_whole_deployment(rendered: tuple[str, list[dict[s
         env = {e["name"]: str(e.get("value")) for e in vllm.env}
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
         config = json.loads(env["KV_TRANSFER_CONFIG"])
-        assert config["kv_connector_module_path"] == "engine_ext.connector"
+        assert config["kv_connector_module_path"] == "kvbroker.engine_ext.connector"
         assert config["kv_role"] == ("kv_producer" if role == "prefill" else "kv_consumer")
         socket = config["kv_connector_extra_config"]["kvbroker_sidecar"]
         assert socket in sidecar.argv

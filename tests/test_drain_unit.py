@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.errors import PermissionDenied
-from controlplane.identity import Principal, Role, authorize
 from kvbroker.common.clock import from_duration
+from kvbroker.controlplane.errors import PermissionDenied
+from kvbroker.controlplane.identity import Principal, Role, authorize
 from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.test_registry_unit import CONFIG, Harness

@@ -21,11 +21,11 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_ext.testmodel import corpus
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import prefill_params
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Announces, ChildProcess, http_ok
+from kvbroker.engine_ext.testmodel import corpus
 from kvbroker.stack import KVBROKER, Stack, StackConfig, router_command
 from kvbroker.v1 import lease_pb2, registry_pb2
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from engine_ext.testmodel import corpus
+from kvbroker.engine_ext.testmodel import corpus
 from kvbroker.stack import router_routing
 from kvbroker.testing.manifests import DEPLOY, LocalCluster, make_secrets, render, workloads
 

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import aetcd
 import pytest
 
-from controlplane.election import Election, Term
-from controlplane.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
-from controlplane.store import Deposed
 from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.controlplane.election import Election, Term
+from kvbroker.controlplane.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.store import Deposed
 from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import node_pb2
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvbroker.sidecar.agent import parse_vllm_load
 from kvbroker.v1 import node_pb2
-from sidecar.agent import parse_vllm_load
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"

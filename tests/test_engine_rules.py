@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from engine_ext.verdict import LeaseCheck, RemoteOffer, Verdict, remote_verdict, worth_reading
 from kvbroker.common.engine_link import LeaseAnswer
 from kvbroker.common.retention_deadline import (
     LeaseDeadline,
     RetentionDeadline,
     first_deadline,
     next_deadline,
+)
+from kvbroker.engine_ext.verdict import (
+    LeaseCheck,
+    RemoteOffer,
+    Verdict,
+    remote_verdict,
+    worth_reading,
 )
 
 WAIT_S = 0.25

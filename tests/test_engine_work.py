@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from kvbroker.calibration import read_cost_us_per_block
 from kvbroker.common.engine_metrics import Totals, WorkMeter, read_totals, work_between
+from kvbroker.sidecar.agent import parse_vllm_load
 from kvbroker.v1 import node_pb2
-from sidecar.agent import parse_vllm_load
 
 BYTES_PER_BLOCK = 65536
 

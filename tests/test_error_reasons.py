@@ -13,12 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.hints import cached_hint
-from controlplane.metrics import RegistryMetrics
-from controlplane.registry import Registry
-from controlplane.server import RunningRegistry
-from controlplane.service import RegistryServicer
-from controlplane.store import MemoryStore
 from kvbroker.common.grpc_client import (
     RegistryCallError,
     RegistryEndpoint,
@@ -27,11 +21,17 @@ from kvbroker.common.grpc_client import (
     registry_stub,
 )
 from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.controlplane.hints import cached_hint
+from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.server import RunningRegistry
+from kvbroker.controlplane.service import RegistryServicer
+from kvbroker.controlplane.store import MemoryStore
+from kvbroker.router.config import RouterConfig
+from kvbroker.router.proxy import Router
 from kvbroker.testing.factories import Heartbeats, hint, node_spec, register
 from kvbroker.v1 import node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from router.config import RouterConfig
-from router.proxy import Router
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL
 

@@ -16,15 +16,6 @@ import grpc
 import httpx
 import pytest
 
-from controlplane.errors import PermissionDenied
-from controlplane.identity import (
-    Credentials,
-    Principal,
-    Role,
-    authorize,
-    sees_incarnation,
-)
-from controlplane.server import RunningRegistry
 from kvbroker.common.credentials import token_digest
 from kvbroker.common.engine_link import EngineLink
 from kvbroker.common.grpc_client import (
@@ -37,6 +28,15 @@ from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Announces, ChildProcess
 from kvbroker.common.tasks import poll_until
+from kvbroker.controlplane.errors import PermissionDenied
+from kvbroker.controlplane.identity import (
+    Credentials,
+    Principal,
+    Role,
+    authorize,
+    sees_incarnation,
+)
+from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.stack import router_command, router_routing, sidecar_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, grant, node_spec

@@ -11,14 +11,14 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from controlplane.config import RegistryConfig
-from controlplane.deadlines import DeadlineKind
-from controlplane.errors import InvalidArgument
-from controlplane.etcd_store import EtcdEndpoints, EtcdStore
-from controlplane.registry import Registry
-from controlplane.replica import Replica, ReplicaOptions
-from controlplane.store import WriteLimits
 from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.deadlines import DeadlineKind
+from kvbroker.controlplane.errors import InvalidArgument
+from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.replica import Replica, ReplicaOptions
+from kvbroker.controlplane.store import WriteLimits
 from kvbroker.testing.factories import block_hashes, handle, node_spec
 from kvbroker.v1 import lease_pb2
 

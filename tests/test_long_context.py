@@ -16,18 +16,18 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
-from controlplane.planner import PlannerConfig
-from controlplane.server import RunningRegistry
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.ports import free_port
+from kvbroker.controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
+from kvbroker.controlplane.planner import PlannerConfig
+from kvbroker.controlplane.server import RunningRegistry
+from kvbroker.router.config import RouterConfig
+from kvbroker.router.handlers import build_app
+from kvbroker.router.proxy import Router
 from kvbroker.testing.engine import FakeEngine, serving
 from kvbroker.testing.factories import Heartbeats, block_hashes, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from router.config import RouterConfig
-from router.handlers import build_app
-from router.proxy import Router
 from tests.conftest import FAST
 
 MODEL = "tiny-qwen3"

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane import planner
-from controlplane.errors import InvalidArgument
-from controlplane.planner import PlannerConfig, Prefill, Turn, TurnRequest
-from controlplane.registry import Registry
 from kvbroker.common.clock import to_timestamp
 from kvbroker.common.costs import DEFAULT_COSTS, Costs
 from kvbroker.common.labels import label
+from kvbroker.controlplane import planner
+from kvbroker.controlplane.errors import InvalidArgument
+from kvbroker.controlplane.planner import PlannerConfig, Prefill, Turn, TurnRequest
+from kvbroker.controlplane.registry import Registry
 from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.test_registry_unit import CONFIG, Harness

@@ -3,7 +3,7 @@ the last answer, and the characters-to-tokens ratio is learned from prefill legs
 
 from __future__ import annotations
 
-from router.prompt_size import TOKENS_PER_MESSAGE, PromptSize, PromptText
+from kvbroker.router.prompt_size import TOKENS_PER_MESSAGE, PromptSize, PromptText
 
 CHAT = {
     "messages": [

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.readiness import Probe, Readiness
+from kvbroker.sidecar.readiness import Probe, Readiness
 
 
 def test_timeouts_take_the_node_out_only_when_repeated() -> None:

@@ -8,9 +8,9 @@ import grpc
 import httpx
 import pytest
 
-from controlplane.server import RunningRegistry
 from kvbroker.common.clock import from_duration, from_timestamp
 from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.testing.factories import (
     Heartbeats,
     block_hashes,

@@ -12,12 +12,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane.server import SERVICE_NAME
 from kvbroker.bench.failover import registry_replica
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.supervisor import stop_all
 from kvbroker.common.tasks import poll_until
+from kvbroker.controlplane.server import SERVICE_NAME
 from kvbroker.v1 import registry_pb2
 
 pytestmark = pytest.mark.etcd

@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from controlplane.config import RegistryConfig
-from controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyNode, SessionLost
-from controlplane.registry import Registry
-from controlplane.store import MemoryStore
 from kvbroker.common.clock import from_duration
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyNode, SessionLost
+from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.store import MemoryStore
 from kvbroker.testing.factories import block_hashes, handle, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 

@@ -16,12 +16,12 @@ import grpc
 import httpx
 import pytest
 
-from controlplane.errors import StoreUnavailable
-from controlplane.etcd_store import EtcdEndpoints, EtcdStore
 from kvbroker.bench.failover import SoakConfig, fleet_for_tests, registry_replica, run_soak
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
+from kvbroker.controlplane.errors import StoreUnavailable
+from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 

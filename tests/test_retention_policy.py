@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.config import RegistryConfig
-from controlplane.idle_ttl import IdleTtl
-from engine_ext.pressure import (
+from kvbroker.common.retention_value import RetentionValue
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.idle_ttl import IdleTtl
+from kvbroker.engine_ext.pressure import (
     BUDGET,
     PRESSURE,
     RetainedRequest,
@@ -17,7 +18,6 @@ from engine_ext.pressure import (
     choose_reclaims,
     end_cause_of_free,
 )
-from kvbroker.common.retention_value import RetentionValue
 from kvbroker.v1 import lease_pb2
 
 _next_block = iter(range(1_000_000))

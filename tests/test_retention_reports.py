@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from controlplane.config import RegistryConfig
-from controlplane.server import ServerOptions, start_registry
 from kvbroker.common.clock import to_duration
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.testing.factories import block_hashes, handle, hint, node_spec, register
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub

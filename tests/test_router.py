@@ -22,22 +22,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 from typer.testing import CliRunner
 
-from controlplane.config import RegistryConfig
-from controlplane.server import RunningRegistry
 from kvbroker.cli.main import app as cli
 from kvbroker.common.credentials import token_digest
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.handles import decode_local_params
 from kvbroker.common.ids import MAX_ID_LENGTH
 from kvbroker.common.ports import free_port
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.server import RunningRegistry
+from kvbroker.router.auth import ApiKeys, Tenant
+from kvbroker.router.config import RouterConfig
+from kvbroker.router.handlers import build_app
+from kvbroker.router.proxy import Router
 from kvbroker.testing.engine import FakeEngine, serving
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from router.auth import ApiKeys, Tenant
-from router.config import RouterConfig
-from router.handlers import build_app
-from router.proxy import Router
 
 MODEL = "tiny-qwen3"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -666,7 +666,9 @@ async def test_health_is_503_when_the_router_can_serve_nothing() -> None:
 
 def test_the_cli_flags_reach_the_router_config(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[RouterConfig] = []
-    monkeypatch.setattr("router.server.serve", lambda endpoint, config, keys: seen.append(config))
+    monkeypatch.setattr(
+        "kvbroker.router.server.serve", lambda endpoint, config, keys: seen.append(config)
+    )
     # Logging set up for the CLI's output would outlive CliRunner's captured stdout.
     monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
     flags = ["--connect-timeout", "1.5", "--prefill-timeout", "30", "--decode-timeout", "90"]
@@ -682,7 +684,9 @@ def test_router_run_takes_its_registry_credentials_like_the_other_commands(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     seen: list[RegistryEndpoint] = []
-    monkeypatch.setattr("router.server.serve", lambda endpoint, *rest: seen.append(endpoint))
+    monkeypatch.setattr(
+        "kvbroker.router.server.serve", lambda endpoint, *rest: seen.append(endpoint)
+    )
     monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
     (tmp_path / "token").write_text("router-secret\n")
     run = CliRunner().invoke(cli, ["router", "run", "--token-file", str(tmp_path / "token")])
@@ -919,7 +923,9 @@ def test_api_key_files_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         "acme", "acme", "globex",
     ]  # fmt: skip
     seen: list[ApiKeys | None] = []
-    monkeypatch.setattr("router.server.serve", lambda endpoint, config, keys: seen.append(keys))
+    monkeypatch.setattr(
+        "kvbroker.router.server.serve", lambda endpoint, config, keys: seen.append(keys)
+    )
     monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
     ran = CliRunner().invoke(cli, ["router", "run"], env={"KVBROKER_API_KEYS": str(good)})
     assert ran.exit_code == 0, ran.output

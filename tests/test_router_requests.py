@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbroker.common.ids import MAX_ID_LENGTH
-from router.errors import ApiError
-from router.requests import MAX_JSON_DEPTH, encode, parse_completion, read_body
+from kvbroker.router.errors import ApiError
+from kvbroker.router.requests import MAX_JSON_DEPTH, encode, parse_completion, read_body
 
 # Bounded so the module takes a few seconds in the normal suite.
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,14 +21,14 @@ from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Announces, ChildProcess
 from kvbroker.common.tasks import poll_until
+from kvbroker.sidecar.agent import Agent
+from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.stack import sidecar_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, node_spec
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from sidecar.agent import Agent
-from sidecar.config import SidecarConfig
 from tests.conftest import run_cli, spawn_registry
 from tests.test_engine_work import vllm_metrics
 
@@ -566,7 +566,7 @@ async def _running_requests(stub: RegistryServiceStub, n: int) -> bool:
 
 # Loaded by a child sidecar at start-up (as its sitecustomize): its probe meets a bug.
 _BROKEN_PROBE = """
-from sidecar.agent import Agent
+from kvbroker.sidecar.agent import Agent
 
 
 async def _probe(self):

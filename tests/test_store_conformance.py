@@ -18,11 +18,17 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from controlplane.election import Election
-from controlplane.etcd_store import ETCD_DEFAULT_LIMITS, EtcdEndpoints, EtcdStore
-from controlplane.store import CachedStore, CommitTooLarge, Deposed, MemoryStore, WriteLimits
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.tasks import poll_until
+from kvbroker.controlplane.election import Election
+from kvbroker.controlplane.etcd_store import ETCD_DEFAULT_LIMITS, EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.store import (
+    CachedStore,
+    CommitTooLarge,
+    Deposed,
+    MemoryStore,
+    WriteLimits,
+)
 from kvbroker.testing.factories import block_hashes, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2
 

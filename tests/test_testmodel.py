@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from engine_ext.testmodel import ModelSpec, make_model
+from kvbroker.engine_ext.testmodel import ModelSpec, make_model
 
 SMALL = ModelSpec(
     vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_ext.vllm_compat import SUPPORTED_VLLM, check_vllm_version
+from kvbroker.engine_ext.vllm_compat import SUPPORTED_VLLM, check_vllm_version
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,6 @@ from typing import Annotated
 import typer
 import uvloop
 
-from controlplane.config import RegistryConfig
-from controlplane.planner import PlannerConfig
 from kvbroker.cli.options import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
@@ -29,6 +27,8 @@ from kvbroker.cli.options import (
 )
 from kvbroker.cli.output import fail
 from kvbroker.common.ports import ensure_free
+from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.planner import PlannerConfig
 
 registry_app = typer.Typer(help="Run the registry.", no_args_is_help=True)
 
@@ -209,8 +209,8 @@ def registry_serve(
     except ValueError as error:
         fail(str(error), 2)
     # Imported here so that the operator commands start fast.
-    from controlplane.etcd_store import EtcdEndpoints
-    from controlplane.server import ServerOptions, TlsFiles, serve_forever
+    from kvbroker.controlplane.etcd_store import EtcdEndpoints
+    from kvbroker.controlplane.server import ServerOptions, TlsFiles, serve_forever
 
     if store != "memory":
         try:
@@ -257,8 +257,8 @@ def registry_credential(
     holds only the token's SHA-256)."""
     import secrets
 
-    from controlplane.identity import Principal
     from kvbroker.common.credentials import token_digest
+    from kvbroker.controlplane.identity import Principal
 
     try:
         Principal.parse(who)

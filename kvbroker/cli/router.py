@@ -24,7 +24,7 @@ from kvbroker.cli.options import (
     apply_logging_flags,
 )
 from kvbroker.cli.output import fail
-from router.config import RouterConfig
+from kvbroker.router.config import RouterConfig
 
 router_app = typer.Typer(help="Run the KV-aware OpenAI-compatible proxy.", no_args_is_help=True)
 
@@ -113,8 +113,8 @@ def router_run(
     endpoint = registry_endpoint(
         registry, token, token_file, tls_ca, tls_client_cert, tls_client_key
     )
-    from router.auth import ApiKeys
-    from router.server import serve as serve_router
+    from kvbroker.router.auth import ApiKeys
+    from kvbroker.router.server import serve as serve_router
 
     keys = None
     if api_keys is not None:

@@ -31,8 +31,8 @@ from kvbroker.cli.output import fail
 from kvbroker.common.labels import by_lower_label
 from kvbroker.common.metrics_http import MetricsTls
 from kvbroker.common.ports import ensure_free
+from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.v1 import node_pb2
-from sidecar.config import SidecarConfig
 
 sidecar_app = typer.Typer(help="Run the agent beside a vLLM server.", no_args_is_help=True)
 
@@ -118,7 +118,7 @@ def sidecar_run(
     endpoint = registry_endpoint(
         registry, token, token_file, tls_ca, tls_client_cert, tls_client_key
     )
-    from sidecar.server import serve_forever as serve_sidecar
+    from kvbroker.sidecar.server import serve_forever as serve_sidecar
 
     node_id = node_id or f"{socket.gethostname()}-{role.value}"
     listen = listen or f"unix:/tmp/kvbroker-{node_id}.sock"
