@@ -11,22 +11,16 @@ import httpx
 import typer
 
 from kvbroker.calibration import measured_costs, probe_prefill, read_cost_us_per_block
-from kvbroker.cli.client import call_registry, registry_endpoint
+from kvbroker.cli.client import call_registry, registry_flags
 from kvbroker.cli.options import (
-    DEFAULT_REGISTRY,
     DEFAULT_TIMEOUT_S,
     OutputOpt,
-    RegistryOpt,
     TimeoutOpt,
-    TlsCaOpt,
-    TlsClientCertOpt,
-    TlsClientKeyOpt,
-    TokenFileOpt,
-    TokenOpt,
 )
 from kvbroker.cli.output import OutputFormat, emit_table, fail, render
 from kvbroker.common.clock import to_timestamp
 from kvbroker.common.costs import Costs
+from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.v1 import node_pb2, registry_pb2
 
 
@@ -39,6 +33,7 @@ class Measured:
     error: str = ""
 
 
+@registry_flags
 def calibrate(
     nodes: Annotated[
         list[str] | None,
@@ -50,14 +45,10 @@ def calibrate(
     dry_run: Annotated[
         bool, typer.Option(help="Measure and print, but store nothing in the registry.")
     ] = False,
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """Probe each node's engine with fresh prompts of a few lengths (max_tokens=1), fit its
     prefill costs, take its read cost from its NIXL telemetry, and store them."""
@@ -87,9 +78,6 @@ def calibrate(
                 results.append(measured)
         return results
 
-    endpoint = registry_endpoint(
-        registry, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    )
     results = call_registry(endpoint, rpc)
     payload = [
         {

@@ -1,16 +1,28 @@
-"""How a command reaches the registry: its address and credential flags checked once, one call
-run with clear exits for bad addresses (2), refusals (1) and an unreachable registry (3)."""
+"""How a command reaches the registry: its address and credential flags declared and checked
+once (``registry_flags``), one call run with clear exits for bad addresses (2), refusals (1)
+and an unreachable registry (3)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from kvbroker.cli.options import bearer_token
+from kvbroker.cli.options import (
+    DEFAULT_REGISTRY,
+    RegistryOpt,
+    TlsCaOpt,
+    TlsClientCertOpt,
+    TlsClientKeyOpt,
+    TokenFileOpt,
+    TokenOpt,
+    bearer_token,
+)
 from kvbroker.cli.output import fail, fail_rpc
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 
@@ -37,6 +49,45 @@ def registry_endpoint(
         )
     except ValueError as error:
         fail(str(error), 2)
+
+
+# The flags that name the registry and the caller's credentials, as ``registry_flags`` adds
+# them to a command: (name, annotation, default).
+_CONNECTION_FLAGS: tuple[tuple[str, Any, Any], ...] = (
+    ("registry", RegistryOpt, DEFAULT_REGISTRY),
+    ("token", TokenOpt, None),
+    ("token_file", TokenFileOpt, None),
+    ("tls_ca", TlsCaOpt, None),
+    ("tls_client_cert", TlsClientCertOpt, None),
+    ("tls_client_key", TlsClientKeyOpt, None),
+)
+
+
+def registry_flags(command: Callable[..., T]) -> Callable[..., T]:
+    """Gives a command the registry's flags (--registry, --token/--token-file, --tls-ca,
+    --tls-client-cert/--tls-client-key) in place of its ``endpoint`` parameter, which it then
+    receives checked (``registry_endpoint``). Every command that talks to the registry takes
+    them, so they are declared once: typer reads the signature this sets."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "endpoint"]
+    flags = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint)
+        for name, hint, default in _CONNECTION_FLAGS
+    ]
+
+    @functools.wraps(command)
+    def with_endpoint(*args: Any, **kwargs: Any) -> T:
+        given = [kwargs.pop(name) for name, _, _ in _CONNECTION_FLAGS]
+        return command(*args, endpoint=registry_endpoint(*given), **kwargs)
+
+    # Keyword-only, so they may follow the command's own flags whatever those are.
+    with_endpoint.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[*own, *flags]
+    )
+    with_endpoint.__annotations__ = {p.name: p.annotation for p in (*own, *flags)} | {
+        "return": signature.return_annotation
+    }
+    return with_endpoint
 
 
 def call_registry(endpoint: RegistryEndpoint, rpc: Callable[[Any], Awaitable[T]]) -> T:

@@ -6,24 +6,19 @@ from typing import Annotated, Any
 
 import typer
 
-from kvbroker.cli.client import call_registry, registry_endpoint
+from kvbroker.cli.client import call_registry, registry_flags
 from kvbroker.cli.options import (
-    DEFAULT_REGISTRY,
     DEFAULT_TIMEOUT_S,
     OutputOpt,
-    RegistryOpt,
     TimeoutOpt,
-    TlsCaOpt,
-    TlsClientCertOpt,
-    TlsClientKeyOpt,
-    TokenFileOpt,
-    TokenOpt,
 )
 from kvbroker.cli.output import OutputFormat, emit_fields, render, to_dict
+from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.labels import label
 from kvbroker.v1 import registry_pb2
 
 
+@registry_flags
 def hint(
     conversation: Annotated[str, typer.Argument(help="Conversation (session) id.")],
     model: Annotated[str, typer.Option(help="Served model name (default: any).")] = "",
@@ -39,14 +34,10 @@ def hint(
             "(0: not said, as from an older router).",
         ),
     ] = 0,
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """Where the conversation's next turn would go, and whether it would reuse KV."""
 
@@ -56,9 +47,7 @@ def hint(
         )
         return (await stub.GetRoutingHint(request, timeout=timeout)).hint  # type: ignore[no-any-return]
 
-    result = call_registry(
-        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
-    )
+    result = call_registry(endpoint, rpc)
 
     def table() -> None:
         fields = [

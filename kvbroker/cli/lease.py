@@ -6,18 +6,11 @@ from typing import Annotated, Any, cast
 
 import typer
 
-from kvbroker.cli.client import call_registry, registry_endpoint
+from kvbroker.cli.client import call_registry, registry_flags
 from kvbroker.cli.options import (
-    DEFAULT_REGISTRY,
     DEFAULT_TIMEOUT_S,
     OutputOpt,
-    RegistryOpt,
     TimeoutOpt,
-    TlsCaOpt,
-    TlsClientCertOpt,
-    TlsClientKeyOpt,
-    TokenFileOpt,
-    TokenOpt,
     seconds,
 )
 from kvbroker.cli.output import (
@@ -32,6 +25,7 @@ from kvbroker.cli.output import (
 )
 from kvbroker.common import retention_value
 from kvbroker.common.clock import to_duration
+from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.labels import by_lower_label, label
 from kvbroker.v1 import lease_pb2, registry_pb2
 
@@ -122,6 +116,7 @@ def _show_lease(lease: lease_pb2.Lease, output: OutputFormat) -> None:
 
 
 @lease_app.command("ls")
+@registry_flags
 def lease_ls(
     node: Annotated[str, typer.Option(help="Only leases held by this node.")] = "",
     conversation: Annotated[str, typer.Option(help="Only this conversation's leases.")] = "",
@@ -131,14 +126,10 @@ def lease_ls(
     ] = None,
     all_states: Annotated[bool, typer.Option("--all", help="Every state.")] = False,
     limit: Annotated[int, typer.Option(min=1, help="At most this many leases.")] = 1000,
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """List leases (live ones unless --state or --all)."""
     unknown = [s for s in state or [] if s.lower() not in _STATES]
@@ -165,9 +156,7 @@ def lease_ls(
                 break
         return leases
 
-    leases = call_registry(
-        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
-    )
+    leases = call_registry(endpoint, rpc)
     render(
         output,
         [to_dict(lease) for lease in leases],
@@ -178,16 +167,13 @@ def lease_ls(
 
 
 @lease_app.command("show")
+@registry_flags
 def lease_show(
     lease_id: Annotated[str, typer.Argument(help="The lease id.")],
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """Show one lease in full."""
 
@@ -199,7 +185,7 @@ def lease_show(
 
     _show_lease(
         call_registry(
-            registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key),
+            endpoint,
             rpc,
         ),
         output,
@@ -207,6 +193,7 @@ def lease_show(
 
 
 @lease_app.command("renew")
+@registry_flags
 def lease_renew(
     target: TargetArg,
     conversation: ConversationFlag = False,
@@ -214,14 +201,10 @@ def lease_renew(
         float,
         typer.Option(callback=seconds, help="New time to live, seconds (0: registry default)."),
     ] = 0.0,
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """Extend a live lease."""
     request = registry_pb2.RenewLeaseRequest(time_to_live=to_duration(ttl) if ttl else None)
@@ -235,7 +218,7 @@ def lease_renew(
 
     _show_lease(
         call_registry(
-            registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key),
+            endpoint,
             rpc,
         ),
         output,
@@ -243,18 +226,15 @@ def lease_renew(
 
 
 @lease_app.command("revoke")
+@registry_flags
 def lease_revoke(
     target: TargetArg,
     conversation: ConversationFlag = False,
     reason: Annotated[str, typer.Option(help="Recorded on the lease.")] = "revoked by operator",
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """End a lease; its holder frees the blocks once any in-flight read is done."""
     request = registry_pb2.RevokeLeaseRequest(reason=reason)
@@ -268,7 +248,7 @@ def lease_revoke(
 
     _show_lease(
         call_registry(
-            registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key),
+            endpoint,
             rpc,
         ),
         output,

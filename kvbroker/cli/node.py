@@ -10,18 +10,11 @@ import grpc
 import typer
 from rich.console import Console
 
-from kvbroker.cli.client import call_registry, registry_endpoint
+from kvbroker.cli.client import call_registry, registry_flags
 from kvbroker.cli.options import (
-    DEFAULT_REGISTRY,
     DEFAULT_TIMEOUT_S,
     OutputOpt,
-    RegistryOpt,
     TimeoutOpt,
-    TlsCaOpt,
-    TlsClientCertOpt,
-    TlsClientKeyOpt,
-    TokenFileOpt,
-    TokenOpt,
     positive_seconds,
 )
 from kvbroker.cli.output import (
@@ -36,6 +29,7 @@ from kvbroker.cli.output import (
     when,
 )
 from kvbroker.common.costs import DEFAULT_COSTS, Costs
+from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.labels import by_lower_label, label
 from kvbroker.v1 import node_pb2, registry_pb2
 
@@ -98,16 +92,13 @@ _NODE_COLUMNS = [
 
 
 @node_app.command("ls")
+@registry_flags
 def node_ls(
     role: Annotated[str, typer.Option(help="Only prefill, decode or both nodes.")] = "",
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """List registered nodes."""
     if role and role not in _ROLES:
@@ -118,9 +109,7 @@ def node_ls(
         request = registry_pb2.ListNodesRequest(role=wanted)
         return list((await stub.ListNodes(request, timeout=timeout)).nodes)
 
-    nodes = call_registry(
-        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
-    )
+    nodes = call_registry(endpoint, rpc)
     render(
         output,
         [to_dict(n) for n in nodes],
@@ -154,16 +143,13 @@ def _cost_rows(node: node_pb2.Node) -> list[list[str]]:
 
 
 @node_app.command("get")
+@registry_flags
 def node_get(
     node_id: Annotated[str, typer.Argument(help="The node to show.")],
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """Show one node: its row of `node ls`, and its costs as calibrated with the live
     correction the planner scales them by (and how many heartbeats of work moved it)."""
@@ -172,9 +158,7 @@ def node_get(
         request = registry_pb2.GetNodeRequest(node_id=node_id)
         return (await stub.GetNode(request, timeout=timeout)).node  # type: ignore[no-any-return]
 
-    node = call_registry(
-        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
-    )
+    node = call_registry(endpoint, rpc)
 
     def tables() -> None:
         emit_table("nodes", _NODE_COLUMNS, _node_rows([node]), "")
@@ -237,6 +221,7 @@ async def _wait_drained(
 
 
 @node_app.command("drain")
+@registry_flags
 def node_drain(
     node_id: Annotated[str, typer.Argument(help="The node to drain.")],
     wait: Annotated[
@@ -247,12 +232,6 @@ def node_drain(
             "if --timeout passes first).",
         ),
     ] = False,
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     output: OutputOpt = OutputFormat.table,
     timeout: Annotated[
         float | None,
@@ -264,6 +243,8 @@ def node_drain(
             f"drain ({DEFAULT_DRAIN_WAIT_S:g}).",
         ),
     ] = None,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """Stop routing new turns to a node and end its unclaimed leases; reads in flight finish.
     With --wait, return once it is drained (a decode pod's preStop hook)."""
@@ -276,9 +257,7 @@ def node_drain(
         request = registry_pb2.DrainNodeRequest(node_id=node_id)
         return (await stub.DrainNode(request, timeout=timeout or DEFAULT_TIMEOUT_S)).node  # type: ignore[no-any-return]
 
-    node = call_registry(
-        registry_endpoint(registry, token, token_file, tls_ca, tls_client_cert, tls_client_key), rpc
-    )
+    node = call_registry(endpoint, rpc)
     render(
         output, to_dict(node), lambda: emit_table("nodes", _NODE_COLUMNS, _node_rows([node]), "")
     )

@@ -8,28 +8,23 @@ from typing import Annotated
 import structlog
 import typer
 
-from kvbroker.cli.client import registry_endpoint
+from kvbroker.cli.client import registry_flags
 from kvbroker.cli.options import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
-    DEFAULT_REGISTRY,
     LogFormatOpt,
     LogLevelOpt,
-    RegistryOpt,
-    TlsCaOpt,
-    TlsClientCertOpt,
-    TlsClientKeyOpt,
-    TokenFileOpt,
-    TokenOpt,
     apply_logging_flags,
 )
 from kvbroker.cli.output import fail
+from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.router.config import RouterConfig
 
 router_app = typer.Typer(help="Run the KV-aware OpenAI-compatible proxy.", no_args_is_help=True)
 
 
 @router_app.command("run")
+@registry_flags
 def router_run(
     listen: Annotated[
         str, typer.Option(envvar="KVBROKER_ROUTER_LISTEN", help="HTTP address HOST:PORT.")
@@ -87,14 +82,10 @@ def router_run(
             "client may use any session: let only trusted clients reach the router.",
         ),
     ] = None,
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """Serve /v1/chat/completions and /v1/completions, routing turns by the registry."""
     config = RouterConfig(
@@ -110,9 +101,6 @@ def router_run(
         config.host_and_port()
     except ValueError:
         fail(f"--listen {listen!r} is not HOST:PORT", 2)
-    endpoint = registry_endpoint(
-        registry, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    )
     from kvbroker.router.auth import ApiKeys
     from kvbroker.router.server import serve as serve_router
 

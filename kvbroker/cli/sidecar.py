@@ -10,24 +10,18 @@ from typing import Annotated, cast
 import typer
 import uvloop
 
-from kvbroker.cli.client import registry_endpoint
+from kvbroker.cli.client import registry_flags
 from kvbroker.cli.options import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
-    DEFAULT_REGISTRY,
     LogFormatOpt,
     LogLevelOpt,
     MetricsListenOpt,
-    RegistryOpt,
-    TlsCaOpt,
-    TlsClientCertOpt,
-    TlsClientKeyOpt,
-    TokenFileOpt,
-    TokenOpt,
     apply_logging_flags,
     host_port,
 )
 from kvbroker.cli.output import fail
+from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.labels import by_lower_label
 from kvbroker.common.metrics_http import MetricsTls
 from kvbroker.common.ports import ensure_free
@@ -53,6 +47,7 @@ class Role(StrEnum):
 
 
 @sidecar_app.command("run")
+@registry_flags
 def sidecar_run(
     engine_url: Annotated[
         str,
@@ -103,21 +98,14 @@ def sidecar_run(
             help="Only scrapers with a client certificate signed by this CA may read /metrics.",
         ),
     ] = None,
-    registry: RegistryOpt = DEFAULT_REGISTRY,
-    token: TokenOpt = None,
-    token_file: TokenFileOpt = None,
-    tls_ca: TlsCaOpt = None,
-    tls_client_cert: TlsClientCertOpt = None,
-    tls_client_key: TlsClientKeyOpt = None,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
+    *,
+    endpoint: RegistryEndpoint,
 ) -> None:
     """Register this node, keep its session, and link its engine to the registry."""
     if not engine_url.startswith(("http://", "https://")):
         fail(f"--engine-url {engine_url!r} is not an http(s) URL", 2)
-    endpoint = registry_endpoint(
-        registry, token, token_file, tls_ca, tls_client_cert, tls_client_key
-    )
     from kvbroker.sidecar.server import serve_forever as serve_sidecar
 
     node_id = node_id or f"{socket.gethostname()}-{role.value}"
