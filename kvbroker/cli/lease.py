@@ -115,6 +115,17 @@ def _show_lease(lease: lease_pb2.Lease, output: OutputFormat) -> None:
     render(output, to_dict(lease), table)
 
 
+def _call_and_show(
+    endpoint: RegistryEndpoint, method: str, request: Any, timeout: float, output: OutputFormat
+) -> None:
+    """Calls one of the registry's methods that answer with a lease, and shows that lease."""
+
+    async def rpc(stub: Any) -> lease_pb2.Lease:
+        return (await getattr(stub, method)(request, timeout=timeout)).lease  # type: ignore[no-any-return]
+
+    _show_lease(call_registry(endpoint, rpc), output)
+
+
 @lease_app.command("ls")
 @registry_flags
 def lease_ls(
@@ -177,18 +188,8 @@ def lease_show(
 ) -> None:
     """Show one lease in full."""
 
-    async def rpc(stub: Any) -> lease_pb2.Lease:
-        response = await stub.GetLease(
-            registry_pb2.GetLeaseRequest(lease_id=lease_id), timeout=timeout
-        )
-        return response.lease  # type: ignore[no-any-return]
-
-    _show_lease(
-        call_registry(
-            endpoint,
-            rpc,
-        ),
-        output,
+    _call_and_show(
+        endpoint, "GetLease", registry_pb2.GetLeaseRequest(lease_id=lease_id), timeout, output
     )
 
 
@@ -212,17 +213,7 @@ def lease_renew(
         request.conversation_id = target
     else:
         request.lease_id = target
-
-    async def rpc(stub: Any) -> lease_pb2.Lease:
-        return (await stub.RenewLease(request, timeout=timeout)).lease  # type: ignore[no-any-return]
-
-    _show_lease(
-        call_registry(
-            endpoint,
-            rpc,
-        ),
-        output,
-    )
+    _call_and_show(endpoint, "RenewLease", request, timeout, output)
 
 
 @lease_app.command("revoke")
@@ -242,14 +233,4 @@ def lease_revoke(
         request.conversation_id = target
     else:
         request.lease_id = target
-
-    async def rpc(stub: Any) -> lease_pb2.Lease:
-        return (await stub.RevokeLease(request, timeout=timeout)).lease  # type: ignore[no-any-return]
-
-    _show_lease(
-        call_registry(
-            endpoint,
-            rpc,
-        ),
-        output,
-    )
+    _call_and_show(endpoint, "RevokeLease", request, timeout, output)
