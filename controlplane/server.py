@@ -15,7 +15,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
 from kvbroker.common.metrics_http import MetricsTls, serve_metrics
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.etcd_store import MAX_BLOCK_HASHES, EtcdEndpoints, EtcdStore
@@ -51,7 +51,7 @@ class TlsFiles:
 
 @dataclass(frozen=True)
 class ServerOptions:
-    listen: str = "127.0.0.1:7070"
+    listen: str = DEFAULT_REGISTRY_ADDRESS
     metrics_listen: str | None = None
     token: str | None = None
     # Per-role and per-node credentials (controlplane/identity.py).

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 import grpc
 
 from kvbroker.cli.options import (
-    DEFAULT_REGISTRY,
     RegistryOpt,
     TlsCaOpt,
     TlsClientCertOpt,
@@ -24,7 +23,12 @@ from kvbroker.cli.options import (
     bearer_token,
 )
 from kvbroker.cli.output import fail, fail_rpc
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.grpc_client import (
+    DEFAULT_REGISTRY_ADDRESS,
+    RegistryEndpoint,
+    open_channel,
+    registry_stub,
+)
 
 T = TypeVar("T")
 
@@ -54,7 +58,7 @@ def registry_endpoint(
 # The flags that name the registry and the caller's credentials, as ``registry_flags`` adds
 # them to a command: (name, annotation, default).
 _CONNECTION_FLAGS: tuple[tuple[str, Any, Any], ...] = (
-    ("registry", RegistryOpt, DEFAULT_REGISTRY),
+    ("registry", RegistryOpt, DEFAULT_REGISTRY_ADDRESS),
     ("token", TokenOpt, None),
     ("token_file", TokenFileOpt, None),
     ("tls_ca", TlsCaOpt, None),

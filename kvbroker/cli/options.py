@@ -13,8 +13,6 @@ import typer
 from kvbroker.cli.output import OutputFormat, fail
 from kvbroker.common.logging import LogFormat, configure_logging
 
-# Where `registry serve` listens and the other commands look for it, unless told otherwise.
-DEFAULT_REGISTRY = "127.0.0.1:7070"
 # The longest duration a flag may give (ten years): protobuf Durations and gRPC deadlines
 # overflow not far above it, and nothing the registry keeps or a call waits for is longer.
 MAX_SECONDS = 10 * 365 * 24 * 3600

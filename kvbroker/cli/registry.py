@@ -13,7 +13,6 @@ import uvloop
 from kvbroker.cli.options import (
     DEFAULT_LOG_FORMAT,
     DEFAULT_LOG_LEVEL,
-    DEFAULT_REGISTRY,
     LogFormatOpt,
     LogLevelOpt,
     MetricsListenOpt,
@@ -26,6 +25,7 @@ from kvbroker.cli.options import (
     seconds,
 )
 from kvbroker.cli.output import fail
+from kvbroker.common.grpc_client import DEFAULT_REGISTRY_ADDRESS
 from kvbroker.common.ports import ensure_free
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.planner import PlannerConfig
@@ -42,7 +42,7 @@ def registry_serve(
             callback=host_port,
             help="gRPC address HOST:PORT (port 0: any).",
         ),
-    ] = DEFAULT_REGISTRY,
+    ] = DEFAULT_REGISTRY_ADDRESS,
     metrics_listen: MetricsListenOpt = None,
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,

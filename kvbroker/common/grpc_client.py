@@ -29,6 +29,8 @@ import structlog
 
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
 
+# Where a registry listens and its clients look for it, unless told otherwise.
+DEFAULT_REGISTRY_ADDRESS = "127.0.0.1:7070"
 AUTH_METADATA_KEY = "authorization"
 # Trailing metadata of a failed call: its HintError (code, message, reason), serialised.
 ERROR_METADATA_KEY = "kvbroker-error-bin"
