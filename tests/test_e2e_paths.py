@@ -1,6 +1,7 @@
 """Each turn on its path, end to end on real vLLM CPU servers: DECODE_LOCAL (the turn goes
 straight to the decode node that holds the conversation), READ (P reads D's KV over NIXL) and
-RECOMPUTE give the same tokens at temperature 0; the registry's planner switches from
+RECOMPUTE give the same tokens at temperature 0, also when the client has stripped part of
+the previous answer; the registry's planner switches from
 DECODE_LOCAL to a prefill-node path as the new suffix grows; a DECODE_LOCAL turn keeps the
 conversation retained for the next, and one whose lease ended or whose prefix changed still
 answers correctly; `kvbroker bench multiturn`'s arms, on a tiny configuration, each take
@@ -124,6 +125,29 @@ async def test_every_path_gives_the_same_tokens(stack: Stack, http: httpx.AsyncC
     plain, _ = await turn(stack, http, messages, None)
     assert set(answers.values()) == {plain}, answers
     await assert_costs_corrected_live(stack)
+
+
+async def test_every_path_gives_the_same_tokens_after_the_client_strips_the_answer(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """The client drops the first half of the previous answer (as clients drop reasoning
+    traces), so what D retains matches the new prompt only up to there: each path still
+    answers as plain P/D does, token for token."""
+    first = opening(90)
+    openings: set[str] = set()
+    answers: dict[str, str] = {}
+    for path in ("DECODE_LOCAL", "READ", "RECOMPUTE"):
+        # A conversation per path, each the same text: each path starts from the same state.
+        answer, _ = await turn(stack, http, first, f"conv-strip-{path}")
+        openings.add(answer)
+        await settle()
+        stripped = [*first, {"role": "assistant", "content": answer[len(answer) // 2 :]},
+                    {"role": "user", "content": "and then?"}]  # fmt: skip
+        answers[path], taken = await turn(stack, http, stripped, f"conv-strip-{path}", path)
+        assert taken == path
+    assert len(openings) == 1, openings
+    plain, _ = await turn(stack, http, stripped, None)
+    assert set(answers.values()) == {plain}, answers
 
 
 async def assert_costs_corrected_live(stack: Stack) -> None:
