@@ -82,6 +82,7 @@ def test_overlays_describe_the_whole_deployment(rendered: tuple[str, list[dict[s
         assert annotations.get("prometheus.io/scrape") == "true", workload.name
         for container in workload.containers():
             assert container.spec["resources"]["requests"], container.name
+    block_sizes: dict[str, str | None] = {}
     for role in ("prefill", "decode"):
         engine = by_name[f"kvbroker-{role}"]
         stages = {c.name: c.stage for c in engine.containers()}
@@ -103,6 +104,11 @@ def test_overlays_describe_the_whole_deployment(rendered: tuple[str, list[dict[s
         engine_caches = "--no-enable-prefix-caching" not in vllm.argv
         assert ("--no-prefix-caching" not in sidecar.argv) == engine_caches, role
         assert vllm.spec["readinessProbe"]["httpGet"]["path"] == "/health"
+        block_sizes[role] = _flag(vllm.argv, "--block-size")
+    # P and D share the KV block size (vLLM's default for the device where none is given).
+    assert block_sizes["prefill"] == block_sizes["decode"]
+    if name == "cpu":
+        assert block_sizes["decode"] == "32"
     registry_container = registry.containers()[0]
     assert registry_container.spec["readinessProbe"]["grpc"]["port"] == 7070
     router = by_name["kvbroker-router"].containers()[0]
@@ -110,6 +116,10 @@ def test_overlays_describe_the_whole_deployment(rendered: tuple[str, list[dict[s
     drain = by_name["kvbroker-decode"].containers()[-1].kvbroker_invocations()
     assert ("preStop", ["node", "drain", "$KVBROKER_NODE_ID", "--wait"]) in drain
     assert by_name["kvbroker-decode"].spec["terminationGracePeriodSeconds"] >= 60
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
 
 
 def test_make_secrets_issues_a_credential_per_engine_pod() -> None:

@@ -39,6 +39,8 @@ CONVERSATIONS = 7
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     config = StackConfig(
         workdir=tmp_path_factory.mktemp("pressure"),
+        # The cache is sized in blocks of vLLM's CPU default, 128 tokens (12 a conversation).
+        block_size=128,
         engine_args=("--num-gpu-blocks-override", "70"),
         registry_flags=(
             "--lease-ttl",

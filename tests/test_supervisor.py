@@ -209,3 +209,20 @@ async def test_a_stack_start_on_a_taken_port_tries_fresh_ports_once_then_stops_e
     assert all(not child.running for child in stack.started)
     assert all(not group_alive(child.pid) for child in stack.started)
     assert stack.children == []
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.mark.parametrize(("block_size", "passed"), [(32, "32"), (128, "128"), (None, None)])
+def test_both_engines_get_the_stacks_block_size(
+    tmp_path: Path, block_size: int | None, passed: str | None
+) -> None:
+    """P and D must agree on it; 32 by default, so that a reused turn recomputes at most 31
+    retained tokens that fill no whole block instead of vLLM's CPU default's 127; None
+    leaves vLLM's default."""
+    assert StackConfig(workdir=tmp_path).block_size == 32
+    stack = Stack(StackConfig(workdir=tmp_path, model_dir=tmp_path, block_size=block_size))
+    for engine in (stack.prefill, stack.decode):
+        assert _flag(stack.engine_argv(engine), "--block-size") == passed, engine.role

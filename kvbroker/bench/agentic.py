@@ -143,6 +143,8 @@ class AgenticConfig:
         config = StackConfig(
             workdir=self.workdir / stack,
             model_dir=self.model_dir,
+            # kv_blocks counts blocks of vLLM's CPU default size, as the recorded runs did.
+            block_size=128,
             engine_args=("--num-gpu-blocks-override", str(self.kv_blocks)),
         )
         if stack == "kvbroker" and self.retention_max_fraction is not None:
