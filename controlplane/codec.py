@@ -7,13 +7,14 @@ The stored format is the wire record (``lease_pb2.Lease``, ``lease_pb2.Conversat
 records as objects. Fields that exist only in answers (a lease's ``time_to_live``, a node's
 live figures) are the views' to fill, and are not part of a record.
 
-Two things a lease carries are moved in bulk, never walked in Python: its checkpoint hashes
-and its handle's block ids are kept as protobuf's own encoding of those repeated fields
-(``Lease.block_hashes``, ``KvHandle.remote_block_groups``: each element after its length, the
-ids as packed varints), so going out is one ``MergeFromString`` in C. A lease's 32 hashes
-then cost one bytes object instead of 32, and a hint copies them as fast as a parsed message
-did. Times are the registry's float seconds inside and ``Timestamp`` outside
-(``kvbroker.common.clock``): a round trip keeps them to float precision.
+Two things a lease carries pass through the registry unread, so they are kept in protobuf's
+own encoding and moved in bulk, never walked in Python: its checkpoint hashes
+(``Lease.block_hashes``, each hash after its length) and its handle less the request id (the
+engine id, side channel, sizes, and the block ids as packed varints). Going out is one
+``MergeFromString`` in C each: a lease's 32 hashes cost one bytes object instead of 32, and a
+hint copies a lease as fast as a parsed message did. Times are the registry's float seconds
+inside and ``Timestamp`` outside (``kvbroker.common.clock``): a round trip keeps them to float
+precision.
 """
 
 from __future__ import annotations
@@ -51,39 +52,21 @@ def checkpoints(hashes: Sequence[bytes]) -> bytes:
     return lease_pb2.Lease(block_hashes=hashes).SerializeToString()
 
 
-def hashes_of(blob: bytes) -> list[bytes]:
-    """The hashes in a ``checkpoints`` blob."""
-    return list(lease_pb2.Lease.FromString(blob).block_hashes)
-
-
 def handle_of(message: lease_pb2.KvHandle, blocks: int | None = None) -> KvHandle:
     """``blocks``: the handle's block count, when the caller has counted it."""
+    rest = lease_pb2.KvHandle()
+    rest.CopyFrom(message)
+    rest.ClearField("remote_request_id")
     return KvHandle(
-        remote_engine_id=intern(message.remote_engine_id),
         remote_request_id=message.remote_request_id,
-        block_groups=lease_pb2.KvHandle(
-            remote_block_groups=message.remote_block_groups
-        ).SerializeToString(),
         block_count=block_count(message) if blocks is None else blocks,
-        remote_host=intern(message.remote_host),
-        remote_port=message.remote_port,
-        remote_num_tokens=message.remote_num_tokens,
-        tp_size=message.tp_size,
-        dcp_size=message.dcp_size,
-        pp_size=message.pp_size,
+        packed=rest.SerializeToString(),
     )
 
 
 def handle_into(handle: KvHandle, into: lease_pb2.KvHandle) -> None:
-    into.MergeFromString(handle.block_groups)
-    into.remote_engine_id = handle.remote_engine_id
+    into.MergeFromString(handle.packed)
     into.remote_request_id = handle.remote_request_id
-    into.remote_host = handle.remote_host
-    into.remote_port = handle.remote_port
-    into.remote_num_tokens = handle.remote_num_tokens
-    into.tp_size = handle.tp_size
-    into.dcp_size = handle.dcp_size
-    into.pp_size = handle.pp_size
 
 
 def lease_of(message: lease_pb2.Lease) -> Lease:

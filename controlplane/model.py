@@ -8,9 +8,9 @@ proto field costs ~10x a Python attribute, and a parsed lease costs ~3 KB of upb
 States and causes are the proto enums' own values (one truth for numbers and labels,
 ``kvbroker.common.labels`` names them). What a lease carries for its reader without the
 registry looking into it is kept packed, as the codec describes: its checkpoint hashes are one
-bytes blob, its handle's block ids one more, and the counts the registry does need (blocks)
-are kept beside them. Node ids and other per-node strings are interned by the codec and the
-lessor, so a million leases share one string per node.
+bytes blob, its handle's engine id, side channel and block ids one more, and what the registry
+does read (the request id, the block count) is kept beside them. Node ids and incarnations are
+interned by the codec and the lessor, so a million leases share one string per node.
 
 Copies: the store never shares a record with a caller. It keeps a copy of what is put and
 hands out a copy on every read (``copy()``, which copies only the record's own object: every
@@ -57,20 +57,14 @@ DOWN = node_pb2.NODE_STATE_DOWN
 
 @dataclass(frozen=True, slots=True)
 class KvHandle:
-    """What a prefill node needs to read a lease's blocks (``lease_pb2.KvHandle``)."""
+    """What a prefill node needs to read a lease's blocks (``lease_pb2.KvHandle``). The
+    registry reads two things in it, the engine request it names and how many blocks it
+    holds; the rest (engine id, side channel, block ids, sizes) only passes through to
+    readers, so it stays packed as one blob (``codec.handle_of``)."""
 
-    remote_engine_id: str = ""
     remote_request_id: str = ""
-    # The block ids of every group, packed (``codec.handle_of``); only readers unpack them.
-    block_groups: bytes = b""
-    # How many block ids the groups hold (what the holder's figures count).
     block_count: int = 0
-    remote_host: str = ""
-    remote_port: int = 0
-    remote_num_tokens: int = 0
-    tp_size: int = 0
-    dcp_size: int = 0
-    pp_size: int = 0
+    packed: bytes = b""
 
 
 @dataclass(slots=True)
