@@ -14,19 +14,19 @@ import itertools
 from collections.abc import Callable
 
 from kvbroker.common import routing
-from kvbroker.common.clock import from_timestamp
 from kvbroker.common.labels import label
 from kvbroker.controlplane import planner
 from kvbroker.controlplane.errors import NoLeader, NoReadyNode
 from kvbroker.controlplane.idle_ttl import IdleTtl
 from kvbroker.controlplane.leases import Leases
 from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.model import Conversation, Lease
 from kvbroker.controlplane.nodes import NodeRuntime, NodeSessions
 from kvbroker.controlplane.planner import UNSAID, TurnRequest
 from kvbroker.controlplane.prefill_caches import PrefillCaches
 from kvbroker.controlplane.store import Store
 from kvbroker.controlplane.turns import Turns
-from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker.v1 import registry_pb2
 
 EXACT = registry_pb2.HINT_CONSISTENCY_EXACT
 DEGRADED = registry_pb2.HINT_CONSISTENCY_DEGRADED
@@ -131,7 +131,7 @@ class Hints:
         self,
         conversation_id: str,
         model: str,
-        lease: lease_pb2.Lease | None,
+        lease: Lease | None,
         prefill: NodeRuntime,
         decode: NodeRuntime,
         asked: TurnRequest,
@@ -189,15 +189,13 @@ class Hints:
         if tokens is not None:
             self.prefill_caches.computed(conversation_id, prefill.spec, tokens)
 
-    async def _current_lease(
-        self, conversation: lease_pb2.Conversation | None, claim: bool
-    ) -> lease_pb2.Lease | None:
+    async def _current_lease(self, conversation: Conversation | None, claim: bool) -> Lease | None:
         """The conversation's current lease as of now (expired if its time is up); a turn that
         starts (``claim``) teaches the idle TTL the gap since the conversation was active."""
         if conversation is None:
             return None
-        if claim and conversation.HasField("last_active_time"):
-            gap = self._now() - from_timestamp(conversation.last_active_time)
+        if claim and conversation.last_active_time is not None:
+            gap = self._now() - conversation.last_active_time
             self._idle_ttl.observe_gap(gap)
             self._metrics.idle_ttl.set(self._idle_ttl.ttl())
         if not conversation.lease_id:
@@ -217,7 +215,7 @@ async def cached_hint(
 ) -> registry_pb2.RoutingHint:
     """A follower's answer while no leader can be reached: nodes from its watch-fed cache, no
     reuse (only a leader can claim a lease), the conversation's last decode node kept."""
-    nodes = [routing.RoutedNode.of_node(node) for node in await store.list_nodes()]
+    nodes = [routing.RoutedNode.of_record(node) for node in await store.list_nodes()]
     try:
         routes = routing.candidates(nodes, model)
     except routing.NoReadyNode as error:

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterable, Sequence
 import structlog
 
 from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import from_timestamp, stamp_duration, stamp_time
+from kvbroker.common.clock import stamp_duration
 from kvbroker.common.labels import label
 from kvbroker.common.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane import codec
 from kvbroker.controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from kvbroker.controlplane.errors import (
@@ -33,30 +34,32 @@ from kvbroker.controlplane.errors import (
 )
 from kvbroker.controlplane.idle_ttl import IdleTtl
 from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.model import (
+    ACTIVE,
+    CLAIMED,
+    DRAINED,
+    ENGINE,
+    EXPIRED,
+    IDLE,
+    NO_CAUSE,
+    NODE_LOST,
+    RELEASED,
+    REVOKED,
+    REVOKED_BY_CALLER,
+    SUPERSEDED,
+    Conversation,
+    KvHandle,
+    Lease,
+    LeaseEndCause,
+    LeaseState,
+    Node,
+)
 from kvbroker.controlplane.nodes import NodeSessions
 from kvbroker.controlplane.outbox import Outbox
 from kvbroker.controlplane.store import Store
 from kvbroker.controlplane.turns import Turns
-from kvbroker.controlplane.validation import Validation, block_count
-from kvbroker.v1 import lease_pb2, node_pb2
-
-ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
-CLAIMED = lease_pb2.LEASE_STATE_CLAIMED
-RELEASED = lease_pb2.LEASE_STATE_RELEASED
-EXPIRED = lease_pb2.LEASE_STATE_EXPIRED
-REVOKED = lease_pb2.LEASE_STATE_REVOKED
-
-# Why leases end (the cause is what code decides on; the reason is the sentence for people).
-PRESSURE = lease_pb2.LEASE_END_CAUSE_PRESSURE
-BUDGET = lease_pb2.LEASE_END_CAUSE_BUDGET
-IDLE = lease_pb2.LEASE_END_CAUSE_IDLE
-SUPERSEDED = lease_pb2.LEASE_END_CAUSE_SUPERSEDED
-REVOKED_BY_CALLER = lease_pb2.LEASE_END_CAUSE_REVOKED
-NODE_LOST = lease_pb2.LEASE_END_CAUSE_NODE_LOST
-ENGINE = lease_pb2.LEASE_END_CAUSE_ENGINE
-FENCED = lease_pb2.LEASE_END_CAUSE_FENCED
-DRAINED = lease_pb2.LEASE_END_CAUSE_DRAINED
-RECLAIM_CAUSES = frozenset({PRESSURE, BUDGET})
+from kvbroker.controlplane.validation import Validation
+from kvbroker.v1 import lease_pb2
 
 LEASE_EXPIRY = DeadlineKind.LEASE_EXPIRY
 CLAIM_END = DeadlineKind.CLAIM_END
@@ -101,13 +104,13 @@ class Leases:
 
     # ----------------------------------------------------------------- reads
 
-    async def lease(self, lease_id: str) -> lease_pb2.Lease:
+    async def lease(self, lease_id: str) -> Lease:
         lease = await self._store.get_lease(self._validate.id(lease_id, "lease_id"))
         if lease is None:
             raise LeaseNotFound(f"lease {lease_id!r} does not exist (or ended long ago)")
         return lease
 
-    async def conversation(self, conversation_id: str) -> lease_pb2.Conversation:
+    async def conversation(self, conversation_id: str) -> Conversation:
         conversation = await self._store.get_conversation(
             self._validate.id(conversation_id, "conversation_id")
         )
@@ -115,7 +118,7 @@ class Leases:
             raise ConversationNotFound(f"conversation {conversation_id!r} is unknown")
         return conversation
 
-    async def current_live(self, conversation_id: str) -> lease_pb2.Lease:
+    async def current_live(self, conversation_id: str) -> Lease:
         conversation = await self.conversation(conversation_id)
         lease = (
             await self._store.get_lease(conversation.lease_id) if conversation.lease_id else None
@@ -124,36 +127,30 @@ class Leases:
             raise NoLiveLease(f"conversation {conversation_id!r} has no live lease")
         return lease
 
-    async def by_id_or_conversation(self, lease_id: str, conversation_id: str) -> lease_pb2.Lease:
+    async def by_id_or_conversation(self, lease_id: str, conversation_id: str) -> Lease:
         if conversation_id:
             return await self.current_live(conversation_id)
         return await self.lease(lease_id)
 
-    def expires(self, lease: lease_pb2.Lease) -> float | None:
-        return self._deadlines.deadline((LEASE_EXPIRY, lease.lease_id))
+    @staticmethod
+    def expires(lease: Lease) -> float:
+        return lease.expire_time or 0.0
 
-    def view(self, lease: lease_pb2.Lease, into: lease_pb2.Lease | None = None) -> lease_pb2.Lease:
-        """A copy for a response, with the time left as of now; written into ``into`` (a
-        field of the response) when given, which saves copying a lease twice."""
+    def view(self, lease: Lease, into: lease_pb2.Lease | None = None) -> lease_pb2.Lease:
+        """The lease as an answer, with the time left as of now; written into ``into`` (an
+        empty field of the response) when given, which saves copying a lease twice."""
         view = into if into is not None else lease_pb2.Lease()
-        view.CopyFrom(lease)
+        codec.lease_into(lease, view)
         if lease.state in LIVE_LEASE_STATES:
-            stamp_duration(view.time_to_live, (self.expires(lease) or 0.0) - self._now())
+            stamp_duration(view.time_to_live, self.expires(lease) - self._now())
         return view
 
-    def ack(self, lease: lease_pb2.Lease, ack: lease_pb2.Lease) -> None:
-        """Fills ``ack``, a retention report's answer for one lease, with what the reporter
-        lacks, no more (it has the handle and hashes; a replay of 100k leases would otherwise
-        echo them all back)."""
-        ack.lease_id = lease.lease_id
-        ack.conversation_id = lease.conversation_id
-        ack.node_id = lease.node_id
-        ack.epoch = lease.epoch
-        ack.state = lease.state
-        ack.end_reason = lease.end_reason
-        ack.handle.remote_request_id = lease.handle.remote_request_id
+    def ack(self, lease: Lease, ack: lease_pb2.Lease) -> None:
+        """Fills ``ack``, a retention report's answer for one lease (``codec.lease_ack``),
+        with the time left as of now."""
+        codec.lease_ack(lease, ack)
         if lease.state in LIVE_LEASE_STATES:
-            stamp_duration(ack.time_to_live, (self.expires(lease) or 0.0) - self._now())
+            stamp_duration(ack.time_to_live, self.expires(lease) - self._now())
 
     async def page(
         self,
@@ -167,7 +164,7 @@ class Leases:
         wanted = set(states) or LIVE_LEASE_STATES
         limit = page_size or 100
         page: list[lease_pb2.Lease] = []
-        leases: Iterable[lease_pb2.Lease]
+        leases: Iterable[Lease]
         if conversation_id and wanted <= LIVE_LEASE_STATES:
             # A conversation has at most one live lease, its current one: no scan.
             leases = await self._current_leases(conversation_id, node_id, page_token)
@@ -183,9 +180,7 @@ class Leases:
             page_bytes += page[-1].ByteSize()
         return page, ""
 
-    async def _current_leases(
-        self, conversation_id: str, node_id: str, after: str
-    ) -> list[lease_pb2.Lease]:
+    async def _current_leases(self, conversation_id: str, node_id: str, after: str) -> list[Lease]:
         conversation = await self._store.get_conversation(conversation_id)
         if conversation is None or conversation.lease_id <= after:
             return []
@@ -209,49 +204,47 @@ class Leases:
 
     async def grant(
         self,
-        node: node_pb2.Node,
+        node: Node,
         conversation_id: str,
-        handle: lease_pb2.KvHandle,
+        handle: KvHandle,
         checkpoints: Checkpoints,
         token_count: int,
         ttl: float,
-        blocks: int,
-    ) -> lease_pb2.Lease:
-        existing = await self._store.find_lease(node.spec.node_id, handle.remote_request_id)
+    ) -> Lease:
+        existing = await self._store.find_lease(node.node_id, handle.remote_request_id)
         if existing is not None and existing.conversation_id == conversation_id:
             return existing  # a duplicate report of the same retention
         if existing is not None and existing.state in LIVE_LEASE_STATES:
             # One engine request's blocks are one retention: a second live lease over them
             # would free them under the first when either ended.
             raise InvalidArgument(
-                f"request {handle.remote_request_id!r} of node {node.spec.node_id!r} is "
+                f"request {handle.remote_request_id!r} of node {node.node_id!r} is "
                 f"retained under live lease {existing.lease_id} of conversation "
                 f"{existing.conversation_id!r}"
             )
         now = self._now()
         conversation = await self._store.get_conversation(conversation_id)
         if conversation is None:
-            conversation = lease_pb2.Conversation(conversation_id=conversation_id)
-        lease = lease_pb2.Lease(
+            conversation = Conversation(conversation_id)
+        lease = Lease(
             lease_id=new_lease_id(now),
-            conversation_id=conversation_id,
-            node_id=node.spec.node_id,
-            node_incarnation=node.spec.incarnation,
+            conversation_id=conversation.conversation_id,
+            node_id=codec.intern(node.node_id),
+            node_incarnation=codec.intern(node.spec.incarnation),
             epoch=conversation.epoch + 1,
             handle=handle,
-            block_hashes=checkpoints.hashes,
+            checkpoints=codec.checkpoints(checkpoints.hashes),
             block_hash_stride=checkpoints.stride,
             token_count=token_count,
             state=ACTIVE,
+            grant_time=now,
+            renew_time=now,
+            expire_time=now + ttl,
         )
-        stamp_time(lease.grant_time, now)
-        stamp_time(lease.renew_time, now)
-        stamp_time(lease.expire_time, now + ttl)
         await self._supersede(conversation, lease)
-        await self._store.put_lease(lease)
-        self._nodes.account(lease.node_id, blocks, +1)
+        await self._put(lease)
+        self._nodes.account(lease.node_id, handle.block_count, +1)
         self._nodes.turn_finished(lease.node_id)
-        self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
         self._turns.settle(conversation_id)
         self._metrics.lease_event("grant").inc()
         await self._end_if_draining(lease)
@@ -259,7 +252,7 @@ class Leases:
             "lease_granted",
             lease=lease.lease_id,
             conversation=conversation_id,
-            node=node.spec.node_id,
+            node=node.node_id,
             epoch=lease.epoch,
             tokens=token_count,
         )
@@ -267,41 +260,66 @@ class Leases:
 
     async def revive(
         self,
-        lease: lease_pb2.Lease,
+        lease: Lease,
         incarnation: str,
         ttl: float,
-        blocks: int,
-        conversation: lease_pb2.Conversation | None,
+        conversation: Conversation | None,
     ) -> None:
         """Makes a replayed lease live again under the holder's ``incarnation``, as its
         conversation's current lease (its epoch is not behind: the caller checked)."""
         now = self._now()
-        lease.node_incarnation = incarnation
+        lease.node_incarnation = codec.intern(incarnation)
         lease.state = ACTIVE
-        lease.ClearField("end_cause")
+        lease.end_cause = NO_CAUSE
         lease.end_reason = ""
-        lease.ClearField("end_time")
-        stamp_time(lease.renew_time, now)
-        stamp_time(lease.expire_time, now + ttl)
-        self._deadlines.cancel((FORGET_LEASE, lease.lease_id))
-        self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), now + ttl)
-        await self._store.put_lease(lease)
-        self._nodes.account(lease.node_id, blocks, +1)
+        lease.end_time = None
+        lease.renew_time = now
+        lease.expire_time = now + ttl
+        await self._put(lease)
+        self._nodes.account(lease.node_id, lease.handle.block_count, +1)
         if conversation is None:
-            conversation = lease_pb2.Conversation(conversation_id=lease.conversation_id)
+            conversation = Conversation(lease.conversation_id)
         await self._supersede(conversation, lease)
         self._metrics.lease_event("restore").inc()
         await self._end_if_draining(lease)
 
-    async def _supersede(
-        self, conversation: lease_pb2.Conversation, lease: lease_pb2.Lease
-    ) -> None:
+    async def _put(self, lease: Lease, durable: bool = True) -> None:
+        """Stores the lease and derives its deadlines from it: the record's times are the one
+        truth, and the heap follows them here and nowhere else."""
+        await self._store.put_lease(lease, durable)
+        self._track(lease)
+
+    def _track(self, lease: Lease) -> None:
+        """The deadlines of a lease as its record says: while live, its expiry and (CLAIMED)
+        its claim's end; once ended, when it is forgotten."""
+        lease_id = lease.lease_id
+        if lease.state in LIVE_LEASE_STATES:
+            self._follow((LEASE_EXPIRY, lease_id), self.expires(lease))
+            claimed = lease.state == CLAIMED
+            self._follow(
+                (CLAIM_END, lease_id), (lease.claim_expire_time or 0.0) if claimed else None
+            )
+            self._deadlines.cancel((FORGET_LEASE, lease_id))
+        else:
+            self._deadlines.cancel((LEASE_EXPIRY, lease_id))
+            self._deadlines.cancel((CLAIM_END, lease_id))
+            forget_at = (lease.end_time or 0.0) + self._config.ended_lease_retention_s
+            self._follow((FORGET_LEASE, lease_id), forget_at)
+
+    def _follow(self, key: DeadlineKey, when: float | None) -> None:
+        """Sets a deadline to ``when`` (None: none), leaving an unchanged one as it is."""
+        if when is None:
+            self._deadlines.cancel(key)
+        elif self._deadlines.deadline(key) != when:
+            self._deadlines.schedule(key, when)
+
+    async def _supersede(self, conversation: Conversation, lease: Lease) -> None:
         """Makes ``lease`` the conversation's current one; ends the previous live lease."""
         previous_id = conversation.lease_id
         conversation.epoch = max(conversation.epoch, lease.epoch)
         conversation.lease_id = lease.lease_id
         conversation.decode_node_id = lease.node_id
-        stamp_time(conversation.last_active_time, self._now())
+        conversation.last_active_time = self._now()
         if previous_id and previous_id != lease.lease_id:
             previous = await self._store.get_lease(previous_id)
             if previous is not None and previous.state in LIVE_LEASE_STATES:
@@ -316,22 +334,21 @@ class Leases:
         await self._store.put_conversation(conversation)
         self._deadlines.cancel((FORGET_CONVERSATION, conversation.conversation_id))
 
-    def grace_for(self, lease: lease_pb2.Lease) -> float:
+    def grace_for(self, lease: Lease) -> float:
         """How long the holder must keep blocks after an early end: covers in-flight reads."""
         now = self._now()
         grace = max(self._config.revoke_grace_s, self.inherited_claims_until - now)
         if lease.state == CLAIMED:
-            claim_end = self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0.0
-            grace = max(grace, claim_end - now)
+            grace = max(grace, (lease.claim_expire_time or 0.0) - now)
         return grace
 
-    def keep_for(self, lease: lease_pb2.Lease) -> float:
+    def keep_for(self, lease: Lease) -> float:
         """How long the holder must keep a live lease's blocks when it asked to free them and
         may not: to the lease's expiry (hints offer it until then, so the engine's deadline
         must not come first) and at least the grace for reads in flight."""
-        return max((self.expires(lease) or 0.0) - self._now(), self.grace_for(lease))
+        return max(self.expires(lease) - self._now(), self.grace_for(lease))
 
-    async def renew(self, lease: lease_pb2.Lease, ttl: float) -> None:
+    async def renew(self, lease: Lease, ttl: float) -> None:
         if lease.state not in LIVE_LEASE_STATES:
             raise LeaseEnded(
                 f"lease {lease.lease_id} is {label(lease_pb2.LeaseState, lease.state)} "
@@ -340,18 +357,15 @@ class Leases:
         now = self._now()
         expires = now + ttl
         if lease.state == CLAIMED:
-            expires = max(expires, self._deadlines.deadline((CLAIM_END, lease.lease_id)) or 0)
-        stamp_time(lease.renew_time, now)
-        stamp_time(lease.expire_time, expires)
-        await self._store.put_lease(lease)
-        self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), expires)
+            expires = max(expires, lease.claim_expire_time or 0.0)
+        lease.renew_time = now
+        lease.expire_time = expires
+        await self._put(lease)
         await self._touch_conversation(lease.conversation_id)
         self._metrics.lease_event("renew").inc()
         self._outbox.send(lease, expires - now, "renewed")
 
-    async def release(
-        self, lease: lease_pb2.Lease, node_id: str, incarnation: str, reason: str
-    ) -> None:
+    async def release(self, lease: Lease, node_id: str, incarnation: str, reason: str) -> None:
         """The holder freed the blocks; only the holder may say so."""
         if lease.node_id != node_id or lease.node_incarnation != incarnation:
             raise NotHolder(
@@ -361,7 +375,7 @@ class Leases:
         if lease.state in LIVE_LEASE_STATES:
             await self.end(lease, RELEASED, ENGINE, reason or "released by holder", None)
 
-    async def revoke(self, lease: lease_pb2.Lease, reason: str) -> None:
+    async def revoke(self, lease: Lease, reason: str) -> None:
         if lease.state in LIVE_LEASE_STATES:
             await self.end(
                 lease,
@@ -383,13 +397,13 @@ class Leases:
                 ended += 1
         return ended
 
-    async def _end_if_draining(self, lease: lease_pb2.Lease) -> None:
+    async def _end_if_draining(self, lease: Lease) -> None:
         """A lease that became live on a draining holder (a turn that was already running
         there retained its KV, or a replay) is not offered: it ends at once."""
         if lease.state == ACTIVE and self._nodes.draining(lease.node_id):
             await self._end_drained(lease)
 
-    async def _end_drained(self, lease: lease_pb2.Lease) -> None:
+    async def _end_drained(self, lease: Lease) -> None:
         await self.end(
             lease,
             REVOKED,
@@ -406,35 +420,30 @@ class Leases:
     async def _touch_conversation(self, conversation_id: str) -> None:
         conversation = await self._store.get_conversation(conversation_id)
         if conversation is not None:
-            stamp_time(conversation.last_active_time, self._now())
+            conversation.last_active_time = self._now()
             await self._store.put_conversation(conversation)
 
     async def end(
         self,
-        lease: lease_pb2.Lease,
-        state: int,
-        cause: int,
+        lease: Lease,
+        state: LeaseState,
+        cause: LeaseEndCause,
         reason: str,
         command_ttl: float | None,
-        conversation: lease_pb2.Conversation | None = None,
+        conversation: Conversation | None = None,
     ) -> None:
         """Moves a live lease to an end state for ``cause``; ``command_ttl`` tells the holder
         when to free. ``conversation``: the lease's, when the caller holds it (saves a read)."""
         now = self._now()
         was_live = lease.state in LIVE_LEASE_STATES
-        lease.state = state  # type: ignore[assignment]
-        lease.end_cause = cause  # type: ignore[assignment]
+        lease.state = state
+        lease.end_cause = cause
         lease.end_reason = reason
-        stamp_time(lease.end_time, now)
-        lease.ClearField("claim_expire_time")
-        await self._store.put_lease(lease)
-        self._deadlines.cancel((LEASE_EXPIRY, lease.lease_id))
-        self._deadlines.cancel((CLAIM_END, lease.lease_id))
-        self._deadlines.schedule(
-            (FORGET_LEASE, lease.lease_id), now + self._config.ended_lease_retention_s
-        )
+        lease.end_time = now
+        lease.claim_expire_time = None
+        await self._put(lease)
         if was_live:
-            self._nodes.account(lease.node_id, block_count(lease.handle), -1)
+            self._nodes.account(lease.node_id, lease.handle.block_count, -1)
         if conversation is None:
             conversation = await self._store.get_conversation(lease.conversation_id)
         if conversation is not None and conversation.lease_id == lease.lease_id:
@@ -453,16 +462,13 @@ class Leases:
             reason=reason,
         )
 
-    async def expire_if_due(self, lease: lease_pb2.Lease) -> None:
-        """Expires a live lease whose deadline has passed (reads check, so an expired lease is
-        never offered even while the deadline task is behind)."""
-        if lease.state not in LIVE_LEASE_STATES:
-            return
-        expires = self.expires(lease)
-        if expires is not None and expires <= self._now():
+    async def expire_if_due(self, lease: Lease) -> None:
+        """Expires a live lease whose time is up (reads check, so an expired lease is never
+        offered even while the deadline task is behind)."""
+        if lease.state in LIVE_LEASE_STATES and self.expires(lease) <= self._now():
             await self.end(lease, EXPIRED, IDLE, "not renewed in time", command_ttl=0.0)
 
-    async def claim(self, lease: lease_pb2.Lease) -> None:
+    async def claim(self, lease: Lease) -> None:
         """A hint offered the lease: a read may be in flight until the claim ends."""
         now = self._now()
         # Within the holder's hard cap too: the engine frees at one cap after the command
@@ -470,18 +476,15 @@ class Leases:
         claim_s = min(self._config.claim_timeout_s, self._hard_cap_s(lease.node_id))
         claim_end = now + claim_s
         lease.state = CLAIMED
-        stamp_time(lease.claim_expire_time, claim_end)
-        expires = self.expires(lease) or now
-        extends = expires < claim_end
+        lease.claim_expire_time = claim_end
+        extends = self.expires(lease) < claim_end
         if extends:
-            stamp_time(lease.expire_time, claim_end)
-            self._deadlines.schedule((LEASE_EXPIRY, lease.lease_id), claim_end)
+            lease.expire_time = claim_end
             # The holder must keep the blocks for the whole claim.
             self._outbox.send(lease, claim_end - now, "claimed by a read")
-        self._deadlines.schedule((CLAIM_END, lease.lease_id), claim_end)
         # A claim is soft state (a successor grants inherited claims a grace instead), unless
         # it moved the expiry: the holder was told the later time, so the store must know it.
-        await self._store.put_lease(lease, durable=extends)
+        await self._put(lease, durable=extends)
         self._metrics.lease_event("claim").inc()
 
     # ----------------------------------------------------------------- takeover
@@ -495,27 +498,16 @@ class Leases:
         live = 0
         live_conversations: set[str] = set()
         for lease in await self._store.list_leases():
+            self._track(lease)
             if lease.state in LIVE_LEASE_STATES:
-                self._deadlines.schedule(
-                    (LEASE_EXPIRY, lease.lease_id), from_timestamp(lease.expire_time)
-                )
-                if lease.state == CLAIMED:
-                    self._deadlines.schedule(
-                        (CLAIM_END, lease.lease_id), from_timestamp(lease.claim_expire_time)
-                    )
-                self._nodes.account(lease.node_id, block_count(lease.handle), +1)
+                self._nodes.account(lease.node_id, lease.handle.block_count, +1)
                 live_conversations.add(lease.conversation_id)
                 live += 1
-            else:
-                self._deadlines.schedule(
-                    (FORGET_LEASE, lease.lease_id),
-                    from_timestamp(lease.end_time) + config.ended_lease_retention_s,
-                )
         for conversation in await self._store.list_conversations():
             if conversation.conversation_id not in live_conversations:
                 self._deadlines.schedule(
                     (FORGET_CONVERSATION, conversation.conversation_id),
-                    from_timestamp(conversation.last_active_time) + config.conversation_retention_s,
+                    (conversation.last_active_time or 0.0) + config.conversation_retention_s,
                 )
         return live
 
@@ -530,8 +522,8 @@ class Leases:
         lease = await self._store.get_lease(lease_id)
         if lease is not None and lease.state == CLAIMED:
             lease.state = ACTIVE
-            lease.ClearField("claim_expire_time")
-            await self._store.put_lease(lease, durable=False)
+            lease.claim_expire_time = None
+            await self._put(lease, durable=False)
             # No read came while the holder drained: nothing more will.
             await self._end_if_draining(lease)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
+from kvbroker.common.clock import from_duration
 from kvbroker.common.costs import DEFAULT_COSTS, Costs
 from kvbroker.common.labels import label
 from kvbroker.common.routing import (
@@ -22,6 +22,7 @@ from kvbroker.common.routing import (
     Routes,
     candidates,
 )
+from kvbroker.controlplane import codec
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.cost_correction import CostCorrection, planned_costs
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
@@ -32,23 +33,26 @@ from kvbroker.controlplane.errors import (
     SessionLost,
 )
 from kvbroker.controlplane.metrics import NodeFigures
+from kvbroker.controlplane.model import (
+    DOWN,
+    DRAINING,
+    NOT_READY,
+    READY,
+    CostProfile,
+    Node,
+    NodeLoad,
+)
 from kvbroker.controlplane.store import Store
 from kvbroker.controlplane.validation import Validation
 from kvbroker.v1 import node_pb2
 
-READY = node_pb2.NODE_STATE_READY
-NOT_READY = node_pb2.NODE_STATE_NOT_READY
-DRAINING = node_pb2.NODE_STATE_DRAINING
-DOWN = node_pb2.NODE_STATE_DOWN
-
 
 @dataclass(slots=True, eq=False)
-class NodeRuntime(RoutedNode):
-    """One node as this registry runs it: the routing view, kept in step with the stored record
-    by every node transition, plus what only the leader knows."""
+class NodeRuntime(RoutedNode[Node]):
+    """One node as this registry runs it: the routing view over the node's stored record (its
+    spec and state are the record's: ``NodeSessions`` points it at every record it puts),
+    plus what only the leader knows. Its live leases are counted by the store's index."""
 
-    # Live leases held there, derived from the leases by every lease transition.
-    live_leases: int = 0
     # The last retention event applied from its sidecar.
     applied_sequence: int = 0
     # False for a node known only from the store (after a takeover) until its sidecar replays:
@@ -64,6 +68,13 @@ class NodeRuntime(RoutedNode):
     # its last heartbeat, with the load it reported, arrived.
     busy_at: float = 0.0
     load_at: float = 0.0
+
+    def keep(self, node: Node) -> None:
+        """The node's record as now stored."""
+        spec_changed = node.spec is not self.node.spec
+        self.node = node
+        if spec_changed:
+            self._read_spec()
 
     def calibrate(self, calibrated: Costs | None) -> None:
         """New measured costs (or none): the live correction starts again from 1."""
@@ -99,13 +110,13 @@ class NodeSessions:
 
     # ----------------------------------------------------------------- reads
 
-    async def node(self, node_id: str) -> node_pb2.Node:
+    async def node(self, node_id: str) -> Node:
         node = await self._store.get_node(self._validate.id(node_id, "node_id"))
         if node is None:
             raise NodeNotRegistered(f"node {node_id!r} is not registered")
         return node
 
-    async def session(self, node_id: str, incarnation: str) -> node_pb2.Node:
+    async def session(self, node_id: str, incarnation: str) -> Node:
         """The node, if ``incarnation`` is its live session; the caller speaks for the node."""
         node = await self.node(node_id)
         self._validate.id(incarnation, "incarnation")
@@ -120,12 +131,13 @@ class NodeSessions:
             )
         return node
 
-    def view(self, node: node_pb2.Node) -> node_pb2.Node:
+    def view(self, node: Node) -> node_pb2.Node:
+        """The node as an answer, with its live figures."""
         view = node_pb2.Node()
-        view.CopyFrom(node)
-        runtime = self.runtime.get(node.spec.node_id)
+        codec.node_into(node, view)
+        runtime = self.runtime.get(node.node_id)
         if runtime is not None:
-            view.live_leases = runtime.live_leases
+            view.live_leases = self._store.live_lease_count(node.node_id)
             view.retained_blocks = runtime.retained_blocks
             view.drained = self.drained(runtime)
             view.cost_correction.CopyFrom(runtime.correction.to_proto())
@@ -139,7 +151,7 @@ class NodeSessions:
         reached the engine by then."""
         return (
             runtime.state == DRAINING
-            and runtime.live_leases == 0
+            and self._store.live_lease_count(runtime.node_id) == 0
             and runtime.queued == 0
             and runtime.load_at >= runtime.busy_at + self._config.drain_quiet_s
         )
@@ -160,7 +172,7 @@ class NodeSessions:
             NodeFigures(
                 node_id=r.node_id,
                 state=label(node_pb2.NodeState, r.state),
-                live_leases=r.live_leases,
+                live_leases=self._store.live_lease_count(r.node_id),
                 retained_blocks=r.retained_blocks,
                 retained_bytes=r.retained_blocks * r.spec.bytes_per_block,
                 retained_fraction=r.retained_fraction,
@@ -179,7 +191,7 @@ class NodeSessions:
         return routes
 
     @staticmethod
-    def require_holder_role(node: node_pb2.Node) -> None:
+    def require_holder_role(node: Node) -> None:
         if node.spec.role not in DECODE_ROLES:
             raise NotADecodeNode(
                 f"node {node.spec.node_id!r} is a prefill node; only decode nodes retain KV "
@@ -194,35 +206,33 @@ class NodeSessions:
             runtime.finished_since_heartbeat += 1
 
     def account(self, node_id: str, blocks: int, sign: int) -> None:
-        """Counts a lease of ``blocks`` in (+1) or out (-1) of its holder's figures."""
+        """Counts a lease of ``blocks`` in (+1) or out (-1) of its holder's retained blocks."""
         runtime = self.runtime.get(node_id)
         if runtime is not None:
-            runtime.live_leases += sign
             runtime.retained_blocks += sign * blocks
             if sign < 0:
                 runtime.busy_at = self._now()
 
     # ----------------------------------------------------------------- transitions
 
-    async def register(self, spec: node_pb2.NodeSpec, old: node_pb2.Node | None) -> node_pb2.Node:
+    async def register(self, spec: node_pb2.NodeSpec, old: Node | None) -> Node:
         """Starts the session of ``spec`` (``old``: the node's record before, if any); the same
         incarnation registering again keeps its session's start and its draining."""
         now = self._now()
-        node = node_pb2.Node(
-            spec=spec,
+        node = Node(
+            spec=codec.spec_of(spec),
             state=READY,
-            registered_time=to_timestamp(now),
-            last_heartbeat_time=to_timestamp(now),
+            registered_time=now,
+            last_heartbeat_time=now,
         )
         same_incarnation = old is not None and old.spec.incarnation == spec.incarnation
         if old is not None and old.spec.engine_id == spec.engine_id:
-            node.cost.CopyFrom(old.cost)  # the same engine: its calibration stands
+            node.cost = old.cost  # the same engine: its calibration stands
         if old is not None and same_incarnation:
-            node.registered_time.CopyFrom(old.registered_time)
+            node.registered_time = old.registered_time
             node.state = DRAINING if old.state == DRAINING else READY
-        runtime = self._set_runtime(spec, node.state, fresh=not same_incarnation)
-        runtime.calibrate(_costs(node.cost))
-        await self._store.put_node(node)
+        runtime = await self._put(node, fresh=not same_incarnation)
+        runtime.calibrate(_costs(node))
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, spec.node_id), now + self._ttl())
         self._deadlines.cancel((DeadlineKind.FORGET_NODE, spec.node_id))
         self._log.info(
@@ -238,13 +248,13 @@ class NodeSessions:
         node_id: str,
         incarnation: str,
         engine_ready: bool,
-        load: node_pb2.NodeLoad,
+        load: NodeLoad,
         work: node_pb2.EngineWork | None = None,
-    ) -> node_pb2.Node:
+    ) -> Node:
         node = await self.session(node_id, incarnation)
         now = self._now()
-        stamp_time(node.last_heartbeat_time, now)
-        node.load.CopyFrom(load)
+        node.last_heartbeat_time = now
+        node.load = load
         changed = False
         if node.state != DRAINING:
             new_state = READY if engine_ready else NOT_READY
@@ -255,8 +265,7 @@ class NodeSessions:
                 changed = True
             node.state = new_state
         # Load and heartbeat times are soft state; only a change of readiness is written.
-        await self._store.put_node(node, durable=changed)
-        runtime = self._set_runtime(node.spec, node.state)
+        runtime = await self._put(node, durable=changed)
         runtime.note_load(load)
         runtime.load_at = now
         runtime.assigned_since_heartbeat = runtime.finished_since_heartbeat = 0
@@ -265,7 +274,7 @@ class NodeSessions:
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, node_id), now + self._ttl())
         return node
 
-    async def drain(self, node_id: str) -> node_pb2.Node:
+    async def drain(self, node_id: str) -> Node:
         """Marks the node DRAINING (its leases are the caller's to end); draining a draining
         node again changes nothing."""
         node = await self.node(node_id)
@@ -274,32 +283,31 @@ class NodeSessions:
         if node.state == DRAINING and node_id in self.runtime:
             return node
         node.state = DRAINING
-        runtime = self._set_runtime(node.spec, DRAINING)
+        runtime = await self._put(node)
         runtime.busy_at = self._now()
-        await self._store.put_node(node)
         self._log.info("node_draining", node=node_id)
         return node
 
-    async def set_costs(self, node_id: str, cost: node_pb2.CostProfile) -> node_pb2.Node:
+    async def set_costs(self, node_id: str, cost: CostProfile | None) -> Node:
         """Stores a node's measured costs (``kvbroker calibrate``); the planner uses them from
         the next hint on, the live correction starting again from 1."""
         node = await self.node(node_id)
-        node.cost.CopyFrom(cost)
+        node.cost = cost
         await self._store.put_node(node)
         runtime = self.runtime.get(node_id)
         if runtime is not None:
-            runtime.calibrate(_costs(node.cost))
+            runtime.keep(node)
+            runtime.calibrate(_costs(node))
         self._log.info("node_costs", node=node_id)
         return node
 
-    async def mark_down(self, node: node_pb2.Node, why: str) -> None:
+    async def mark_down(self, node: Node, why: str) -> None:
         """Ends the node's session (its leases are withdrawn by the caller)."""
         node.state = DOWN
-        self._set_runtime(node.spec, DOWN)
-        self._deadlines.cancel((DeadlineKind.NODE_SESSION, node.spec.node_id))
-        self._schedule_forget(node.spec.node_id, self._now())
-        await self._store.put_node(node)
-        self._log.warning("node_down", node=node.spec.node_id, why=why)
+        self._deadlines.cancel((DeadlineKind.NODE_SESSION, node.node_id))
+        self._schedule_forget(node.node_id, self._now())
+        await self._put(node)
+        self._log.warning("node_down", node=node.node_id, why=why)
 
     async def forget(self, node_id: str) -> bool:
         """Forgets a node that is still DOWN (its record, its runtime, and so its metric
@@ -317,20 +325,20 @@ class NodeSessions:
         key = (DeadlineKind.FORGET_NODE, node_id)
         self._deadlines.schedule(key, since + self._config.forget_down_nodes_after_s)
 
-    def restore(self, nodes: list[node_pb2.Node]) -> None:
+    def restore(self, nodes: list[Node]) -> None:
         """Runtimes for the nodes in the store (a takeover): not synced until they replay, and
         their sessions restart, as heartbeats could not reach a leader during the election."""
         now = self._now()
         for node in nodes:
-            runtime = NodeRuntime(node.spec, state=node.state, synced=False)
-            runtime.calibrate(_costs(node.cost))
-            runtime.note_load(node.load)
-            self.runtime[node.spec.node_id] = runtime
+            runtime = NodeRuntime.of_record(node)
+            runtime.synced = False
+            runtime.calibrate(_costs(node))
+            self.runtime[node.node_id] = runtime
             if node.state != DOWN:
-                key = (DeadlineKind.NODE_SESSION, node.spec.node_id)
+                key = (DeadlineKind.NODE_SESSION, node.node_id)
                 self._deadlines.schedule(key, now + self._ttl())
             else:  # when it went down is not kept: a full retention from now
-                self._schedule_forget(node.spec.node_id, now)
+                self._schedule_forget(node.node_id, now)
         self._routes.clear()
 
     def retention_hard_cap_s(self, node_id: str) -> float | None:
@@ -340,25 +348,33 @@ class NodeSessions:
         cap = from_duration(runtime.spec.retention_hard_cap) if runtime is not None else 0.0
         return cap or None
 
-    def current(self, node: node_pb2.Node) -> NodeRuntime:
+    def current(self, node: Node) -> NodeRuntime:
         """The runtime of a node with a live session."""
-        return self._set_runtime(node.spec, node.state)
+        runtime = self.runtime.get(node.node_id)
+        return runtime if runtime is not None else self._runtime_of(node)
 
     def _ttl(self) -> float:
         return self._config.session_ttl_s
 
-    def _set_runtime(self, spec: node_pb2.NodeSpec, state: int, fresh: bool = False) -> NodeRuntime:
-        """The node's runtime, now in ``state``; a new one for a new incarnation. Any change of
-        who can be routed to drops the cached candidate lists."""
-        runtime = None if fresh else self.runtime.get(spec.node_id)
+    async def _put(self, node: Node, durable: bool = True, fresh: bool = False) -> NodeRuntime:
+        """Stores the node's record and points its runtime at it (a new one for a new
+        incarnation): the record is the one truth of the node's state."""
+        await self._store.put_node(node, durable)
+        return self._runtime_of(node, fresh)
+
+    def _runtime_of(self, node: Node, fresh: bool = False) -> NodeRuntime:
+        """The node's runtime over ``node``. Any change of who can be routed to drops the
+        cached candidate lists."""
+        runtime = None if fresh else self.runtime.get(node.node_id)
         if runtime is None:
-            runtime = self.runtime[spec.node_id] = NodeRuntime(spec, state=state)
+            runtime = self.runtime[node.node_id] = NodeRuntime(node)
             self._routes.clear()
-        elif runtime.state != state:
-            runtime.state = state
-            self._routes.clear()
+        else:
+            if runtime.state != node.state:
+                self._routes.clear()
+            runtime.keep(node)
         return runtime
 
 
-def _costs(profile: node_pb2.CostProfile) -> Costs | None:
-    return Costs.of(profile) if profile.HasField("calibrated_time") else None
+def _costs(node: Node) -> Costs | None:
+    return node.cost.costs if node.cost is not None else None

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from kvbroker.common.clock import to_duration
 from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker.controlplane.model import Lease
+from kvbroker.v1 import registry_pb2
 
 
 @dataclass(eq=False)
@@ -50,7 +51,7 @@ class Outbox:
         if old is not None:
             old.wake.set()
 
-    def send(self, lease: lease_pb2.Lease, ttl: float, reason: str) -> None:
+    def send(self, lease: Lease, ttl: float, reason: str) -> None:
         """Queues a command for the lease's holder, if it is still the incarnation that holds
         the lease."""
         queue = self._queues.get(lease.node_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvbroker.common.routing import RoutedNode, routable
 from kvbroker.v1 import node_pb2
@@ -23,7 +23,7 @@ from kvbroker.v1 import node_pb2
 # engine's cache holds far fewer prompts than this.
 MAX_CONVERSATIONS = 1 << 17
 
-N = TypeVar("N", bound=RoutedNode)
+N = TypeVar("N", bound="RoutedNode[Any]")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import structlog
 
 from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.common.clock import MonotonicClock
+from kvbroker.controlplane import codec
 from kvbroker.controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from kvbroker.controlplane.errors import (
@@ -43,7 +44,8 @@ from kvbroker.controlplane.hints import Hints
 from kvbroker.controlplane.idle_ttl import IdleTtl
 from kvbroker.controlplane.leases import Leases
 from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.controlplane.nodes import DOWN, NodeSessions
+from kvbroker.controlplane.model import DOWN, Node
+from kvbroker.controlplane.nodes import NodeSessions
 from kvbroker.controlplane.outbox import Outbox, Unsent
 from kvbroker.controlplane.planner import UNSAID, TurnRequest
 from kvbroker.controlplane.retention import RetentionReports
@@ -234,7 +236,9 @@ class Registry:
         if work is not None:
             self._validate.work(work)
         async with self._mutation():
-            node = await self.nodes.heartbeat(node_id, incarnation, engine_ready, load, work)
+            node = await self.nodes.heartbeat(
+                node_id, incarnation, engine_ready, codec.load_of(load), work
+            )
             return self.nodes.view(node)
 
     async def deregister_node(self, node_id: str, incarnation: str) -> node_pb2.Node:
@@ -257,7 +261,7 @@ class Registry:
         self._validate.id(node_id, "node_id")
         self._validate.costs(cost)
         async with self._mutation():
-            return self.nodes.view(await self.nodes.set_costs(node_id, cost))
+            return self.nodes.view(await self.nodes.set_costs(node_id, codec.cost_of(cost)))
 
     async def get_node(self, node_id: str) -> node_pb2.Node:
         return self.nodes.view(await self.nodes.node(node_id))
@@ -266,7 +270,7 @@ class Registry:
         self._validate.list_nodes(role, model)
         return await self.nodes.list_nodes(role, model)
 
-    async def _mark_down(self, node: node_pb2.Node, why: str) -> None:
+    async def _mark_down(self, node: Node, why: str) -> None:
         """Ends a node's session and withdraws its leases."""
         await self.leases.withdraw(node.spec.node_id, f"holder node lost its session: {why}")
         await self.nodes.mark_down(node, why)
@@ -302,7 +306,12 @@ class Registry:
             self.nodes.require_holder_role(node)
             lease_ttl = self.leases.ttl(ttl, node_id)
             lease = await self.leases.grant(
-                node, conversation_id, handle, checkpoints, token_count, lease_ttl, blocks
+                node,
+                conversation_id,
+                codec.handle_of(handle, blocks),
+                checkpoints,
+                token_count,
+                lease_ttl,
             )
             return self.leases.view(lease)
 
@@ -353,7 +362,7 @@ class Registry:
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation:
         view = lease_pb2.Conversation()
-        view.CopyFrom(await self.leases.conversation(conversation_id))
+        codec.conversation_into(await self.leases.conversation(conversation_id), view)
         return view
 
     # ----------------------------------------------------------------- retention reports

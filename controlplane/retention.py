@@ -13,22 +13,27 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import from_duration, stamp_time, to_timestamp
+from kvbroker.common.clock import from_duration
 from kvbroker.common.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane import codec
 from kvbroker.controlplane.errors import InvalidArgument, NotHolder, RegistryError, hint_error
-from kvbroker.controlplane.leases import (
+from kvbroker.controlplane.leases import Leases
+from kvbroker.controlplane.model import (
+    CLAIMED,
     ENGINE,
     FENCED,
+    NODE_LOST,
     PRESSURE,
     RELEASED,
     REVOKED,
-    Leases,
+    Lease,
+    Node,
 )
 from kvbroker.controlplane.nodes import NodeRuntime, NodeSessions
 from kvbroker.controlplane.outbox import Outbox
 from kvbroker.controlplane.store import Store
 from kvbroker.controlplane.validation import MAX_COUNTER, Validation
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker.v1 import registry_pb2
 
 # Events with the block count of each (counted once, when checked), or the error a malformed
 # one is refused with.
@@ -67,7 +72,7 @@ class RetentionReports:
         return checked
 
     async def apply(
-        self, node: node_pb2.Node, checked: CheckedEvents, full_snapshot: bool
+        self, node: Node, checked: CheckedEvents, full_snapshot: bool
     ) -> registry_pb2.ReportRetentionResponse:
         """Applies a node's checked events (call under the lock, with the node's session), each
         on its own: an event refused (malformed, or at odds with the registry's state) changes
@@ -97,7 +102,7 @@ class RetentionReports:
                 runtime.applied_sequence = max(runtime.applied_sequence, event.sequence)
         if full_snapshot:
             runtime.synced = True
-            for lease_id in self._store.live_lease_ids(node.spec.node_id) - snapshot_ids:
+            for lease_id in self._store.live_lease_ids(node.node_id) - snapshot_ids:
                 lease = await self._leases.lease(lease_id)
                 await self._leases.end(
                     lease, REVOKED, FENCED, "not retained by the engine after reconnect", None
@@ -107,7 +112,7 @@ class RetentionReports:
 
     async def _apply_one(
         self,
-        node: node_pb2.Node,
+        node: Node,
         event: registry_pb2.RetentionEvent,
         blocks: int,
         runtime: NodeRuntime,
@@ -129,8 +134,8 @@ class RetentionReports:
             await self._reclaim(node, event.reclaim)
 
     async def _retained(
-        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, blocks: int, replay: bool
-    ) -> lease_pb2.Lease:
+        self, node: Node, retained: registry_pb2.RetainedBlocks, blocks: int, replay: bool
+    ) -> Lease:
         ttl = self._leases.ttl(from_duration(retained.time_to_live) or None, node.spec.node_id)
         if not retained.lease_id:
             if replay:
@@ -142,17 +147,16 @@ class RetentionReports:
             return await self._leases.grant(
                 node,
                 retained.conversation_id,
-                retained.handle,
+                codec.handle_of(retained.handle, blocks),
                 Checkpoints.of(retained.block_hashes, retained.block_hash_stride),
                 retained.token_count,
                 ttl,
-                blocks,
             )
         return await self._replayed(node, retained, ttl, blocks)
 
     async def _replayed(
-        self, node: node_pb2.Node, retained: registry_pb2.RetainedBlocks, ttl: float, blocks: int
-    ) -> lease_pb2.Lease:
+        self, node: Node, retained: registry_pb2.RetainedBlocks, ttl: float, blocks: int
+    ) -> Lease:
         """A replayed lease: kept, revived or recreated, unless a newer epoch fences it."""
         lease = await self._store.get_lease(retained.lease_id)
         conversation = await self._store.get_conversation(retained.conversation_id)
@@ -169,40 +173,38 @@ class RetentionReports:
                 lease.node_incarnation = node.spec.incarnation
                 await self._store.put_lease(lease)
             return lease
-        revivable = lease is None or (
-            lease.state == REVOKED and lease.end_cause == lease_pb2.LEASE_END_CAUSE_NODE_LOST
-        )
+        revivable = lease is None or (lease.state == REVOKED and lease.end_cause == NODE_LOST)
         if fenced or not revivable:
             if lease is None:
-                lease = lease_pb2.Lease(
+                lease = Lease(
                     lease_id=retained.lease_id,
                     conversation_id=retained.conversation_id,
-                    node_id=node.spec.node_id,
-                    node_incarnation=node.spec.incarnation,
+                    node_id=codec.intern(node.node_id),
+                    node_incarnation=codec.intern(node.spec.incarnation),
                     epoch=retained.epoch,
-                    handle=retained.handle,
+                    handle=codec.handle_of(retained.handle, blocks),
                     state=REVOKED,
                     end_cause=FENCED,
                     end_reason=f"fenced: conversation is at epoch {current_epoch}",
-                    end_time=to_timestamp(self._now()),
+                    end_time=self._now(),
                 )
             # The engine still holds blocks the registry no longer stands behind: free them.
             self._outbox.send(lease, 0.0, lease.end_reason)
             return lease
         if lease is None:
-            lease = lease_pb2.Lease(
+            checkpoints = Checkpoints.of(retained.block_hashes, retained.block_hash_stride)
+            lease = Lease(
                 lease_id=retained.lease_id,
                 conversation_id=retained.conversation_id,
-                node_id=node.spec.node_id,
+                node_id=codec.intern(node.node_id),
                 epoch=retained.epoch,
-                handle=retained.handle,
+                handle=codec.handle_of(retained.handle, blocks),
+                checkpoints=codec.checkpoints(checkpoints.hashes),
+                block_hash_stride=checkpoints.stride,
                 token_count=retained.token_count,
+                grant_time=self._now(),
             )
-            checkpoints = Checkpoints.of(retained.block_hashes, retained.block_hash_stride)
-            lease.block_hashes.extend(checkpoints.hashes)
-            lease.block_hash_stride = checkpoints.stride
-            stamp_time(lease.grant_time, self._now())
-        await self._leases.revive(lease, node.spec.incarnation, ttl, blocks, conversation)
+        await self._leases.revive(lease, node.spec.incarnation, ttl, conversation)
         self._log.debug(
             "lease_restored", lease=lease.lease_id, node=node.spec.node_id, epoch=lease.epoch
         )
@@ -210,9 +212,9 @@ class RetentionReports:
 
     async def _check_replayed(
         self,
-        node: node_pb2.Node,
+        node: Node,
         retained: registry_pb2.RetainedBlocks,
-        lease: lease_pb2.Lease | None,
+        lease: Lease | None,
     ) -> None:
         """A replayed lease id must name what the engine says it retained: the same
         conversation, request and epoch; and no other live lease may hold that request."""
@@ -238,7 +240,7 @@ class RetentionReports:
                 f"{retained.lease_id}"
             )
 
-    async def _released(self, node: node_pb2.Node, released: registry_pb2.ReleasedBlocks) -> None:
+    async def _released(self, node: Node, released: registry_pb2.ReleasedBlocks) -> None:
         lease = await self._store.find_lease(node.spec.node_id, released.remote_request_id)
         if lease is not None and lease.state in LIVE_LEASE_STATES:
             await self._leases.end(
@@ -249,7 +251,7 @@ class RetentionReports:
                 None,
             )
 
-    async def _reclaim(self, node: node_pb2.Node, reclaim: registry_pb2.ReclaimRequest) -> None:
+    async def _reclaim(self, node: Node, reclaim: registry_pb2.ReclaimRequest) -> None:
         """The holder's engine wants blocks back. Ended here first, freed by the command after:
         from this moment no hint offers the lease and a prefill node's lease check declines it,
         so the only reads that can still touch the blocks are claimed ones, which are kept."""
@@ -268,7 +270,7 @@ class RetentionReports:
             )
             return
         leases = self._leases
-        claimed = lease.state == lease_pb2.LEASE_STATE_CLAIMED
+        claimed = lease.state == CLAIMED
         if claimed or leases.inherited_claims_until > self._now():
             # A read may be in flight (a claim of this registry's, or one a previous leader
             # made and did not write down): the holder keeps the blocks for it.

@@ -6,8 +6,10 @@ and a ``Backend`` that makes the cache durable: it loads a cache, takes fenced w
 watches for the writes of others. The memory backend keeps nothing (one process, nothing else
 to start); the etcd backend (``controlplane.etcd_store``) spans machines.
 
-Records are the proto messages and every read returns a fresh one: a change exists once it is
-put back. The registry serialises its mutations and ends each with ``commit()``: the writes
+Records are plain objects (``controlplane.model``) and every read returns a copy: a change
+exists once it is put back. The backend sees only bytes, the stored form of each record
+(``controlplane.codec``), encoded when a durable write is queued. The registry serialises its
+mutations and ends each with ``commit()``: the writes
 since the previous commit are one unit of work, sealed at once and written in order. Units
 share a write while one is in flight (group commit) but are never split to fill one, so a unit
 that fits one write of the backend is durable all or none; the mutations of a turn (a grant,
@@ -34,9 +36,10 @@ from typing import Protocol
 
 import structlog
 
+from kvbroker.controlplane.codec import record_bytes
 from kvbroker.controlplane.errors import CommitUndone, RegistryError, StoreRefused, StoreUnavailable
+from kvbroker.controlplane.model import Conversation, Lease, Node, Record
 from kvbroker.controlplane.state_cache import RecordKind, StateCache
-from kvbroker.v1 import lease_pb2, node_pb2
 
 __all__ = [
     "Backend",
@@ -67,39 +70,43 @@ class CommitTooLarge(StoreRefused):
 class Store(Protocol):
     """Reads hand out copies; a change exists once put back and is durable after ``commit``."""
 
-    async def get_node(self, node_id: str) -> node_pb2.Node | None: ...
-    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
+    async def get_node(self, node_id: str) -> Node | None: ...
+    async def put_node(self, node: Node, durable: bool = True) -> None:
         """``durable=False``: soft state (load, heartbeat times) a successor may lose."""
         ...
 
-    async def list_nodes(self) -> list[node_pb2.Node]: ...
+    async def list_nodes(self) -> list[Node]: ...
     async def delete_node(self, node_id: str) -> None: ...
 
-    async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation | None: ...
-    async def put_conversation(self, conversation: lease_pb2.Conversation) -> None: ...
+    async def get_conversation(self, conversation_id: str) -> Conversation | None: ...
+    async def put_conversation(self, conversation: Conversation) -> None: ...
     async def delete_conversation(self, conversation_id: str) -> None: ...
-    async def list_conversations(self) -> Iterable[lease_pb2.Conversation]: ...
+    async def list_conversations(self) -> Iterable[Conversation]: ...
 
-    async def get_lease(self, lease_id: str) -> lease_pb2.Lease | None: ...
-    async def put_lease(self, lease: lease_pb2.Lease, durable: bool = True) -> None:
+    async def get_lease(self, lease_id: str) -> Lease | None: ...
+    async def put_lease(self, lease: Lease, durable: bool = True) -> None:
         """``durable=False``: soft state (a claim) that a successor may lose; not written out."""
         ...
 
     async def delete_lease(self, lease_id: str) -> None: ...
-    async def find_lease(self, node_id: str, remote_request_id: str) -> lease_pb2.Lease | None:
+    async def find_lease(self, node_id: str, remote_request_id: str) -> Lease | None:
         """The lease a node holds for one of its engine's requests, if any."""
         ...
 
-    async def live_leases_of_node(self, node_id: str) -> list[lease_pb2.Lease]: ...
+    async def live_leases_of_node(self, node_id: str) -> list[Lease]: ...
     def live_lease_ids(self, node_id: str) -> set[str]:
         """Ids of the node's live leases, from memory (a replay compares 100k of them)."""
         ...
 
+    def live_lease_count(self, node_id: str) -> int:
+        """How many live leases the node holds (the size of the same index)."""
+        ...
+
     async def list_leases(
         self, node_id: str = "", conversation_id: str = "", after: str = ""
-    ) -> Iterable[lease_pb2.Lease]:
+    ) -> Iterable[Lease]:
         """Leases in lease id order after ``after``, optionally of one node or one
-        conversation; parsed as the caller reads on."""
+        conversation; copied as the caller reads on."""
         ...
 
     async def commit(self) -> None:
@@ -211,7 +218,7 @@ class _Unit:
     """One commit's writes, and what the cache held before each (to undo a refused unit)."""
 
     changes: dict[tuple[RecordKind, str], Change] = field(default_factory=dict)
-    before: dict[tuple[RecordKind, str], bytes | None] = field(default_factory=dict)
+    before: dict[tuple[RecordKind, str], Record | None] = field(default_factory=dict)
     sequence: int = 0
     # Writes that took part of it, when it does not fit one.
     parts_written: int = 0
@@ -244,74 +251,75 @@ class CachedStore:
 
     # ------------------------------------------------------------ reads
 
-    async def get_node(self, node_id: str) -> node_pb2.Node | None:
+    async def get_node(self, node_id: str) -> Node | None:
         return self.cache.node(node_id)
 
-    async def list_nodes(self) -> list[node_pb2.Node]:
+    async def list_nodes(self) -> list[Node]:
         return self.cache.nodes()
 
-    async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation | None:
+    async def get_conversation(self, conversation_id: str) -> Conversation | None:
         return self.cache.conversation(conversation_id)
 
-    async def list_conversations(self) -> Iterable[lease_pb2.Conversation]:
+    async def list_conversations(self) -> Iterable[Conversation]:
         return self.cache.conversations()
 
-    async def get_lease(self, lease_id: str) -> lease_pb2.Lease | None:
+    async def get_lease(self, lease_id: str) -> Lease | None:
         return self.cache.lease(lease_id)
 
-    async def find_lease(self, node_id: str, remote_request_id: str) -> lease_pb2.Lease | None:
+    async def find_lease(self, node_id: str, remote_request_id: str) -> Lease | None:
         return self.cache.find_lease(node_id, remote_request_id)
 
-    async def live_leases_of_node(self, node_id: str) -> list[lease_pb2.Lease]:
+    async def live_leases_of_node(self, node_id: str) -> list[Lease]:
         return self.cache.live_leases_of_node(node_id)
 
     def live_lease_ids(self, node_id: str) -> set[str]:
         return self.cache.live_lease_ids(node_id)
 
+    def live_lease_count(self, node_id: str) -> int:
+        return self.cache.live_lease_count(node_id)
+
     async def list_leases(
         self, node_id: str = "", conversation_id: str = "", after: str = ""
-    ) -> Iterable[lease_pb2.Lease]:
+    ) -> Iterable[Lease]:
         return self.cache.leases(node_id, conversation_id, after)
 
     # ------------------------------------------------------------ writes
 
-    async def put_node(self, node: node_pb2.Node, durable: bool = True) -> None:
-        self._write(RecordKind.NODE, node.spec.node_id, node.SerializeToString(), durable)
+    async def put_node(self, node: Node, durable: bool = True) -> None:
+        self._write(RecordKind.NODE, node.spec.node_id, node, durable)
 
     async def delete_node(self, node_id: str) -> None:
         self._write(RecordKind.NODE, node_id, None, True)
 
-    async def put_conversation(self, conversation: lease_pb2.Conversation) -> None:
-        raw = conversation.SerializeToString()
-        self._write(RecordKind.CONVERSATION, conversation.conversation_id, raw, True)
+    async def put_conversation(self, conversation: Conversation) -> None:
+        self._write(RecordKind.CONVERSATION, conversation.conversation_id, conversation, True)
 
     async def delete_conversation(self, conversation_id: str) -> None:
         self._write(RecordKind.CONVERSATION, conversation_id, None, True)
 
-    async def put_lease(self, lease: lease_pb2.Lease, durable: bool = True) -> None:
-        if self.backend.durable:
-            self._note(RecordKind.LEASE, lease.lease_id)
-        raw = self.cache.keep_lease(lease)
-        if durable and self.backend.durable:
-            self._open.changes[RecordKind.LEASE, lease.lease_id] = Change(
-                RecordKind.LEASE, lease.lease_id, raw
-            )
+    async def put_lease(self, lease: Lease, durable: bool = True) -> None:
+        self._write(RecordKind.LEASE, lease.lease_id, lease, durable)
 
     async def delete_lease(self, lease_id: str) -> None:
         self._write(RecordKind.LEASE, lease_id, None, True)
 
-    def _write(self, kind: RecordKind, ident: str, raw: bytes | None, durable: bool) -> None:
+    def _write(self, kind: RecordKind, ident: str, record: Record | None, durable: bool) -> None:
+        """Sets a copy of the record in the cache (the caller's stays its own); with a durable
+        backend, remembers what it replaces (for an undo) and, unless soft, queues its bytes
+        as of now for the commit."""
         if self.backend.durable:
             self._note(kind, ident)
             if durable:
+                raw = record_bytes(record) if record is not None else None
                 self._open.changes[kind, ident] = Change(kind, ident, raw)
-        self.cache.apply(kind, ident, raw)
+        self.cache.put(kind, ident, record.copy() if record is not None else None)
 
     def _note(self, kind: RecordKind, ident: str) -> None:
-        """Remembers what the cache held before this unit's first write of a record."""
+        """Remembers what the cache held before this unit's first write of a record (the
+        object itself: the cache never changes a record it holds, it replaces it)."""
         before = self._open.before
         if (kind, ident) not in before:
-            before[kind, ident] = self.cache.raw(kind, ident)
+            before[kind, ident] = self.cache.record(kind, ident)
 
     # ------------------------------------------------------------ commit
 
@@ -414,8 +422,8 @@ class CachedStore:
 
     def _undo(self) -> None:
         for unit in [*self._sealed, self._open][::-1]:
-            for (kind, ident), raw in unit.before.items():
-                self.cache.apply(kind, ident, raw)
+            for (kind, ident), record in unit.before.items():
+                self.cache.put(kind, ident, record.copy() if record is not None else None)
         self._sealed.clear()
         self._open = _Unit()
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.model import ACTIVE
 from kvbroker.controlplane.store import Store
-from kvbroker.v1 import lease_pb2
 
 
 class Turns:
@@ -70,7 +70,7 @@ class Turns:
             conversation = await self._store.get_conversation(conversation_id)
             lease_id = conversation.lease_id if conversation is not None else ""
             lease = await self._store.get_lease(lease_id) if lease_id else None
-            if lease is None or lease.state != lease_pb2.LEASE_STATE_ACTIVE:
+            if lease is None or lease.state != ACTIVE:
                 waits[conversation_id] = turn[1]
         if not waits:
             return

@@ -18,6 +18,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from kvbroker.common import ids
+from kvbroker.controlplane.codec import block_count
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -33,10 +34,6 @@ MAX_BLOCK_HASH_BYTES = 64
 LEASE_RECORD_FIXED_BYTES = 512
 RECLAIM_CAUSES = frozenset({lease_pb2.LEASE_END_CAUSE_PRESSURE, lease_pb2.LEASE_END_CAUSE_BUDGET})
 ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH})
-
-
-def block_count(handle: lease_pb2.KvHandle) -> int:
-    return sum(len(group.block_ids) for group in handle.remote_block_groups)
 
 
 def _known(enum: EnumTypeWrapper, value: int) -> bool:

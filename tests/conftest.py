@@ -48,6 +48,7 @@ LAYERS = {
     "test_batcher": "unit",
     "test_calibration": "integration",
     "test_checkpoints": "unit",
+    "test_codec": "unit",
     "test_connector_scheduler": "unit",
     "test_cost_correction": "unit",
     "test_deadlines": "unit",

@@ -12,9 +12,9 @@ import pytest
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.controlplane.election import Election, Term
 from kvbroker.controlplane.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.model import Node
 from kvbroker.controlplane.store import Deposed
 from kvbroker.testing.factories import node_spec
-from kvbroker.v1 import node_pb2
 
 pytestmark = pytest.mark.etcd
 
@@ -98,19 +98,19 @@ async def test_a_deposed_leaders_fence_refuses_its_writes(etcd: LocalEtcd) -> No
         term = await first.campaign("a:1")
         assert term is not None
         stores[0].fence = term.revision
-        await stores[0].put_node(node_pb2.Node(spec=node_spec("decode-0")))
+        await stores[0].put_node(Node(spec=node_spec("decode-0")))
         await stores[0].commit()
 
         await first.resign(term)
         successor = await second.campaign("b:1")
         assert successor is not None
         stores[1].fence = successor.revision
-        await stores[0].put_node(node_pb2.Node(spec=node_spec("decode-1")))
+        await stores[0].put_node(Node(spec=node_spec("decode-1")))
         with pytest.raises(Deposed):
             await stores[0].commit()
 
         await stores[1].load()
-        await stores[1].put_node(node_pb2.Node(spec=node_spec("decode-1")))
+        await stores[1].put_node(Node(spec=node_spec("decode-1")))
         await stores[1].commit()
         reader = EtcdStore(EtcdEndpoints.parse(etcd.url))
         stores.append(reader)

@@ -83,7 +83,7 @@ async def _stays_leader_through_a_refused_record(store: EtcdStore, blocks: int) 
         # What the registry derived from the undone records was rebuilt with the next call.
         second = await grant("d", "r3", 4)
         assert registry._deadlines.deadline((DeadlineKind.LEASE_EXPIRY, first.lease_id))
-        assert registry.nodes.runtime[decode.node_id].live_leases == 2
+        assert registry.store.live_lease_count(decode.node_id) == 2
         assert (await registry.get_conversation("c")).lease_id == first.lease_id
         async with aetcd.Client(port=int(store.etcd.connection.endpoints.members[0][1])) as etcd:
             assert await etcd.get(store._key("lease", second.lease_id)) is not None

@@ -22,6 +22,7 @@ from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
 from kvbroker.controlplane.errors import StoreUnavailable
 from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.model import Node
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
@@ -37,14 +38,14 @@ async def test_a_deposed_leader_cannot_write(etcd: LocalEtcd) -> None:
     async with aetcd.Client(port=etcd.client_port, timeout=2) as client:
         won = await client.put(store.leader_key, b"replica-a")
         store.fence = won.header.revision
-        await store.put_node(node_pb2.Node(spec=node_spec("decode-0")))
+        await store.put_node(Node(spec=node_spec("decode-0")))
         await store.commit()
         assert await client.get(store._key("node", "decode-0")) is not None
 
         # Replica A's key expires and replica B wins: a new create revision.
         await client.delete(store.leader_key)
         await client.put(store.leader_key, b"replica-b")
-        await store.put_node(node_pb2.Node(spec=node_spec("decode-1")))
+        await store.put_node(Node(spec=node_spec("decode-1")))
         with pytest.raises(StoreUnavailable, match="deposed"):
             await store.commit()
         assert await client.get(store._key("node", "decode-1")) is None

@@ -67,7 +67,13 @@ class Harness:
         cache = self.store.cache
         registry = self.registry
         runtimes = {
-            node_id: (r.state, r.live_leases, r.retained_blocks, r.applied_sequence, r.synced)
+            node_id: (
+                r.state,
+                self.store.live_lease_count(node_id),
+                r.retained_blocks,
+                r.applied_sequence,
+                r.synced,
+            )
             for node_id, r in registry.nodes.runtime.items()
         }
         return (

@@ -17,10 +17,11 @@ def node(
     node_id: str,
     role: node_pb2.NodeRole = DECODE,
     queued: int = 0,
-    state: int = node_pb2.NODE_STATE_READY,
+    state: node_pb2.NodeState = node_pb2.NODE_STATE_READY,
     model: str = "m",
-) -> routing.RoutedNode:
-    routed = routing.RoutedNode(node_spec(node_id, role, model=model), state=state)
+) -> routing.RoutedNode[node_pb2.Node]:
+    listed = node_pb2.Node(spec=node_spec(node_id, role, model=model), state=state)
+    routed = routing.RoutedNode(listed)
     routed.queued = queued
     return routed
 
@@ -186,7 +187,7 @@ def test_reuse_decision(
     conversation_id: str,
     conversation: lease_pb2.Conversation | None,
     current: lease_pb2.Lease | None,
-    holder: routing.RoutedNode | None,
+    holder: routing.RoutedNode[node_pb2.Node] | None,
     replayed: bool,
     expected: int,
     phrase: str,

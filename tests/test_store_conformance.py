@@ -20,8 +20,10 @@ import pytest
 
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.tasks import poll_until
+from kvbroker.controlplane import codec
 from kvbroker.controlplane.election import Election
 from kvbroker.controlplane.etcd_store import ETCD_DEFAULT_LIMITS, EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.model import Conversation, KvHandle, Lease, Node, NodeLoad
 from kvbroker.controlplane.store import (
     CachedStore,
     CommitTooLarge,
@@ -114,8 +116,8 @@ async def backing(request: pytest.FixtureRequest) -> AsyncIterator[Backing]:
         await store.close()
 
 
-def node(node_id: str, state: int = node_pb2.NODE_STATE_READY) -> node_pb2.Node:
-    return node_pb2.Node(spec=node_spec(node_id), state=state)  # type: ignore[arg-type]
+def node(node_id: str, state: node_pb2.NodeState = node_pb2.NODE_STATE_READY) -> Node:
+    return Node(spec=node_spec(node_id), state=state)
 
 
 def lease(
@@ -123,15 +125,15 @@ def lease(
     node_id: str = "decode-0",
     request_id: str = "",
     conversation_id: str = "conv-0",
-    state: int = ACTIVE,
-) -> lease_pb2.Lease:
-    return lease_pb2.Lease(
+    state: lease_pb2.LeaseState = ACTIVE,
+) -> Lease:
+    return Lease(
         lease_id=lease_id,
         node_id=node_id,
         conversation_id=conversation_id,
-        handle=lease_pb2.KvHandle(remote_request_id=request_id or f"req-{lease_id}"),
-        block_hashes=block_hashes(64, salt=lease_id),
-        state=state,  # type: ignore[arg-type]
+        handle=KvHandle(remote_request_id=request_id or f"req-{lease_id}"),
+        checkpoints=codec.checkpoints(block_hashes(64, salt=lease_id)),
+        state=state,
     )
 
 
@@ -179,7 +181,7 @@ async def test_reads_are_copies(backing: Backing) -> None:
         reading.state = EXPIRED
     assert store.live_lease_ids("decode-0") == {"lease-1"}
 
-    conversation = lease_pb2.Conversation(conversation_id="conv-0", lease_id="lease-1")
+    conversation = Conversation(conversation_id="conv-0", lease_id="lease-1")
     await store.put_conversation(conversation)
     conversation.lease_id = "lease-2"
     stored = await store.get_conversation("conv-0")
@@ -191,7 +193,7 @@ async def test_records_are_put_and_deleted(backing: Backing) -> None:
     store = await backing.leader()
     for node_id in ("decode-1", "decode-0", "prefill-0"):
         await store.put_node(node(node_id))
-    await store.put_conversation(lease_pb2.Conversation(conversation_id="conv-0", epoch=3))
+    await store.put_conversation(Conversation(conversation_id="conv-0", epoch=3))
     await store.put_lease(lease("lease-1"))
     await store.commit()
     assert [n.spec.node_id for n in await store.list_nodes()] == [
@@ -256,7 +258,7 @@ async def test_a_reload_sees_commits_but_not_soft_puts(backing: Backing) -> None
     await store.put_lease(lease("lease-1"))
     await store.commit()
     loaded = node("decode-0")
-    loaded.load.running_requests = 7
+    loaded.load = NodeLoad(running_requests=7)
     await store.put_node(loaded, durable=False)
     await store.put_lease(lease("lease-1", state=CLAIMED), durable=False)
     await store.commit()
@@ -277,7 +279,7 @@ async def test_a_commit_is_one_transaction(backing: Backing) -> None:
     store = await backing.leader()
     for index in range(100):
         await store.put_lease(lease(f"lease-{index:03}"))
-    await store.put_conversation(lease_pb2.Conversation(conversation_id="conv-0"))
+    await store.put_conversation(Conversation(conversation_id="conv-0"))
     await store.commit()
     revisions = await etcd_revisions(backing)
     assert len(revisions) == 101
@@ -343,7 +345,7 @@ async def test_a_record_beyond_any_transaction_is_refused_and_undone(backing: Ba
     await store.delete_lease("lease-1")
     await store.put_lease(lease("lease-2"))
     huge = lease("lease-3")
-    huge.block_hashes.extend(block_hashes(16 * 128))  # 4 KiB of hashes
+    huge.checkpoints += codec.checkpoints(block_hashes(16 * 128))  # 4 KiB of hashes
     await store.put_lease(huge)
     with pytest.raises(CommitTooLarge):
         await store.commit()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 from kvbroker.common.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -51,13 +51,38 @@ SERVING_STATES = ROUTABLE_STATES
 EXACT_PICK_LIMIT = 8
 
 
-@dataclass(slots=True, eq=False)
-class RoutedNode:
-    """What routing knows of a node: plain attributes, so a hint never walks proto fields
-    (reading a proto field costs ~10x a Python attribute)."""
+class NodeLoad(Protocol):
+    """A node's load as last reported (a ``node_pb2.NodeLoad``, or the registry's record)."""
 
-    spec: node_pb2.NodeSpec
-    state: int = node_pb2.NODE_STATE_READY
+    @property
+    def running_requests(self) -> int: ...
+    @property
+    def waiting_requests(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+
+
+class NodeRecord(Protocol):
+    """A node as routing reads it: a listed ``node_pb2.Node``, or the registry's record."""
+
+    @property
+    def spec(self) -> node_pb2.NodeSpec: ...
+    @property
+    def state(self) -> node_pb2.NodeState: ...
+    @property
+    def load(self) -> NodeLoad: ...
+
+
+R = TypeVar("R", bound=NodeRecord)
+
+
+@dataclass(slots=True, eq=False)
+class RoutedNode(Generic[R]):
+    """What routing knows of a node: plain attributes, so a hint never walks proto fields
+    (reading a proto field costs ~10x a Python attribute). Its spec and state are its
+    record's, never copies of them."""
+
+    node: R
     queued: int = 0
     kv_usage: float = 0.0
     # Hints that chose this node since its last heartbeat reported load.
@@ -73,19 +98,36 @@ class RoutedNode:
     decodes: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.node_id = self.spec.node_id
-        self.model = self.spec.model
-        self.prefills = self.spec.role in PREFILL_ROLES
-        self.decodes = self.spec.role in DECODE_ROLES
+        self._read_spec()
+
+    def _read_spec(self) -> None:
+        spec = self.node.spec
+        self.node_id = spec.node_id
+        self.model = spec.model
+        self.prefills = spec.role in PREFILL_ROLES
+        self.decodes = spec.role in DECODE_ROLES
+
+    @property
+    def spec(self) -> node_pb2.NodeSpec:
+        return self.node.spec
+
+    @property
+    def state(self) -> node_pb2.NodeState:
+        return self.node.state
 
     @classmethod
-    def of_node(cls, node: node_pb2.Node) -> Self:
+    def of_record(cls, node: R, retained_blocks: int = 0) -> Self:
         """A node as a listing or a replica's cache knows it."""
-        routed = cls(node.spec, state=node.state, retained_blocks=node.retained_blocks)
+        routed = cls(node, retained_blocks=retained_blocks)
         routed.note_load(node.load)
         return routed
 
-    def note_load(self, load: node_pb2.NodeLoad) -> None:
+    @classmethod
+    def of_node(cls, node: node_pb2.Node) -> RoutedNode[node_pb2.Node]:
+        """A node as a listing says it."""
+        return RoutedNode.of_record(node, node.retained_blocks)
+
+    def note_load(self, load: NodeLoad) -> None:
         self.queued = load.running_requests + load.waiting_requests
         self.kv_usage = load.kv_cache_usage
 
@@ -101,7 +143,7 @@ class RoutedNode:
         return self.retained_blocks / capacity if capacity else 0.0
 
 
-N = TypeVar("N", bound=RoutedNode)
+N = TypeVar("N", bound="RoutedNode[Any]")
 
 
 class NoReadyNode(Exception):
@@ -123,7 +165,7 @@ class Routes(Generic[N]):
     decodes: Sequence[N]
 
 
-def routable(node: RoutedNode, model: str) -> bool:
+def routable(node: RoutedNode[Any], model: str) -> bool:
     """Whether a new turn may go to ``node`` (never a DRAINING one, see ``ROUTABLE_STATES``)."""
     return node.state in ROUTABLE_STATES and (not model or node.model == model)
 
@@ -142,7 +184,7 @@ def candidates(nodes: Iterable[N], model: str) -> Routes[N]:
     return Routes(prefills, decodes)
 
 
-def load(node: RoutedNode) -> tuple[int, float]:
+def load(node: RoutedNode[Any]) -> tuple[int, float]:
     """Queued work first, then KV headroom: the cache in use as last reported, or what is known
     to be retained there now, whichever is more (new conversations go where retention leaves
     room)."""
@@ -186,11 +228,30 @@ class Reuse:
         return bool(self.decision == registry_pb2.HINT_DECISION_REUSE)
 
 
+class LeaseRecord(Protocol):
+    """A lease as the reuse rule reads it: a ``lease_pb2.Lease``, or the registry's record."""
+
+    @property
+    def lease_id(self) -> str: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def token_count(self) -> int: ...
+    @property
+    def state(self) -> lease_pb2.LeaseState: ...
+    @property
+    def end_cause(self) -> lease_pb2.LeaseEndCause: ...
+    @property
+    def end_reason(self) -> str: ...
+
+
 def reuse_decision(
     conversation_id: str,
-    conversation: lease_pb2.Conversation | None,
-    lease: lease_pb2.Lease | None,
-    holder: RoutedNode | None,
+    conversation: object | None,
+    lease: LeaseRecord | None,
+    holder: RoutedNode[Any] | None,
     holder_replayed: bool,
 ) -> Reuse:
     """The leader's decision for a conversation's next turn, from its current ``lease`` (as of

@@ -1,0 +1,253 @@
+"""Protobuf at the registry's edges, here and nowhere else: records (``controlplane.model``) to
+and from wire messages (a call's input, an answer) and stored bytes (``Change.raw``, what a
+backend writes, loads and watches).
+
+The stored format is the wire record (``lease_pb2.Lease``, ``lease_pb2.Conversation``,
+``node_pb2.Node``), so what etcd holds reads the same before and after the registry kept
+records as objects. Fields that exist only in answers (a lease's ``time_to_live``, a node's
+live figures) are the views' to fill, and are not part of a record.
+
+Two things a lease carries pass through the registry unread, so they are kept in protobuf's
+own encoding and moved in bulk, never walked in Python: its checkpoint hashes
+(``Lease.block_hashes``, each hash after its length) and its handle less the request id (the
+engine id, side channel, sizes, and the block ids as packed varints). Going out is one
+``MergeFromString`` in C each: a lease's 32 hashes cost one bytes object instead of 32, and a
+hint copies a lease as fast as a parsed message did. Times are the registry's float seconds
+inside and ``Timestamp`` outside (``kvbroker.common.clock``): a round trip keeps them to float
+precision.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from kvbroker.common.clock import from_timestamp, stamp_time
+from kvbroker.common.costs import Costs
+from kvbroker.controlplane.model import (
+    Conversation,
+    CostProfile,
+    KvHandle,
+    Lease,
+    Node,
+    NodeLoad,
+    Record,
+)
+from kvbroker.v1 import lease_pb2, node_pb2
+
+intern = sys.intern
+
+
+def block_count(handle: lease_pb2.KvHandle) -> int:
+    return sum(len(group.block_ids) for group in handle.remote_block_groups)
+
+
+# ---------------------------------------------------------------- leases
+
+
+def checkpoints(hashes: Sequence[bytes]) -> bytes:
+    """Checkpoint hashes as one blob (protobuf's encoding of ``Lease.block_hashes``)."""
+    return lease_pb2.Lease(block_hashes=hashes).SerializeToString()
+
+
+def handle_of(message: lease_pb2.KvHandle, blocks: int | None = None) -> KvHandle:
+    """``blocks``: the handle's block count, when the caller has counted it."""
+    rest = lease_pb2.KvHandle()
+    rest.CopyFrom(message)
+    rest.ClearField("remote_request_id")
+    return KvHandle(
+        remote_request_id=message.remote_request_id,
+        block_count=block_count(message) if blocks is None else blocks,
+        packed=rest.SerializeToString(),
+    )
+
+
+def handle_into(handle: KvHandle, into: lease_pb2.KvHandle) -> None:
+    into.MergeFromString(handle.packed)
+    into.remote_request_id = handle.remote_request_id
+
+
+def lease_of(message: lease_pb2.Lease) -> Lease:
+    return Lease(
+        lease_id=message.lease_id,
+        conversation_id=message.conversation_id,
+        node_id=intern(message.node_id),
+        node_incarnation=intern(message.node_incarnation),
+        epoch=message.epoch,
+        handle=handle_of(message.handle),
+        checkpoints=checkpoints(message.block_hashes) if message.block_hashes else b"",
+        block_hash_stride=message.block_hash_stride,
+        token_count=message.token_count,
+        state=message.state,
+        end_cause=message.end_cause,
+        end_reason=message.end_reason,
+        grant_time=_time(message, "grant_time"),
+        renew_time=_time(message, "renew_time"),
+        expire_time=_time(message, "expire_time"),
+        end_time=_time(message, "end_time"),
+        claim_expire_time=_time(message, "claim_expire_time"),
+    )
+
+
+def lease_into(lease: Lease, into: lease_pb2.Lease) -> None:
+    """Writes the record into ``into`` (an empty message): every field but ``time_to_live``,
+    which only a view has."""
+    into.MergeFromString(lease.checkpoints)
+    into.lease_id = lease.lease_id
+    into.conversation_id = lease.conversation_id
+    into.node_id = lease.node_id
+    into.node_incarnation = lease.node_incarnation
+    into.epoch = lease.epoch
+    handle_into(lease.handle, into.handle)
+    into.block_hash_stride = lease.block_hash_stride
+    into.token_count = lease.token_count
+    into.state = lease.state
+    into.end_cause = lease.end_cause
+    into.end_reason = lease.end_reason
+    _stamp(into.grant_time, lease.grant_time)
+    _stamp(into.renew_time, lease.renew_time)
+    _stamp(into.expire_time, lease.expire_time)
+    _stamp(into.end_time, lease.end_time)
+    _stamp(into.claim_expire_time, lease.claim_expire_time)
+
+
+def lease_ack(lease: Lease, into: lease_pb2.Lease) -> None:
+    """A retention report's answer for one lease: what the reporter lacks, no more (it has
+    the handle and hashes; a replay of 100k leases would otherwise echo them all back)."""
+    into.lease_id = lease.lease_id
+    into.conversation_id = lease.conversation_id
+    into.node_id = lease.node_id
+    into.epoch = lease.epoch
+    into.state = lease.state
+    into.end_reason = lease.end_reason
+    into.handle.remote_request_id = lease.handle.remote_request_id
+
+
+def lease_bytes(lease: Lease) -> bytes:
+    message = lease_pb2.Lease()
+    lease_into(lease, message)
+    return message.SerializeToString()
+
+
+def lease_of_bytes(raw: bytes) -> Lease:
+    return lease_of(lease_pb2.Lease.FromString(raw))
+
+
+# ---------------------------------------------------------------- conversations
+
+
+def conversation_of(message: lease_pb2.Conversation) -> Conversation:
+    return Conversation(
+        conversation_id=message.conversation_id,
+        epoch=message.epoch,
+        lease_id=message.lease_id,
+        decode_node_id=intern(message.decode_node_id),
+        last_active_time=_time(message, "last_active_time"),
+    )
+
+
+def conversation_into(conversation: Conversation, into: lease_pb2.Conversation) -> None:
+    into.conversation_id = conversation.conversation_id
+    into.epoch = conversation.epoch
+    into.lease_id = conversation.lease_id
+    into.decode_node_id = conversation.decode_node_id
+    _stamp(into.last_active_time, conversation.last_active_time)
+
+
+def conversation_bytes(conversation: Conversation) -> bytes:
+    message = lease_pb2.Conversation()
+    conversation_into(conversation, message)
+    return message.SerializeToString()
+
+
+def conversation_of_bytes(raw: bytes) -> Conversation:
+    return conversation_of(lease_pb2.Conversation.FromString(raw))
+
+
+# ---------------------------------------------------------------- nodes
+
+
+def spec_of(message: node_pb2.NodeSpec) -> node_pb2.NodeSpec:
+    """The registry's own copy of a spec it was sent (the sender's message may change)."""
+    spec = node_pb2.NodeSpec()
+    spec.CopyFrom(message)
+    return spec
+
+
+def load_of(message: node_pb2.NodeLoad) -> NodeLoad:
+    return NodeLoad(message.running_requests, message.waiting_requests, message.kv_cache_usage)
+
+
+def cost_of(message: node_pb2.CostProfile) -> CostProfile | None:
+    """A measured cost profile; None when it says no measurement."""
+    if not message.HasField("calibrated_time"):
+        return None
+    return CostProfile(Costs.of(message), from_timestamp(message.calibrated_time))
+
+
+def node_of(message: node_pb2.Node) -> Node:
+    return Node(
+        spec=message.spec,
+        state=message.state,
+        load=load_of(message.load),
+        registered_time=_time(message, "registered_time"),
+        last_heartbeat_time=_time(message, "last_heartbeat_time"),
+        cost=cost_of(message.cost),
+    )
+
+
+def node_into(node: Node, into: node_pb2.Node) -> None:
+    """Writes the record into ``into``; a node's live figures are its view's to add."""
+    into.spec.CopyFrom(node.spec)
+    into.state = node.state
+    load = node.load
+    if load != NodeLoad():
+        into.load.running_requests = load.running_requests
+        into.load.waiting_requests = load.waiting_requests
+        into.load.kv_cache_usage = load.kv_cache_usage
+    _stamp(into.registered_time, node.registered_time)
+    _stamp(into.last_heartbeat_time, node.last_heartbeat_time)
+    if node.cost is not None:
+        node.cost.costs.to_proto(into.cost)
+        stamp_time(into.cost.calibrated_time, node.cost.calibrated_time)
+
+
+def node_bytes(node: Node) -> bytes:
+    message = node_pb2.Node()
+    node_into(node, message)
+    return message.SerializeToString()
+
+
+def node_of_bytes(raw: bytes) -> Node:
+    return node_of(node_pb2.Node.FromString(raw))
+
+
+# ---------------------------------------------------------------- records
+
+
+def record_bytes(record: Record) -> bytes:
+    """A record's stored bytes."""
+    if isinstance(record, Lease):
+        return lease_bytes(record)
+    if isinstance(record, Node):
+        return node_bytes(record)
+    return conversation_bytes(record)
+
+
+# ---------------------------------------------------------------- times
+
+
+def _time(
+    message: lease_pb2.Lease | lease_pb2.Conversation | node_pb2.Node, name: str
+) -> float | None:
+    if not message.HasField(name):
+        return None
+    stamp: Timestamp = getattr(message, name)
+    return from_timestamp(stamp)
+
+
+def _stamp(into: Timestamp, seconds: float | None) -> None:
+    if seconds is not None:
+        stamp_time(into, seconds)
