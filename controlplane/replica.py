@@ -167,6 +167,8 @@ class Replica:
                 self.metrics,
                 self.clock,
                 on_store_failure=lambda error: self._deposed.set(),
+                # A successor's revision is later: its epochs outrank every one granted before.
+                term=term.revision,
             )
             await registry.restore()
             registry.start()
