@@ -498,7 +498,9 @@ class Leases:
             self._outbox.send(lease, claim_end - now, "claimed by a read")
         self._deadlines.schedule((CLAIM_END, lease.lease_id), claim_end)
         # A claim is soft state (a successor grants inherited claims a grace instead), unless
-        # it moved the expiry: the holder was told the later time, so the store must know it.
+        # it moved the expiry: the holder was told the later time, so a store that writes
+        # leases must know it (the registry's does not: ``store.REPLAYED``; the holder's replay
+        # carries that time instead).
         await self._store.put_lease(lease, durable=extends)
         self._metrics.lease_event("claim").inc()
 
