@@ -30,7 +30,14 @@ from aetcd import rpc
 
 from kvbroker.controlplane.errors import StoreRefused, StoreUnavailable
 from kvbroker.controlplane.state_cache import RecordKind, StateCache
-from kvbroker.controlplane.store import CachedStore, Change, Deposed, WatchEvent, WriteLimits
+from kvbroker.controlplane.store import (
+    REPLAYED,
+    CachedStore,
+    Change,
+    Deposed,
+    WatchEvent,
+    WriteLimits,
+)
 
 # etcd's defaults: --max-txn-ops 128 and --max-request-bytes 1.5 MiB, of which 0.5 MiB is left
 # for the request's own framing (``EtcdBackend.size`` counts keys and values).
@@ -221,10 +228,11 @@ class EtcdStore(CachedStore):
         prefix: str = "/kvbroker",
         timeout_s: float = 2.0,
         limits: WriteLimits = ETCD_DEFAULT_LIMITS,
+        soft: frozenset[RecordKind] = REPLAYED,
     ) -> None:
         self.connection = EtcdConnection(endpoints, timeout_s)
         self.etcd = EtcdBackend(self.connection, prefix, limits)
-        super().__init__(self.etcd)
+        super().__init__(self.etcd, soft)
         self.leader_key = self.etcd.leader_key
 
     def _key(self, kind: str, ident: str) -> bytes:

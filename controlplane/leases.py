@@ -67,6 +67,21 @@ FORGET_LEASE = DeadlineKind.FORGET_LEASE
 FORGET_CONVERSATION = DeadlineKind.FORGET_CONVERSATION
 
 
+# Epochs carry the term of the registry that granted them above this many bits: a million
+# grants of one conversation under one term before its count could reach a later term's floor
+# (a term in milliseconds, 44 bits until the year 2527, still leaves the epoch within 64).
+TERM_SHIFT = 20
+
+
+def next_epoch(epoch: int, term: int) -> int:
+    """The epoch of a conversation's next grant: above its current ``epoch``, and at least
+    ``term``'s floor, so that every epoch a later term grants exceeds every epoch an earlier
+    one did, whatever the later registry remembers (a successor replica, a restarted
+    standalone registry: both rebuild conversations from replays that may come after their
+    first grants)."""
+    return max(epoch + 1, term << TERM_SHIFT)
+
+
 def new_lease_id(now: float) -> str:
     """Milliseconds then randomness: unique, and sorts in grant order for listings and paging."""
     return f"{int(now * 1000):011x}{secrets.token_hex(5)}"
@@ -86,6 +101,7 @@ class Leases:
         idle_ttl: IdleTtl,
         validate: Validation,
         log: structlog.typing.FilteringBoundLogger,
+        term: int = 0,
     ) -> None:
         self._store = store
         self._config = config
@@ -98,6 +114,8 @@ class Leases:
         self._idle_ttl = idle_ttl
         self._validate = validate
         self._log = log
+        # Rises with every registry that may grant (see ``next_epoch``); 0: no floor.
+        self._term = term
         # Until then, early ends give the holder a full claim's grace: claims made by a
         # previous leader were not written down (they are soft state) and may still be reading.
         self.inherited_claims_until = 0.0
@@ -231,7 +249,7 @@ class Leases:
             conversation_id=conversation.conversation_id,
             node_id=codec.intern(node.node_id),
             node_incarnation=codec.intern(node.spec.incarnation),
-            epoch=conversation.epoch + 1,
+            epoch=next_epoch(conversation.epoch, self._term),
             handle=handle,
             checkpoints=codec.checkpoints(checkpoints.hashes),
             block_hash_stride=checkpoints.stride,
@@ -483,7 +501,9 @@ class Leases:
             # The holder must keep the blocks for the whole claim.
             self._outbox.send(lease, claim_end - now, "claimed by a read")
         # A claim is soft state (a successor grants inherited claims a grace instead), unless
-        # it moved the expiry: the holder was told the later time, so the store must know it.
+        # it moved the expiry: the holder was told the later time, so a store that writes
+        # leases must know it (the registry's does not: ``store.REPLAYED``; the holder's replay
+        # carries that time instead).
         await self._put(lease, durable=extends)
         self._metrics.lease_event("claim").inc()
 

@@ -95,7 +95,11 @@ class Registry:
         metrics: RegistryMetrics | None = None,
         clock: Callable[[], float] | None = None,
         on_store_failure: Callable[[StoreUnavailable], None] | None = None,
+        term: int = 0,
     ) -> None:
+        """``term``: rises with every registry that may grant, and sets the floor of the
+        epochs this one grants (``leases.next_epoch``): a replica's election revision, a
+        standalone registry's start time; 0 (tests): epochs count from the conversation's."""
         self.store = store
         self.config = config = config or RegistryConfig()
         self.metrics = metrics = metrics or RegistryMetrics()
@@ -125,6 +129,7 @@ class Registry:
             self.idle_ttl,
             validate,
             self._log,
+            term,
         )
         self.retention = RetentionReports(
             store, now, self.nodes, self.leases, self.outbox, validate, self._log

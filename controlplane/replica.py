@@ -1,9 +1,10 @@
 """A registry replica over etcd: one replica leads, the others forward to it.
 
 Who leads is an ``Election``; the term a replica wins is the fence its store writes under, so
-a replica that lost the leader key can never write again, and expiry, grants and revocations
-happen exactly once. A new leader reloads the store (unless its followed cache has already
-seen its own election) and rebuilds its deadlines before it serves (``_lead``); a follower
+a replica that lost the leader key can never write again, and the floor of the epochs it
+grants, so they outrank every earlier leader's. A new leader reloads the nodes (unless its
+followed cache has already seen its own election), and its holders' replays bring back the
+leases, which are not written (``_lead``); a follower
 keeps a watch-fed cache, forwards calls to the leader, and answers hints from its cache as
 DEGRADED while no leader can be reached.
 
@@ -167,6 +168,8 @@ class Replica:
                 self.metrics,
                 self.clock,
                 on_store_failure=lambda error: self._deposed.set(),
+                # A successor's revision is later: its epochs outrank every one granted before.
+                term=term.revision,
             )
             await registry.restore()
             registry.start()

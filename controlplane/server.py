@@ -7,6 +7,7 @@ import asyncio
 import json
 import signal
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -147,7 +148,11 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
     leadership: Leadership
     replica_task = None
     if etcd is None:
-        registry = Registry(MemoryStore(), options.config, metrics)
+        # Its epochs must outrank those it granted before a restart, which it forgot: its start
+        # time in milliseconds rises across restarts (unless the wall clock steps back).
+        registry = Registry(
+            MemoryStore(), options.config, metrics, term=time.time_ns() // 1_000_000
+        )
         registry.start()
         metrics.leader.set(1)
         leadership = Standalone(registry)

@@ -12,9 +12,8 @@ exists once it is put back. The backend sees only bytes, the stored form of each
 mutations and ends each with ``commit()``: the writes
 since the previous commit are one unit of work, sealed at once and written in order. Units
 share a write while one is in flight (group commit) but are never split to fill one, so a unit
-that fits one write of the backend is durable all or none; the mutations of a turn (a grant,
-a claim, a renewal, a release) always fit. A unit larger than one write (the many independent
-records of a takeover's replay, a batch of expiries, a node's withdrawal) goes in several, in
+that fits one write of the backend is durable all or none. A unit larger than one write (a
+batch of expiries or many independent records, where leases are written) goes in several, in
 order, each fenced: a leader lost between them leaves a written prefix of independent records,
 which its successor takes over like any other state (sessions restart, holders replay).
 Nothing is dropped silently: a write refused undoes the cache to what is durable. Two kinds of
@@ -25,6 +24,10 @@ refused by etcd as too large): nothing was written, the leader still leads, and 
 goes on writing; it raises ``resync_due`` so its owner rebuilds what it derived from the
 undone records (``Registry``), and the units written with the refused one fail with
 ``CommitUndone`` (retry).
+
+Only nodes are written by default. Leases and conversations (``REPLAYED``) stay in the
+leader's cache: after a takeover, as after a standalone registry's restart, the holders'
+replays rebuild them (docs/design.md, Durable and soft state, says why that is enough).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kvbroker.controlplane.model import Conversation, Lease, Node, Record
 from kvbroker.controlplane.state_cache import RecordKind, StateCache
 
 __all__ = [
+    "REPLAYED",
     "Backend",
     "CachedStore",
     "Change",
@@ -56,6 +60,11 @@ __all__ = [
 ]
 
 log = structlog.get_logger("kvbroker.registry")
+
+# What holders' replays rebuild after a takeover or restart: soft state of the leader, never
+# written (writing every turn's changes cost three in four turns over etcd, and a successor
+# could not use them before the holder replayed anyway).
+REPLAYED = frozenset({RecordKind.LEASE, RecordKind.CONVERSATION})
 
 
 class Deposed(StoreUnavailable):
@@ -225,10 +234,12 @@ class _Unit:
 
 
 class CachedStore:
-    """A ``StateCache`` made durable by a ``Backend``; implements ``Store``."""
+    """A ``StateCache`` made durable by a ``Backend``; implements ``Store``. Records of the
+    ``soft`` kinds are kept in the cache only, whatever their puts say."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, soft: frozenset[RecordKind] = REPLAYED) -> None:
         self.backend = backend
+        self.soft = soft
         self.cache = StateCache()
         # The election revision this store writes under (``Backend.write``); None: it does not
         # lead and cannot write.
@@ -309,7 +320,7 @@ class CachedStore:
         as of now for the commit."""
         if self.backend.durable:
             self._note(kind, ident)
-            if durable:
+            if durable and kind not in self.soft:
                 raw = record_bytes(record) if record is not None else None
                 self._open.changes[kind, ident] = Change(kind, ident, raw)
         self.cache.put(kind, ident, record.copy() if record is not None else None)

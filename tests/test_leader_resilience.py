@@ -1,6 +1,7 @@
 """A leader over a real etcd keeps leading through a record the store refuses (etcd's own
-request limit, or the store's precheck against it), and a replica's election loop outlives
-any failure in it."""
+request limit, or the store's precheck against it), a replica's election loop outlives any
+failure in it, and a successor rebuilds leases from the holders' replays, fenced by epochs
+that carry the leader's term."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.leases import TERM_SHIFT
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.replica import Replica, ReplicaOptions
 from kvbroker.controlplane.store import WriteLimits
 from kvbroker.testing.factories import block_hashes, handle, node_spec
-from kvbroker.v1 import lease_pb2
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 pytestmark = pytest.mark.etcd
 
@@ -51,6 +53,8 @@ async def small_etcd(tmp_path: Path) -> AsyncIterator[LocalEtcd]:
 
 
 async def _stays_leader_through_a_refused_record(store: EtcdStore, blocks: int) -> None:
+    """``store`` writes leases (``soft`` empty): the registry's own writes only nodes, which are
+    never this large, so a large lease is what makes a record etcd refuses."""
     replica = Replica(store, ReplicaOptions("127.0.0.1:1"), CONFIG)
     running = asyncio.create_task(replica.run())
     try:
@@ -97,7 +101,7 @@ async def _stays_leader_through_a_refused_record(store: EtcdStore, blocks: int) 
 async def test_a_record_etcd_refuses_does_not_depose_the_leader(small_etcd: LocalEtcd) -> None:
     """etcd refuses a ~120 KB lease (its --max-request-bytes is 64 KiB here): the store tells
     that apart from being unreachable or deposed, and the leader does not step down."""
-    store = EtcdStore(EtcdEndpoints.parse(small_etcd.url))
+    store = EtcdStore(EtcdEndpoints.parse(small_etcd.url), soft=frozenset())
     await _stays_leader_through_a_refused_record(store, blocks=40_000)
 
 
@@ -105,7 +109,9 @@ async def test_a_record_over_the_store_s_limits_does_not_depose_the_leader(
     etcd: LocalEtcd,
 ) -> None:
     store = EtcdStore(
-        EtcdEndpoints.parse(etcd.url), limits=WriteLimits(operations=128, size_bytes=16_384)
+        EtcdEndpoints.parse(etcd.url),
+        limits=WriteLimits(operations=128, size_bytes=16_384),
+        soft=frozenset(),
     )
     await _stays_leader_through_a_refused_record(store, blocks=10_000)
 
@@ -126,4 +132,83 @@ async def test_the_election_loop_outlives_a_failure_in_it(etcd: LocalEtcd) -> No
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
+            await store.close()
+
+
+async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
+    etcd: LocalEtcd,
+) -> None:
+    """Leases are not in etcd: the successor knows the nodes only, and the holders' replays
+    bring the leases back under their ids and epochs. A replay older than its conversation's
+    epoch is fenced, and the successor's first grant outranks every epoch granted before."""
+    decodes = [node_spec("decode-0"), node_spec("decode-1", port=5601)]
+    stores = [EtcdStore(EtcdEndpoints.parse(etcd.url)) for _ in range(2)]
+    replicas = [
+        Replica(store, ReplicaOptions(f"127.0.0.1:{1 + i}"), CONFIG)
+        for i, store in enumerate(stores)
+    ]
+
+    async def grant(registry: Registry, spec: node_pb2.NodeSpec, request: str) -> lease_pb2.Lease:
+        tokens = 4 * spec.block_size
+        return await registry.grant_lease(
+            "c",
+            spec.node_id,
+            spec.incarnation,
+            handle(request, tokens, spec),
+            block_hashes(tokens),
+            tokens,
+        )
+
+    async def replay(registry: Registry, spec: node_pb2.NodeSpec, lease: lease_pb2.Lease) -> int:
+        event = registry_pb2.RetentionEvent(
+            sequence=1,
+            retained=registry_pb2.RetainedBlocks(
+                conversation_id=lease.conversation_id,
+                lease_id=lease.lease_id,
+                epoch=lease.epoch,
+                handle=lease.handle,
+                block_hashes=lease.block_hashes,
+                token_count=lease.token_count,
+            ),
+        )
+        answer = await registry.report_retention(
+            spec.node_id, spec.incarnation, [event], full_snapshot=True
+        )
+        return answer.leases[0].state
+
+    first = asyncio.create_task(replicas[0].run())
+    second: asyncio.Task[None] | None = None
+    try:
+        old_leader = await leading(replicas[0])
+        for spec in decodes:
+            await old_leader.register_node(spec)
+        older = await grant(old_leader, decodes[0], "r1")
+        newer = await grant(old_leader, decodes[1], "r2")  # supersedes ``older``
+        assert stores[0].fence is not None
+        old_term = stores[0].fence
+
+        second = asyncio.create_task(replicas[1].run())
+        await asyncio.sleep(0.5)  # following
+        first.cancel()  # steps down and resigns: the follower takes over
+        await asyncio.gather(first, return_exceptions=True)
+        successor = await leading(replicas[1])
+        assert stores[1].fence is not None and stores[1].fence > old_term
+        assert await successor.store.get_lease(newer.lease_id) is None  # nothing in etcd
+        assert len(await successor.list_nodes()) == 2
+
+        assert await replay(successor, decodes[1], newer) == lease_pb2.LEASE_STATE_ACTIVE
+        assert await replay(successor, decodes[0], older) == lease_pb2.LEASE_STATE_REVOKED
+        conversation = await successor.get_conversation("c")
+        assert (conversation.lease_id, conversation.epoch) == (newer.lease_id, newer.epoch)
+
+        latest = await grant(successor, decodes[0], "r3")
+        assert latest.epoch >= stores[1].fence << TERM_SHIFT > newer.epoch > older.epoch
+        superseded = await successor.get_lease(newer.lease_id)
+        assert superseded.end_cause == lease_pb2.LEASE_END_CAUSE_SUPERSEDED
+    finally:
+        for task in (first, second):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        for store in stores:
             await store.close()

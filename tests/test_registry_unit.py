@@ -11,6 +11,7 @@ import pytest
 from kvbroker.common.clock import from_duration
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyNode, SessionLost
+from kvbroker.controlplane.leases import TERM_SHIFT, next_epoch
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.store import MemoryStore
 from kvbroker.testing.factories import block_hashes, handle, node_spec
@@ -250,6 +251,60 @@ async def test_a_successor_offers_a_holder_s_leases_only_after_its_replay() -> N
     assert hint.consistency == registry_pb2.HINT_CONSISTENCY_EXACT
     figures = {f.node_id: f for f in successor.nodes.figures()}
     assert figures[h.decode.node_id].live_leases == 1
+
+
+def test_epochs_rise_within_a_term_and_every_later_term_outranks_the_earlier() -> None:
+    assert next_epoch(0, 0) == 1 and next_epoch(5, 0) == 6
+    floor = 3 << TERM_SHIFT
+    assert next_epoch(5, 3) == floor  # a conversation from before term 3
+    assert next_epoch(floor + 7, 3) == floor + 8
+    # The highest epoch term 3 could grant is below term 4's first.
+    assert next_epoch(0, 4) > (4 << TERM_SHIFT) - 1 >= next_epoch(floor, 3)
+    # A conversation whose epoch came from a later term still only rises.
+    assert next_epoch(5 << TERM_SHIFT, 4) == (5 << TERM_SHIFT) + 1
+
+
+async def test_after_a_restart_a_new_grant_fences_an_older_replay() -> None:
+    """A restarted registry remembers nothing (the memory store; a successor replica alike):
+    a new turn granted before the old holder replays outranks the old lease by its term, so
+    the late replay is fenced rather than superseding the newer turn (with epochs counted
+    from the conversation's alone both were epoch 1, and the replay won)."""
+    clock = FakeClock()
+    decodes = [node_spec("decode-0"), node_spec("decode-1", port=5601)]
+
+    async def started(term: int) -> Registry:
+        registry = Registry(MemoryStore(), CONFIG, clock=clock, term=term)
+        for spec in decodes:
+            await registry.register_node(spec)
+        return registry
+
+    async def grant(registry: Registry, spec: node_pb2.NodeSpec, request: str) -> lease_pb2.Lease:
+        return await registry.grant_lease(
+            "c", spec.node_id, spec.incarnation, handle(request, 64, spec), block_hashes(64), 64
+        )
+
+    old = await grant(await started(term=2), decodes[0], "req-1")
+    restarted = await started(term=3)
+    new = await grant(restarted, decodes[1], "req-2")
+    assert new.epoch > old.epoch
+    replay = registry_pb2.RetentionEvent(
+        sequence=1,
+        retained=registry_pb2.RetainedBlocks(
+            conversation_id="c",
+            lease_id=old.lease_id,
+            epoch=old.epoch,
+            handle=old.handle,
+            block_hashes=old.block_hashes,
+            token_count=old.token_count,
+        ),
+    )
+    answer = await restarted.report_retention(
+        decodes[0].node_id, decodes[0].incarnation, [replay], full_snapshot=True
+    )
+    assert answer.leases[0].state == lease_pb2.LEASE_STATE_REVOKED
+    assert "fenced" in answer.leases[0].end_reason
+    assert (await restarted.get_conversation("c")).lease_id == new.lease_id
+    assert (await restarted.get_lease(new.lease_id)).state == ACTIVE
 
 
 async def test_a_node_down_past_the_retention_is_forgotten_with_its_series() -> None:

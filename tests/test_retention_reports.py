@@ -111,9 +111,9 @@ async def test_replay_rebuilds_state_after_registry_restart() -> None:
                 )
             ).leases
         )
-        # Turn 2 of c0 supersedes its first lease: epoch 2.
+        # Turn 2 of c0 supersedes its first lease: the next epoch.
         turn2 = (await report(stub, decode, retained(21, decode, "c0", "r0-turn2"))).leases[0]
-        assert turn2.epoch == 2
+        assert turn2.epoch == granted[0].epoch + 1
     await first.stop(grace=0)
 
     # Same address, empty memory: the sidecar re-registers and replays what the engine holds.
@@ -135,12 +135,12 @@ async def test_replay_rebuilds_state_after_registry_restart() -> None:
             assert sorted(lease.lease_id for lease in after) == sorted(
                 lease.lease_id for lease in still_held
             )
-            assert {lease.lease_id: lease.epoch for lease in after}[turn2.lease_id] == 2
+            assert {lease.lease_id: lease.epoch for lease in after}[turn2.lease_id] == turn2.epoch
             result = await hint(stub, "c0")
             assert result.decision == registry_pb2.HINT_DECISION_REUSE
             assert result.lease.lease_id == turn2.lease_id
 
-            # A late replay of the superseded turn-1 lease is fenced by epoch 2.
+            # A late replay of the superseded turn-1 lease is fenced by turn 2's epoch.
             stale = await report(stub, decode, retained(100, decode, "c0", "r0", granted[0]))
             assert stale.leases[0].state == lease_pb2.LEASE_STATE_REVOKED
             assert "fenced" in stale.leases[0].end_reason

@@ -137,7 +137,7 @@ async def test_two_legs_with_session_and_handle(fleet: Fleet, stub: RegistryServ
             "kvbroker_lease_id" in p.received[-1]["kv_transfer_params"]
         )["kv_transfer_params"]  # fmt: skip
         assert params["kvbroker_lease_id"] == lease.lease_id
-        assert params["kvbroker_epoch"] == 1
+        assert params["kvbroker_epoch"] == lease.epoch
         assert params["remote_request_id"] == "d-req-1"
         assert len(params["kvbroker_block_hashes"]) == len(lease.block_hashes)
         assert "conversation_id" not in fleet.decode.received[-1]

@@ -82,7 +82,10 @@ class Backing:
         if self.etcd is None:
             store = MemoryStore()
         else:
-            store = EtcdStore(EtcdEndpoints.parse(self.etcd.url), self.prefix, limits=limits)
+            # Every kind written, leases too: the store's rules hold for any record it writes.
+            store = EtcdStore(
+                EtcdEndpoints.parse(self.etcd.url), self.prefix, limits=limits, soft=frozenset()
+            )
         self.stores.append(store)
         return store
 
@@ -272,6 +275,30 @@ async def test_a_reload_sees_commits_but_not_soft_puts(backing: Backing) -> None
     assert stored is not None and stored.load.running_requests == 0
     assert reader.live_lease_ids("decode-0") == {"lease-1"}
     assert reader.revision >= store.revision > 0
+
+
+@DURABLE
+async def test_the_registry_s_store_writes_nodes_and_keeps_replayed_records_soft(
+    backing: Backing,
+) -> None:
+    """Over etcd the registry writes nodes only: leases and conversations (``REPLAYED``) are
+    in the leader's cache, and a successor rebuilds them from the holders' replays."""
+    assert backing.etcd is not None
+    store = EtcdStore(EtcdEndpoints.parse(backing.etcd.url), backing.prefix)
+    backing.stores.append(store)
+    term = await election_of(store).campaign("test-leader")
+    assert term is not None
+    store.fence = term.revision
+    await store.put_node(node("decode-0"))
+    await store.put_lease(lease("lease-1"))
+    await store.put_conversation(Conversation(conversation_id="conv-0"))
+    await store.commit()
+    assert await store.get_lease("lease-1") is not None  # the leader sees its soft state
+    assert set(await etcd_revisions(backing)) == {"node/decode-0"}
+    await store.delete_lease("lease-1")
+    await store.delete_conversation("conv-0")
+    await store.commit()
+    assert set(await etcd_revisions(backing)) == {"node/decode-0"}
 
 
 @DURABLE
