@@ -21,8 +21,8 @@ from kvbroker.controlplane.leases import TERM_SHIFT
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.replica import Replica, ReplicaOptions
 from kvbroker.controlplane.store import WriteLimits
-from kvbroker.testing.factories import block_hashes, handle, node_spec
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker.testing.factories import block_hashes, handle, node_spec, replayed
+from kvbroker.v1 import lease_pb2, node_pb2
 
 pytestmark = pytest.mark.etcd
 
@@ -160,17 +160,7 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
         )
 
     async def replay(registry: Registry, spec: node_pb2.NodeSpec, lease: lease_pb2.Lease) -> int:
-        event = registry_pb2.RetentionEvent(
-            sequence=1,
-            retained=registry_pb2.RetainedBlocks(
-                conversation_id=lease.conversation_id,
-                lease_id=lease.lease_id,
-                epoch=lease.epoch,
-                handle=lease.handle,
-                block_hashes=lease.block_hashes,
-                token_count=lease.token_count,
-            ),
-        )
+        event = replayed(lease)
         answer = await registry.report_retention(
             spec.node_id, spec.incarnation, [event], full_snapshot=True
         )

@@ -14,7 +14,7 @@ from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyN
 from kvbroker.controlplane.leases import TERM_SHIFT, next_epoch
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.store import MemoryStore
-from kvbroker.testing.factories import block_hashes, handle, node_spec
+from kvbroker.testing.factories import block_hashes, handle, node_spec, replayed
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 CONFIG = RegistryConfig(
@@ -231,17 +231,7 @@ async def test_a_successor_offers_a_holder_s_leases_only_after_its_replay() -> N
     hint = await successor.routing_hint("c", "", dry_run=True)
     assert hint.decision == registry_pb2.HINT_DECISION_RECOMPUTE
     assert hint.consistency == registry_pb2.HINT_CONSISTENCY_DEGRADED
-    replay = registry_pb2.RetentionEvent(
-        sequence=1,
-        retained=registry_pb2.RetainedBlocks(
-            conversation_id="c",
-            lease_id=lease.lease_id,
-            epoch=lease.epoch,
-            handle=lease.handle,
-            block_hashes=lease.block_hashes,
-            token_count=lease.token_count,
-        ),
-    )
+    replay = replayed(lease)
     response = await successor.report_retention(
         h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True
     )
@@ -287,17 +277,7 @@ async def test_after_a_restart_a_new_grant_fences_an_older_replay() -> None:
     restarted = await started(term=3)
     new = await grant(restarted, decodes[1], "req-2")
     assert new.epoch > old.epoch
-    replay = registry_pb2.RetentionEvent(
-        sequence=1,
-        retained=registry_pb2.RetainedBlocks(
-            conversation_id="c",
-            lease_id=old.lease_id,
-            epoch=old.epoch,
-            handle=old.handle,
-            block_hashes=old.block_hashes,
-            token_count=old.token_count,
-        ),
-    )
+    replay = replayed(old)
     answer = await restarted.report_retention(
         decodes[0].node_id, decodes[0].incarnation, [replay], full_snapshot=True
     )

@@ -122,3 +122,18 @@ class Heartbeats:
         assert self._task is not None
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+def replayed(lease: lease_pb2.Lease, sequence: int = 1) -> registry_pb2.RetentionEvent:
+    """The retention event a holder's sidecar replays for a lease it still retains."""
+    return registry_pb2.RetentionEvent(
+        sequence=sequence,
+        retained=registry_pb2.RetainedBlocks(
+            conversation_id=lease.conversation_id,
+            lease_id=lease.lease_id,
+            epoch=lease.epoch,
+            handle=lease.handle,
+            block_hashes=lease.block_hashes,
+            token_count=lease.token_count,
+        ),
+    )
