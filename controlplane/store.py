@@ -433,8 +433,9 @@ class CachedStore:
 
     def _undo(self) -> None:
         for unit in [*self._sealed, self._open][::-1]:
+            # As the cache held them: it never changes a record it holds, so no copy.
             for (kind, ident), record in unit.before.items():
-                self.cache.put(kind, ident, record.copy() if record is not None else None)
+                self.cache.put(kind, ident, record)
         self._sealed.clear()
         self._open = _Unit()
 
