@@ -169,8 +169,17 @@ def plan(
         found += _prefill_legs(turn, prefill, decode, config)
     found.sort(key=_rank)  # stable: among equals the earlier candidate stays first
     eligible = [e for e in found if not e.not_eligible]
-    best = next((e for e in eligible if e.path == wanted), eligible[0])
+    best = next((e for e in eligible if e.path == wanted), None) or _fallback(eligible, wanted)
     return Plan(best, best.prefill_node_id or prefills[0].node_id, found)
+
+
+def _fallback(eligible: Sequence[Estimate], wanted: registry_pb2.TurnPath) -> Estimate:
+    """The path taken when ``wanted`` cannot be: the cheapest, except that asking for READ
+    asks for the P/D split (vLLM's own router: read when it is worth it, else P computes),
+    so it falls back to RECOMPUTE and not to a prefill on the decode node."""
+    if wanted == READ:
+        return next(e for e in eligible if e.path == RECOMPUTE)
+    return eligible[0]
 
 
 def _rank(estimate: Estimate) -> tuple[bool, float]:

@@ -187,6 +187,20 @@ def test_an_asked_path_is_taken_on_its_cheapest_prefill_node() -> None:
     assert (found.path, found.prefill_node_id) == (planner.RECOMPUTE, "p1")
 
 
+def test_an_asked_read_that_cannot_be_taken_keeps_the_p_d_split() -> None:
+    """READ under the threshold beyond P's cache: P computes, as vLLM's router would, though
+    DECODE_LOCAL is cheaper; any other asked path falls back to the cheapest."""
+    t = turn(3200, 16)
+    prefills = [p(cached=3168)]
+    asked = planner.plan(t, prefills, DEFAULT_COSTS, CFG, planner.READ)
+    assert asked.path == planner.RECOMPUTE and asked.chosen.cached_tokens == 3168
+    assert planner.plan(t, prefills, DEFAULT_COSTS, CFG).path == planner.DECODE_LOCAL
+    far = turn(3200, 16, holder_decodes=False)
+    assert planner.plan(far, prefills, DEFAULT_COSTS, CFG, planner.DECODE_LOCAL).path == (
+        planner.RECOMPUTE
+    )
+
+
 def test_the_router_s_estimates_give_the_suffix() -> None:
     assert TurnRequest(prompt_tokens=3100, new_tokens=40).new_after(3000) == 40
     assert TurnRequest(prompt_tokens=3100).new_after(3000) == 100

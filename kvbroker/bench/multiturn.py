@@ -3,8 +3,9 @@ registry's planner can be judged against every fixed path and against no reuse a
 
 Arms: ``planner`` (the registry chooses), ``read``, ``decode-local`` and ``recompute`` (the
 turn asks for that path with ``x-kvbroker-path``; it is taken when eligible, and the path
-actually taken is recorded), and ``off`` (no session id: plain P/D, no reuse). Axes: the
-context length, and the size of the new suffix (a one-line question or a bulk tool result).
+actually taken is recorded; ``read`` falls back to RECOMPUTE, so it is vLLM's own P/D
+router), and ``off`` (no session id: plain P/D, no reuse). Axes: the context length, and the
+size of the new suffix (a one-line question or a bulk tool result).
 The stack runs with P's own prefix cache on or off (``--prefill-cache``).
 
 Fairness, because the arms are compared with one another on a shared, drifting machine:
