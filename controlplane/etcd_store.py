@@ -44,9 +44,6 @@ from kvbroker.controlplane.store import (
 ETCD_DEFAULT_LIMITS = WriteLimits(operations=128, size_bytes=1 << 20)
 # Framing of one operation in a transaction beyond its key and value, rounded up.
 _OPERATION_BYTES = 16
-# The registry's cap on block hashes per lease over etcd: a lease stays well under one
-# transaction (16,384 hashes of 32 bytes is 512 KiB; 2M tokens at vLLM's CPU block size).
-MAX_BLOCK_HASHES = 16_384
 # Keys per range request when loading (leases are ~1 KB: well under gRPC's 4 MiB limit).
 LOAD_PAGE = 1000
 # What etcd answers a request it will not take as it stands ("request is too large", "too many
@@ -115,7 +112,13 @@ def key_created_at(key: bytes, revision: int) -> rpc.Compare:
 
 
 class EtcdBackend:
-    """Records under ``PREFIX/v1/KIND/ID``; the leader key is ``PREFIX/leader``."""
+    """Records under ``PREFIX/v1/KIND/ID``; the leader key is ``PREFIX/leader``.
+
+    Records of the ``unwritten`` kinds (the replayed ones) are never written here, but
+    earlier registries wrote leases and conversations: load and watch pass over those keys,
+    since a record no leader updates any more would come back as a lease its holder may have
+    freed long ago. They are harmless left there; ``etcdctl del --prefix PREFIX/v1/lease/``
+    (and ``.../conversation/``) removes them."""
 
     durable = True
 
@@ -124,9 +127,11 @@ class EtcdBackend:
         connection: EtcdConnection,
         prefix: str = "/kvbroker",
         limits: WriteLimits = ETCD_DEFAULT_LIMITS,
+        unwritten: frozenset[RecordKind] = REPLAYED,
     ) -> None:
         self.connection = connection
         self.limits = limits
+        self.unwritten = unwritten
         self.root_prefix = f"{prefix.rstrip('/')}/".encode()
         self.data_prefix = self.root_prefix + b"v1/"
         self.leader_key = self.root_prefix + b"leader"
@@ -134,9 +139,11 @@ class EtcdBackend:
     def record_key(self, kind: RecordKind, ident: str) -> bytes:
         return self.data_prefix + f"{kind.value}/{ident}".encode()
 
-    def _change(self, key: bytes, value: bytes | None) -> Change:
+    def _change(self, key: bytes, value: bytes | None) -> Change | None:
+        """The record change at ``key``; None for a kind this store does not write."""
         kind, _, ident = key.removeprefix(self.data_prefix).decode().partition("/")
-        return Change(RecordKind(kind), ident, value)
+        record_kind = RecordKind(kind)
+        return None if record_kind in self.unwritten else Change(record_kind, ident, value)
 
     def size(self, change: Change) -> int:
         key = self.record_key(change.kind, change.ident)
@@ -156,8 +163,8 @@ class EtcdBackend:
                 )
                 revision = revision or response.header.revision
                 for kv in response.kvs:
-                    change = self._change(kv.key, kv.value)
-                    into.apply(change.kind, change.ident, change.raw)
+                    if (change := self._change(kv.key, kv.value)) is not None:
+                        into.apply(change.kind, change.ident, change.raw)
                 if not response.more:
                     return revision
                 start = response.kvs[-1].key + b"\0"
@@ -231,7 +238,7 @@ class EtcdStore(CachedStore):
         soft: frozenset[RecordKind] = REPLAYED,
     ) -> None:
         self.connection = EtcdConnection(endpoints, timeout_s)
-        self.etcd = EtcdBackend(self.connection, prefix, limits)
+        self.etcd = EtcdBackend(self.connection, prefix, limits, soft)
         super().__init__(self.etcd, soft)
         self.leader_key = self.etcd.leader_key
 

@@ -8,7 +8,7 @@ import json
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from kvbroker.common.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
 from kvbroker.common.metrics_http import MetricsTls, serve_metrics
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.etcd_store import MAX_BLOCK_HASHES, EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.identity import Credentials
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.registry import Registry
@@ -157,16 +157,12 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         metrics.leader.set(1)
         leadership = Standalone(registry)
     else:
-        config = replace(
-            options.config,
-            max_block_hashes=min(options.config.max_block_hashes, MAX_BLOCK_HASHES),
-        )
         # Not serving until the replica says it can: it leads, or follows a leader it knows.
         await _set_health(health_servicer, serving=False)
         replica = Replica(
             EtcdStore(etcd, options.etcd_prefix),
             ReplicaOptions(options.advertise or address, options.election_ttl_s, peers),
-            config,
+            options.config,
             metrics,
             on_serving=lambda serving: _set_health(health_servicer, serving),
         )

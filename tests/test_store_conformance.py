@@ -302,6 +302,42 @@ async def test_the_registry_s_store_writes_nodes_and_keeps_replayed_records_soft
 
 
 @DURABLE
+async def test_leases_an_earlier_registry_wrote_to_etcd_are_not_loaded(backing: Backing) -> None:
+    """Earlier registries wrote leases and conversations. Nobody updates those keys now, so a
+    successor that loaded them would offer blocks their holder may have freed long ago: it
+    passes over them, at load and in its watch, and has leases only from replays."""
+    assert backing.etcd is not None
+    legacy = await backing.leader()  # writes every kind, as an earlier registry did
+    await legacy.put_node(node("decode-0"))
+    await legacy.put_lease(lease("lease-1"))
+    await legacy.put_conversation(Conversation(conversation_id="conv-0", lease_id="lease-1"))
+    await legacy.commit()
+    assert {"lease/lease-1", "conversation/conv-0"} <= set(await etcd_revisions(backing))
+    successor = EtcdStore(EtcdEndpoints.parse(backing.etcd.url), backing.prefix)
+    backing.stores.append(successor)
+    await successor.load()
+    assert [n.node_id for n in await successor.list_nodes()] == ["decode-0"]
+    assert await successor.get_lease("lease-1") is None
+    assert await successor.get_conversation("conv-0") is None
+    following = asyncio.create_task(successor.follow())
+    try:
+
+        async def watching() -> bool:
+            return successor.following
+
+        await poll_until(watching, 5, "the successor's watch", every_s=0.01)
+        await legacy.put_lease(lease("lease-2"))
+        await legacy.put_node(node("decode-1"))
+        await legacy.commit()
+        assert await successor.catch_up(legacy.revision, 5)
+        assert await successor.get_node("decode-1") is not None
+        assert await successor.get_lease("lease-2") is None
+    finally:
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+
+
+@DURABLE
 async def test_a_commit_is_one_transaction(backing: Backing) -> None:
     store = await backing.leader()
     for index in range(100):
