@@ -14,7 +14,6 @@ import itertools
 from collections.abc import Callable
 
 from kvbroker.common import routing
-from kvbroker.common.labels import label
 from kvbroker.controlplane import planner
 from kvbroker.controlplane.errors import NoLeader, NoReadyNode
 from kvbroker.controlplane.idle_ttl import IdleTtl
@@ -122,9 +121,7 @@ class Hints:
                 prefill_node_id=estimate.prefill_node_id,
                 prefill_cached_tokens=estimate.cached_tokens,
             )
-        consistency = "EXACT" if reuse.exact else "DEGRADED"
-        self._metrics.hint(label(registry_pb2.HintDecision, reuse.decision), consistency).inc()
-        self._metrics.hint_paths.labels(label(registry_pb2.TurnPath, path)).inc()
+        self._metrics.hint(reuse.decision, reuse.exact, path)
         self._metrics.hint_latency.observe(self._now() - started)
 
     def _plan(

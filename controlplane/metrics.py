@@ -13,6 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvbroker.common.labels import label
+from kvbroker.v1 import registry_pb2
+
 
 @dataclass(frozen=True)
 class NodeFigures:
@@ -146,7 +149,7 @@ class RegistryMetrics:
             ["outcome"],
             registry=self.registry,
         )
-        self._hint_children: dict[tuple[str, str], Counter] = {}
+        self._hint_children: dict[tuple[int, bool, int], tuple[Counter, Counter]] = {}
         self._event_children: dict[str, Counter] = {}
         self._end_children: dict[str, Counter] = {}
         self._node_gauges = _NodeGauges()
@@ -154,12 +157,21 @@ class RegistryMetrics:
 
     # Label children are cached: prometheus_client's labels() costs a few microseconds a call,
     # which a hint cannot spare.
-    def hint(self, decision: str, consistency: str) -> Counter:
-        key = (decision, consistency)
-        child = self._hint_children.get(key)
-        if child is None:
-            child = self._hint_children[key] = self.hints.labels(decision, consistency)
-        return child
+    def hint(
+        self, decision: registry_pb2.HintDecision, exact: bool, path: registry_pb2.TurnPath
+    ) -> None:
+        """Counts one hint by its decision and consistency, and by its path; the children
+        are cached by the enums' numbers, since naming them costs more than counting."""
+        key = (decision, exact, path)
+        children = self._hint_children.get(key)
+        if children is None:
+            consistency = "EXACT" if exact else "DEGRADED"
+            children = self._hint_children[key] = (
+                self.hints.labels(label(registry_pb2.HintDecision, decision), consistency),
+                self.hint_paths.labels(label(registry_pb2.TurnPath, path)),
+            )
+        for child in children:
+            child.inc()
 
     def lease_event(self, event: str) -> Counter:
         child = self._event_children.get(event)
