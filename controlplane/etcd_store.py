@@ -12,7 +12,7 @@ leader knows when its cache has seen its own election (``CachedStore.catch_up``)
 A transaction holds at most ``--max-txn-ops`` operations and ``--max-request-bytes`` bytes, both
 settings of the etcd deployment; ``ETCD_DEFAULT_LIMITS`` are etcd's defaults, and a store told
 of raised ones (``limits``) takes larger commits in one transaction. A commit beyond them goes
-in several, in order (``controlplane.store`` says why that is safe).
+in several, in order (``controlplane.group_commit`` says why that is safe).
 """
 
 from __future__ import annotations
@@ -28,16 +28,10 @@ import aetcd.utils
 import grpc
 from aetcd import rpc
 
+from kvbroker.controlplane.cached_store import CachedStore
 from kvbroker.controlplane.errors import StoreRefused, StoreUnavailable
 from kvbroker.controlplane.state_cache import RecordKind, StateCache
-from kvbroker.controlplane.store import (
-    REPLAYED,
-    CachedStore,
-    Change,
-    Deposed,
-    WatchEvent,
-    WriteLimits,
-)
+from kvbroker.controlplane.store import REPLAYED, Change, Deposed, WatchEvent, WriteLimits
 
 # etcd's defaults: --max-txn-ops 128 and --max-request-bytes 1.5 MiB, of which 0.5 MiB is left
 # for the request's own framing (``EtcdBackend.size`` counts keys and values).

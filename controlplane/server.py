@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker.common.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
 from kvbroker.common.metrics_http import MetricsTls, serve_metrics
+from kvbroker.controlplane.cached_store import MemoryStore
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.identity import Credentials
@@ -30,7 +31,6 @@ from kvbroker.controlplane.service import (
     Standalone,
     add_registry_service,
 )
-from kvbroker.controlplane.store import MemoryStore
 from kvbroker.v1 import registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")

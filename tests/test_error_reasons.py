@@ -21,12 +21,12 @@ from kvbroker.common.grpc_client import (
     registry_stub,
 )
 from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.controlplane.cached_store import MemoryStore
 from kvbroker.controlplane.hints import cached_hint
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.controlplane.service import RegistryServicer
-from kvbroker.controlplane.store import MemoryStore
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.proxy import Router
 from kvbroker.testing.factories import Heartbeats, hint, node_spec, register

@@ -21,16 +21,11 @@ import pytest
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.tasks import poll_until
 from kvbroker.controlplane import codec
+from kvbroker.controlplane.cached_store import CachedStore, MemoryStore
 from kvbroker.controlplane.election import Election
 from kvbroker.controlplane.etcd_store import ETCD_DEFAULT_LIMITS, EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.model import Conversation, KvHandle, Lease, Node, NodeLoad
-from kvbroker.controlplane.store import (
-    CachedStore,
-    CommitTooLarge,
-    Deposed,
-    MemoryStore,
-    WriteLimits,
-)
+from kvbroker.controlplane.store import CommitTooLarge, Deposed, WriteLimits
 from kvbroker.testing.factories import block_hashes, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2
 
