@@ -23,22 +23,22 @@ the sidecar), only up to the first block whose hash differs from this prompt's, 
 the reusable remainder meets ``kv_recompute_threshold``; otherwise the handle is removed and P
 recomputes (the rule: ``engine_ext.verdict``). vLLM's own prefix cache is consulted first
 (``num_computed_tokens``). The lease check runs on the sidecar link's thread: until it answers,
-the request is reported as "not known yet" and vLLM's scheduler asks again next step.
+the request is reported as "not known yet" and vLLM's scheduler asks again next step
+(``engine_ext.lease_check``).
 
-vLLM and NIXL are reached only through ``engine_ext.vllm_compat``.
+Its ``kv_connector_extra_config`` keys are ``engine_ext.settings``; what it tells its sidecar
+about the engine, ``engine_ext.engine_info``. vLLM and NIXL are reached only through
+``engine_ext.vllm_compat``.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbroker.common import handles
 from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import to_duration
-from kvbroker.common.engine_link import EngineLink, LeaseAnswer
+from kvbroker.common.engine_link import EngineLink
 from kvbroker.common.retention_deadline import (
     LeaseDeadline,
     RetentionDeadline,
@@ -46,7 +46,9 @@ from kvbroker.common.retention_deadline import (
     next_deadline,
 )
 from kvbroker.engine_ext import vllm_compat
-from kvbroker.engine_ext.prefix import prefix_hashes, verified_prefix_tokens
+from kvbroker.engine_ext.engine_info import engine_info
+from kvbroker.engine_ext.lease_check import PendingCheck, settle_remote
+from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.engine_ext.pressure import (
     RetainedRequest,
     admission_shortfall,
@@ -54,13 +56,7 @@ from kvbroker.engine_ext.pressure import (
     choose_reclaims,
     end_cause_of_free,
 )
-from kvbroker.engine_ext.verdict import (
-    LeaseCheck,
-    RemoteOffer,
-    Verdict,
-    remote_verdict,
-    worth_reading,
-)
+from kvbroker.engine_ext.settings import KvBrokerSettings
 from kvbroker.engine_ext.vllm_compat import (
     BlockPool,
     KVCacheBlocks,
@@ -76,103 +72,18 @@ from kvbroker.engine_ext.vllm_compat import (
     free_blocks,
     local_hit_blocks_in_use,
 )
-from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
+from kvbroker.v1 import lease_pb2, registry_pb2
 
 log = vllm_compat.engine_logger("connector")
-
-_CHECKED_KEY = "_kvbroker_checked"
-
-
-@dataclass(frozen=True)
-class KvBrokerSettings:
-    """``kv_connector_extra_config`` keys (vLLM's own keys keep their meaning)."""
-
-    # Where the sidecar listens, e.g. "unix:/tmp/kvbroker-decode-0.sock"; empty: no control
-    # plane (vLLM's behaviour, except that sessionless requests are not retained).
-    sidecar: str = ""
-    # vLLM's: reuse only when at least this many remote tokens remain to be read.
-    recompute_threshold: int = 64
-    # vLLM's hard cap on retention, seconds: no deadline from the lease may exceed it.
-    hard_cap_s: float = 480.0
-    # How long the prefill side waits for the lease check before recomputing (the request
-    # waits; vLLM's scheduler thread does not).
-    lease_check_timeout_s: float = 0.25
-    # Engine steps that schedule nothing sleep this long (vLLM spins at ~1 kHz while it
-    # retains blocks; on a shared CPU that starves the model threads).
-    idle_step_sleep_s: float = 0.005
-    # NIXL's progress thread poll delay, microseconds (NIXL's Python API forces 0: a spin).
-    progress_thread_delay_us: int = 1000
-    # Release retained conversations when the engine lacks free blocks (off: vLLM's fixed TTL).
-    pressure_release: bool = True
-    # The most of the KV cache retention may hold. 1.0 (no budget) by default: with release
-    # under pressure, a budget only cost reuse in `kvbroker bench agentic` (66 % at 0.8
-    # against 82 % without, no stalls either way); set one to keep room free ahead of need,
-    # e.g. for the time the engine cannot reach the registry to release (releases go through
-    # it).
-    retention_max_fraction: float = 1.0
-    # A reclaim the registry has not answered within this long may be asked again (or of
-    # another request); meanwhile its blocks count as being freed.
-    reclaim_retry_s: float = 1.0
-
-    @classmethod
-    def from_vllm(cls, vllm_config: VllmConfig) -> KvBrokerSettings:
-        extra = vllm_compat.kv_connector_extra_config(vllm_config)
-        return cls(
-            sidecar=str(extra.get("kvbroker_sidecar", "")),
-            recompute_threshold=int(extra.get("kv_recompute_threshold", cls.recompute_threshold)),
-            hard_cap_s=float(extra.get("decoder_kv_blocks_ttl", cls.hard_cap_s)),
-            lease_check_timeout_s=float(
-                extra.get("kvbroker_lease_check_timeout_s", cls.lease_check_timeout_s)
-            ),
-            idle_step_sleep_s=float(extra.get("kvbroker_idle_step_sleep_s", cls.idle_step_sleep_s)),
-            progress_thread_delay_us=int(
-                extra.get("kvbroker_progress_thread_delay_us", cls.progress_thread_delay_us)
-            ),
-            pressure_release=_flag(extra.get("kvbroker_pressure_release", cls.pressure_release)),
-            retention_max_fraction=float(
-                extra.get("kvbroker_retention_max_fraction", cls.retention_max_fraction)
-            ),
-            reclaim_retry_s=float(extra.get("kvbroker_reclaim_retry_s", cls.reclaim_retry_s)),
-        )
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.retention_max_fraction <= 1.0:
-            raise ValueError(
-                "kvbroker_retention_max_fraction must be in (0, 1], "
-                f"not {self.retention_max_fraction}"
-            )
-
-
-def _flag(value: object) -> bool:
-    """A JSON boolean, or the strings people write for one."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
-
-
-@dataclass(slots=True)
-class _PendingCheck:
-    """A handle whose lease check is in flight (``asked_at`` on ``time.monotonic``)."""
-
-    offer: RemoteOffer
-    asked_at: float
-    answer: Future[LeaseAnswer]
-
-    def check(self) -> LeaseCheck:
-        if not self.answer.done():
-            return LeaseCheck(self.asked_at)
-        if self.answer.cancelled() or self.answer.exception() is not None:
-            # The link's loop went away under the call.
-            lost = LeaseAnswer(False, "lease check lost with the sidecar link", from_registry=False)
-            return LeaseCheck(self.asked_at, lost)
-        return LeaseCheck(self.asked_at, self.answer.result())
 
 
 class NixlConnector(NixlPullConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        self.settings = KvBrokerSettings.from_vllm(vllm_config)
+        self.settings = KvBrokerSettings.from_extra_config(
+            vllm_compat.kv_connector_extra_config(vllm_config)
+        )
         if role == KVConnectorRole.WORKER:
             vllm_compat.calm_progress_thread(self.settings.progress_thread_delay_us)
         super().__init__(vllm_config, role, kv_cache_config)
@@ -181,7 +92,7 @@ class NixlConnector(NixlPullConnector):
         # transfer params); others must not be retained (vLLM 0.32 would leak their blocks).
         self._tracked: set[str] = set()
         # Prefill side: lease checks still in flight, by request id.
-        self._pending_checks: dict[str, _PendingCheck] = {}
+        self._pending_checks: dict[str, PendingCheck] = {}
         # Decode side: what is retained, by request id.
         self._retained: dict[str, RetainedRequest] = {}
         self._budget_blocks = int(self.settings.retention_max_fraction * kv_cache_config.num_blocks)
@@ -197,7 +108,7 @@ class NixlConnector(NixlPullConnector):
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
             self.link = EngineLink(
                 self.settings.sidecar,
-                _engine_info(
+                engine_info(
                     vllm_config, kv_cache_config, self._budget_blocks, self.settings.hard_cap_s
                 ),
             )
@@ -265,96 +176,17 @@ class NixlConnector(NixlPullConnector):
             # preempted after it): vLLM 0.32 would report the remote tokens again without
             # starting a new read, leaving the request waiting forever. Recompute instead.
             handles.strip_handle(params)
-        has_handle = bool(
-            params and params.get("do_remote_decode") and params.get("remote_block_ids")
-        )
-        settled = (
-            params is None
-            or not has_handle
-            or bool(params.get(_CHECKED_KEY))
-            or self._settle_remote(request, params, num_computed_tokens)
-        )
-        if not settled:
+        if params is not None and not settle_remote(
+            self._pending_checks,
+            self.link,
+            request,
+            params,
+            num_computed_tokens,
+            self.settings,
+            self._block_size,
+        ):
             return None, False  # vLLM 0.32: "not known yet"; it asks again next step
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def _settle_remote(
-        self, request: Request, params: dict[str, Any], num_computed_tokens: int
-    ) -> bool:
-        """Keeps the handle only if it is safe and worth reading, trimmed to the verified
-        prefix; a removed handle means vLLM recomputes and never touches the decode node.
-        False while the lease check is still in flight."""
-        request_id = request.request_id
-        now = time.monotonic()
-        wait_s = self.settings.lease_check_timeout_s
-        pending = self._pending_checks.get(request_id)
-        check: LeaseCheck | None = None
-        if pending is not None:
-            # The local prefix cache may have grown since the first ask.
-            offer = replace(pending.offer, local_tokens=num_computed_tokens)
-            check = pending.check()
-        else:
-            offer = self._offer(request, params, num_computed_tokens)
-            if self.link is not None and worth_reading(offer) is None:
-                pending = _PendingCheck(
-                    offer=offer,
-                    asked_at=now,
-                    answer=self.link.start_lease_check(
-                        str(params[handles.LEASE_ID_KEY]), int(params[handles.EPOCH_KEY]), wait_s
-                    ),
-                )
-                self._pending_checks[request_id] = pending
-                check = pending.check()
-        decision = remote_verdict(offer, check, now, wait_s)
-        if decision.verdict is Verdict.WAIT:
-            return False
-        self._pending_checks.pop(request_id, None)
-        params[_CHECKED_KEY] = True
-        if decision.verdict is not Verdict.READ:
-            log.info(
-                "kvbroker remote KV not read for %s (%s): %s",
-                request_id,
-                decision.verdict.value,
-                decision.reason,
-            )
-            handles.strip_handle(params)
-            return True
-        params["remote_num_tokens"] = offer.verified_tokens
-        blocks = -(-offer.verified_tokens // self._block_size)
-        params["remote_block_ids"] = [list(group)[:blocks] for group in params["remote_block_ids"]]
-        log.info(
-            "kvbroker remote KV accepted for %s: %d tokens, %d cached locally",
-            request_id,
-            offer.verified_tokens,
-            num_computed_tokens,
-        )
-        return True
-
-    def _offer(
-        self, request: Request, params: dict[str, Any], num_computed_tokens: int
-    ) -> RemoteOffer:
-        """What the handle offers this prompt: its prefix as far as the block hashes verify."""
-        remote_hashes = handles.checkpoints_from_params(params)
-        carries_lease = bool(
-            params.get(handles.LEASE_ID_KEY)
-            and params.get(handles.EPOCH_KEY) is not None
-            and remote_hashes is not None
-        )
-        verified = 0
-        if remote_hashes is not None:
-            prompt = request.prompt_token_ids or []
-            remote_tokens = int(params.get("remote_num_tokens") or 0)
-            verified = verified_prefix_tokens(
-                remote_hashes, prompt, self._block_size, remote_tokens
-            )
-            # vLLM needs at least one prompt token computed here to sample from.
-            verified = min(verified, len(prompt) - 1)
-        return RemoteOffer(
-            carries_lease=carries_lease,
-            verified_tokens=verified,
-            local_tokens=num_computed_tokens,
-            recompute_threshold=self.settings.recompute_threshold,
-        )
 
     # ------------------------------------------------------------ decode side
 
@@ -519,21 +351,3 @@ class NixlConnector(NixlPullConnector):
         if self.link is not None:
             self.link.close()
         super().shutdown()
-
-
-def _engine_info(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, budget_blocks: int, hard_cap_s: float
-) -> sidecar_pb2.EngineInfo:
-    assert vllm_config.kv_transfer_config is not None
-    host, port = vllm_compat.side_channel_address(vllm_config)
-    return sidecar_pb2.EngineInfo(
-        engine_id=str(vllm_config.kv_transfer_config.engine_id),
-        side_channel_host=host,
-        side_channel_port=port,
-        block_size=vllm_config.cache_config.block_size,
-        capacity_blocks=kv_cache_config.num_blocks,
-        bytes_per_block=vllm_compat.bytes_per_block(kv_cache_config),
-        model=vllm_compat.served_model_name(vllm_config),
-        retention_budget_blocks=budget_blocks,
-        retention_hard_cap=to_duration(hard_cap_s),
-    )

@@ -1,0 +1,32 @@
+"""What an engine tells its sidecar about itself when the connector links to it.
+
+The sidecar registers the node with the registry from this, but it runs beside vLLM, not in
+it: the engine's identity (NIXL engine id, handshake address), its cache geometry and its
+retention limits are known only inside the engine process, from vLLM's configuration and the
+connector's settings, so the connector gathers them here once and sends them over the link.
+"""
+
+from __future__ import annotations
+
+from kvbroker.common.clock import to_duration
+from kvbroker.engine_ext import vllm_compat
+from kvbroker.engine_ext.vllm_compat import KVCacheConfig, VllmConfig
+from kvbroker.v1 import sidecar_pb2
+
+
+def engine_info(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, budget_blocks: int, hard_cap_s: float
+) -> sidecar_pb2.EngineInfo:
+    assert vllm_config.kv_transfer_config is not None
+    host, port = vllm_compat.side_channel_address(vllm_config)
+    return sidecar_pb2.EngineInfo(
+        engine_id=str(vllm_config.kv_transfer_config.engine_id),
+        side_channel_host=host,
+        side_channel_port=port,
+        block_size=vllm_config.cache_config.block_size,
+        capacity_blocks=kv_cache_config.num_blocks,
+        bytes_per_block=vllm_compat.bytes_per_block(kv_cache_config),
+        model=vllm_compat.served_model_name(vllm_config),
+        retention_budget_blocks=budget_blocks,
+        retention_hard_cap=to_duration(hard_cap_s),
+    )
