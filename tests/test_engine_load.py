@@ -1,5 +1,6 @@
-"""Reading the engine's load off its /metrics (``sidecar.agent.parse_vllm_load``): whatever the
-engine answers, the parser returns figures a heartbeat can carry, and says what it ignored."""
+"""Reading the engine's load off its /metrics (``sidecar.engine_load.parse_vllm_load``):
+whatever the engine answers, the parser returns figures a heartbeat can carry, and says what it
+ignored."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.sidecar.agent import parse_vllm_load
+from kvbroker.sidecar.engine_load import parse_vllm_load
 from kvbroker.v1 import node_pb2
 
 RUNNING = "vllm:num_requests_running"

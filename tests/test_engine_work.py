@@ -1,6 +1,6 @@
 """The engine's work between two /metrics readings (``kvbroker.common.engine_metrics``, read by
-``sidecar.agent.parse_vllm_load``): counter deltas, a restart resetting the baseline, nothing
-for an interval with no work, and bad samples costing the totals, never the probe."""
+``sidecar.engine_load.parse_vllm_load``): counter deltas, a restart resetting the baseline,
+nothing for an interval with no work, and bad samples costing the totals, never the probe."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvbroker.calibration import read_cost_us_per_block
 from kvbroker.common.engine_metrics import Totals, WorkMeter, read_totals, work_between
-from kvbroker.sidecar.agent import parse_vllm_load
+from kvbroker.sidecar.engine_load import parse_vllm_load
 from kvbroker.v1 import node_pb2
 
 BYTES_PER_BLOCK = 65536

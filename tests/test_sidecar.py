@@ -566,14 +566,14 @@ async def _running_requests(stub: RegistryServiceStub, n: int) -> bool:
 
 # Loaded by a child sidecar at start-up (as its sitecustomize): its probe meets a bug.
 _BROKEN_PROBE = """
-from kvbroker.sidecar.agent import Agent
+from kvbroker.sidecar.engine_probe import EngineProbe
 
 
 async def _probe(self):
     raise RuntimeError("a bug in the probe")
 
 
-Agent._probe = _probe
+EngineProbe.probe = _probe
 """
 
 
@@ -645,7 +645,7 @@ async def test_a_refused_event_is_dropped_not_the_session() -> None:
         assert registry.registrations == 1
         # A later replay (the engine re-attaches) no longer carries the refused event.
         agent.attach_engine(engine_info("decode-0"), [])
-        agent._mirror.replace([event("retained", "c").retained])
+        agent._relay.replace([event("retained", "c").retained])
         full, sent = await registry.report(3)
         assert full and [rid for _, _, rid, _ in sent] == ["c"]
     finally:
