@@ -9,16 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.bench.agentic import (
-    FIXED_TTL_CONNECTOR,
-    AgenticConfig,
-    AgenticRecord,
-    ArmResult,
-    compress,
-    quantile,
-    summarise,
-    write,
-)
+from kvbroker.bench.agentic_config import FIXED_TTL_CONNECTOR, AgenticConfig, compress
+from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, quantile, summarise, write
 from kvbroker.bench.retention import Conversation, Gap
 from kvbroker.cli.bench import bench_agentic
 

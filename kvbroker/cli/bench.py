@@ -308,8 +308,10 @@ def bench_agentic(
 ) -> None:
     """Concurrent agent sessions on a small decode KV cache: no reuse, vLLM's fixed TTL and
     kvbroker on the same trace; TTFT, reuse rate and stalls per arm."""
-    from kvbroker.bench.agentic import ARMS, AgenticConfig, print_table, run_agentic, summarise
-    from kvbroker.bench.agentic import write as write_agentic
+    from kvbroker.bench.agentic import run_agentic
+    from kvbroker.bench.agentic_config import ARMS, AgenticConfig
+    from kvbroker.bench.agentic_report import print_table, summarise
+    from kvbroker.bench.agentic_report import write as write_agentic
 
     chosen = _names(arms)
     if not chosen or any(a not in ARMS for a in chosen):
