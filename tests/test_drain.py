@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvbroker.bench.failover import Fleet, SimEngine, SoakConfig, fleet_for_tests
+from kvbroker.bench.failover import Fleet, SoakConfig, fleet_for_tests
+from kvbroker.bench.failover_engine import SimEngine
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import LEASE_ID_KEY
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2

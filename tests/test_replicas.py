@@ -2,7 +2,7 @@
 
 Every part is real and in its own process (etcd, `kvbroker registry serve --store etcd://…`,
 `kvbroker sidecar run`, `kvbroker router run`); only the engines are simulated, through the
-real EngineLink (see kvbroker/bench/failover.py).
+real EngineLink (see kvbroker/bench/failover_engine.py).
 """
 
 from __future__ import annotations

@@ -225,7 +225,8 @@ def bench_failover(
 ) -> None:
     """Soak: replicas on a real etcd killed under a steady load of turns through the router.
     Exits 1 if any request failed, any lease was lost, or any hint or read was stale."""
-    from kvbroker.bench.failover import SoakConfig, run_soak, summary_rows, write_report
+    from kvbroker.bench.failover import SoakConfig, run_soak
+    from kvbroker.bench.failover_report import summary_rows, write_report
 
     console = Console()
     config = SoakConfig(
