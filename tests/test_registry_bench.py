@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvbroker.bench.registry_load import HINT_RPC, run_registry_bench, write
+from kvbroker.bench.registry_load import run_registry_bench
+from kvbroker.bench.registry_report import write
+from kvbroker.bench.registry_workers import HINT_RPC
 
 
 async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:

@@ -19,8 +19,6 @@ serve` in its own process:
 from __future__ import annotations
 
 import asyncio
-import json
-import multiprocessing
 import os
 import statistics
 import time
@@ -30,32 +28,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import uvloop
-
-from kvbroker.common.batcher import Batcher
+from kvbroker.bench.registry_report import LoadResult, percentile, summarise
+from kvbroker.bench.registry_workers import (
+    BLOCK_SIZE,
+    HINT_RPC,
+    fixed_rate_worker,
+    retained_blocks,
+    run_workers,
+    saturation_worker,
+)
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.common.tasks import poll_until
 from kvbroker.testing.processes import RegistryProcess
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-
-BLOCK_SIZE = 128  # vLLM's CPU default; a 4k-token conversation has 32 blocks
-# Hints as routers send them: concurrent turns share BatchGetRoutingHints calls.
-HINT_RPC = "BatchGetRoutingHints"
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    rpc: str
-    rate: float  # offered turns (or calls) per second; 0 for saturation
-    p50_ms: float
-    p99_ms: float
-    p999_ms: float
-    throughput: float  # answered per second
-    errors: int
-    # The registry process's CPU over the level, in cores (the load generators share the
-    # machine's 2 cores with it): throughput / registry_cpu is what one registry core answers.
-    registry_cpu: float
+from kvbroker.v1 import node_pb2, registry_pb2
 
 
 def _spec(index: int, role: node_pb2.NodeRole) -> node_pb2.NodeSpec:
@@ -73,182 +59,6 @@ def _spec(index: int, role: node_pb2.NodeRole) -> node_pb2.NodeSpec:
         bytes_per_block=1 << 20,
         incarnation=uuid.uuid4().hex,
     )
-
-
-def _retained(conversation: str, request_id: str, node: node_pb2.NodeSpec, blocks: int) -> Any:
-    return registry_pb2.RetainedBlocks(
-        conversation_id=conversation,
-        handle=lease_pb2.KvHandle(
-            remote_engine_id=node.engine_id,
-            remote_request_id=request_id,
-            remote_block_groups=[lease_pb2.BlockIdGroup(block_ids=range(blocks))],
-            remote_host=node.side_channel_host,
-            remote_port=node.side_channel_port,
-            remote_num_tokens=blocks * BLOCK_SIZE,
-            tp_size=1,
-        ),
-        block_hashes=_random_hashes(blocks),
-        token_count=blocks * BLOCK_SIZE,
-    )
-
-
-def _random_hashes(blocks: int, size: int = 16) -> list[bytes]:
-    blob = os.urandom(blocks * size)  # one call: the load generator must stay cheap
-    return [blob[i : i + size] for i in range(0, len(blob), size)]
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
-
-
-def _summarise(
-    rpc: str, rate: float, latencies: list[float], seconds: float, errors: int, cpu: float
-) -> LoadResult:
-    return LoadResult(
-        rpc=rpc,
-        rate=rate,
-        p50_ms=1000 * statistics.median(latencies) if latencies else float("nan"),
-        p99_ms=1000 * _percentile(latencies, 0.99),
-        p999_ms=1000 * _percentile(latencies, 0.999),
-        throughput=len(latencies) / seconds,
-        errors=errors,
-        registry_cpu=cpu,
-    )
-
-
-# ---------------------------------------------------------------- load worker processes
-
-
-def _fixed_rate_worker(
-    address: str,
-    decodes: list[bytes],
-    conversations: int,
-    rate: float,
-    seconds: float,
-    seed: int,
-    out: Any,
-) -> None:
-    # On uvloop, as routers under uvicorn and sidecars run.
-    out.put(uvloop.run(_fixed_rate(address, decodes, conversations, rate, seconds, seed)))
-
-
-async def _fixed_rate(
-    address: str, decodes: list[bytes], conversations: int, rate: float, seconds: float, seed: int
-) -> dict[str, Any]:
-    nodes = [node_pb2.NodeSpec.FromString(raw) for raw in decodes]
-    latencies: dict[str, list[float]] = {HINT_RPC: [], "ReportRetention": [], "RenewLease": []}
-    errors = 0
-    # Above anything a node has applied: populating numbered its events from 1.
-    sequence = [int(time.time() * 1e6) + seed * 10**12]
-
-    def reports_of(stub: Any, node: node_pb2.NodeSpec) -> Batcher[Any, lease_pb2.Lease]:
-        async def send(retained: list[Any]) -> list[lease_pb2.Lease]:
-            events = []
-            for blocks in retained:
-                sequence[0] += 1
-                events.append(registry_pb2.RetentionEvent(sequence=sequence[0], retained=blocks))
-            response = await stub.ReportRetention(
-                registry_pb2.ReportRetentionRequest(
-                    node_id=node.node_id, incarnation=node.incarnation, events=events
-                ),
-                timeout=5,
-            )
-            return list(response.leases)
-
-        return Batcher(send, max_batch=512, name=f"reports-{node.node_id}")
-
-    async def turn(stub: Any, index: int) -> None:
-        nonlocal errors
-        conversation = f"conv-{(index * 7919 + seed) % conversations}"
-        try:
-            started = time.perf_counter()
-            hint = await hints.hint(
-                registry_pb2.GetRoutingHintRequest(conversation_id=conversation)
-            )
-            latencies[HINT_RPC].append(time.perf_counter() - started)
-            node = by_id.get(hint.decode.node_id, nodes[0])
-            retained = _retained(conversation, uuid.uuid4().hex, node, 32)
-            started = time.perf_counter()
-            await reports[node.node_id].submit(retained)
-            latencies["ReportRetention"].append(time.perf_counter() - started)
-            if index % 4 == 0:
-                started = time.perf_counter()
-                await stub.RenewLease(
-                    registry_pb2.RenewLeaseRequest(conversation_id=conversation), timeout=5
-                )
-                latencies["RenewLease"].append(time.perf_counter() - started)
-        except Exception:  # counted: any failure of a turn
-            errors += 1
-
-    async with open_channel(RegistryEndpoint.parse(address)) as channel:
-        stub = registry_stub(channel)
-        hints = HintBatcher(stub, timeout_s=5)  # as the router sends them
-        by_id = {node.node_id: node for node in nodes}
-        reports = {node.node_id: reports_of(stub, node) for node in nodes}
-        tasks = []
-        start = time.perf_counter()
-        total = int(rate * seconds)
-        for index in range(total):
-            delay = start + index / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(turn(stub, index)))
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
-    return {"latencies": latencies, "errors": errors, "seconds": elapsed}
-
-
-def _saturation_worker(
-    address: str, conversations: int, seconds: float, batched: bool, out: Any
-) -> None:
-    out.put(uvloop.run(_saturation(address, conversations, seconds, batched)))
-
-
-async def _saturation(
-    address: str, conversations: int, seconds: float, batched: bool
-) -> dict[str, Any]:
-    latencies: list[float] = []
-    errors = 0
-    stop_at = time.perf_counter() + seconds
-
-    async def caller(stub: Any, offset: int) -> None:
-        nonlocal errors
-        index = offset
-        while time.perf_counter() < stop_at:
-            request = registry_pb2.GetRoutingHintRequest(
-                conversation_id=f"conv-{index % conversations}", dry_run=True
-            )
-            started = time.perf_counter()
-            try:
-                if batched:
-                    await hints.hint(request)
-                else:
-                    await stub.GetRoutingHint(request, timeout=5)
-                latencies.append(time.perf_counter() - started)
-            except Exception:
-                errors += 1
-            index += 97
-
-    async with open_channel(RegistryEndpoint.parse(address)) as channel:
-        stub = registry_stub(channel)
-        hints = HintBatcher(stub, timeout_s=5)
-        start = time.perf_counter()
-        await asyncio.gather(*(caller(stub, i) for i in range(64)))
-        elapsed = time.perf_counter() - start
-    return {"latencies": latencies, "errors": errors, "seconds": elapsed}
-
-
-def _run_workers(target: Any, args_per_worker: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    workers = [context.Process(target=target, args=(*args, out)) for args in args_per_worker]
-    for worker in workers:
-        worker.start()
-    results = [out.get() for _ in workers]
-    for worker in workers:
-        worker.join()
-    return results
 
 
 # ---------------------------------------------------------------- the registry process
@@ -326,7 +136,7 @@ async def _populate(stub: Any, fleet: Fleet, target: int, start: int) -> None:
         node = fleet.decodes[(index // batch) % len(fleet.decodes)]
         count = min(batch, target - index)
         blocks = [
-            _retained(f"conv-{index + i}", f"req-{index + i}", node, 32) for i in range(count)
+            retained_blocks(f"conv-{index + i}", f"req-{index + i}", node, 32) for i in range(count)
         ]
         events = [registry_pb2.RetentionEvent(sequence=index + i + 1, retained=b)
                   for i, b in enumerate(blocks)]  # fmt: skip
@@ -358,7 +168,7 @@ async def _idle_hints(stub: Any, conversations: int, count: int = 500) -> dict[s
     measured = latencies[50:]
     return {
         "p50_ms": 1000 * statistics.median(measured),
-        "p99_ms": 1000 * _percentile(measured, 0.99),
+        "p99_ms": 1000 * percentile(measured, 0.99),
     }
 
 
@@ -427,8 +237,8 @@ async def run_registry_bench(
                 # Two load processes share the offered rate, each the sidecar of half the nodes.
                 cores = registry.cpu_meter()
                 outputs = await asyncio.to_thread(
-                    _run_workers,
-                    _fixed_rate_worker,
+                    run_workers,
+                    fixed_rate_worker,
                     [(registry.address, decodes[seed::2], live_leases, rate / 2, seconds, seed)
                      for seed in (0, 1)],
                 )  # fmt: skip
@@ -437,20 +247,20 @@ async def run_registry_bench(
                     merged = [x for o in outputs for x in o["latencies"][rpc]]
                     errors = sum(o["errors"] for o in outputs)
                     elapsed = max(o["seconds"] for o in outputs)
-                    results.append(_summarise(rpc, rate, merged, elapsed, errors, cpu))
+                    results.append(summarise(rpc, rate, merged, elapsed, errors, cpu))
             for batched, rpc in ((False, "GetRoutingHint"), (True, HINT_RPC)):
                 progress(f"saturation: {rpc} from 2 processes x 64 callers for {seconds:.0f} s")
                 cores = registry.cpu_meter()
                 outputs = await asyncio.to_thread(
-                    _run_workers,
-                    _saturation_worker,
+                    run_workers,
+                    saturation_worker,
                     [(registry.address, live_leases, seconds, batched)] * 2,
                 )
                 cpu = cores()
                 merged = [x for o in outputs for x in o["latencies"]]
                 elapsed = max(o["seconds"] for o in outputs)
                 errors = sum(o["errors"] for o in outputs)
-                results.append(_summarise(rpc, 0, merged, elapsed, errors, cpu))
+                results.append(summarise(rpc, 0, merged, elapsed, errors, cpu))
             base = registry.rss_mib()
             populated = await _live_leases(stub)
             memory.append({"live_leases": populated, "rss_mib": base})
@@ -494,30 +304,3 @@ async def _restart(registry: MeasuredRegistry, fleet: Fleet, leases: int) -> dic
         recovered = time.perf_counter() - started
         back = await _live_leases(stub)
     return {"leases": kept, "recovered": back, "startup_s": startup, "recovery_s": recovered}
-
-
-def write(report: dict[str, Any], output: Path) -> list[Path]:
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "registry.json").write_text(json.dumps(report, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for rpc in (HINT_RPC, "ReportRetention", "RenewLease"):
-        rows = [r for r in report["load"] if r["rpc"] == rpc and r["rate"] > 0]
-        ax.plot([r["rate"] for r in rows], [r["p99_ms"] for r in rows], "o-", label=f"{rpc} p99")
-        ax.plot([r["rate"] for r in rows], [r["p50_ms"] for r in rows], "o--", alpha=0.6,
-                label=f"{rpc} p50")  # fmt: skip
-    ax.set_xlabel("offered load (turns/s)")
-    ax.set_ylabel("latency (ms, log scale)")
-    ax.set_yscale("log")  # a saturated level is 100x the others
-    ax.set_title("Registry latency vs load (10k live leases, gRPC on loopback)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = output / "registry_latency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [output / "registry.json", path]

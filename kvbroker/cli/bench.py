@@ -153,7 +153,8 @@ def bench_registry(
         points = [int(p) for p in memory_points.split(",") if p]
     except ValueError:
         fail("--rates and --memory-points are comma-separated numbers", 2)
-    from kvbroker.bench.registry_load import run_registry_bench, write
+    from kvbroker.bench.registry_load import run_registry_bench
+    from kvbroker.bench.registry_report import write
 
     console = Console()
 

@@ -1,0 +1,78 @@
+"""The figures of `kvbroker bench registry`: one load level's latencies summarised, and
+registry.json with its latency plot.
+
+Apart from the run (``kvbroker.bench.registry_load``) because none of it needs a registry or
+a load process: it only reduces and writes what they measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbroker.bench.registry_workers import HINT_RPC
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    rpc: str
+    rate: float  # offered turns (or calls) per second; 0 for saturation
+    p50_ms: float
+    p99_ms: float
+    p999_ms: float
+    throughput: float  # answered per second
+    errors: int
+    # The registry process's CPU over the level, in cores (the load generators share the
+    # machine's 2 cores with it): throughput / registry_cpu is what one registry core answers.
+    registry_cpu: float
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+def summarise(
+    rpc: str, rate: float, latencies: list[float], seconds: float, errors: int, cpu: float
+) -> LoadResult:
+    return LoadResult(
+        rpc=rpc,
+        rate=rate,
+        p50_ms=1000 * statistics.median(latencies) if latencies else float("nan"),
+        p99_ms=1000 * percentile(latencies, 0.99),
+        p999_ms=1000 * percentile(latencies, 0.999),
+        throughput=len(latencies) / seconds,
+        errors=errors,
+        registry_cpu=cpu,
+    )
+
+
+def write(report: dict[str, Any], output: Path) -> list[Path]:
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "registry.json").write_text(json.dumps(report, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for rpc in (HINT_RPC, "ReportRetention", "RenewLease"):
+        rows = [r for r in report["load"] if r["rpc"] == rpc and r["rate"] > 0]
+        ax.plot([r["rate"] for r in rows], [r["p99_ms"] for r in rows], "o-", label=f"{rpc} p99")
+        ax.plot([r["rate"] for r in rows], [r["p50_ms"] for r in rows], "o--", alpha=0.6,
+                label=f"{rpc} p50")  # fmt: skip
+    ax.set_xlabel("offered load (turns/s)")
+    ax.set_ylabel("latency (ms, log scale)")
+    ax.set_yscale("log")  # a saturated level is 100x the others
+    ax.set_title("Registry latency vs load (10k live leases, gRPC on loopback)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = output / "registry_latency.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [output / "registry.json", path]
