@@ -103,6 +103,9 @@ class NixlConnector(NixlPullConnector):
         self._unadmitted: dict[str, float] = {}
         self._starved: set[str] = set()  # those already logged as short of blocks
         self._scheduled_nothing = False
+        # The engine core's loop, found at the first idle step (None: not found there).
+        self._engine_loop: vllm_compat.EngineLoop | None = None
+        self._engine_loop_sought = False
         self._block_pool: BlockPool | None = None
         self.link: EngineLink | None = None
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
@@ -276,9 +279,22 @@ class NixlConnector(NixlPullConnector):
         self._reclaim(time.perf_counter())
         meta = super().build_connector_meta(scheduler_output)
         self._scheduled_nothing = scheduler_output.total_num_scheduled_tokens == 0
-        if self._scheduled_nothing and self.settings.idle_step_sleep_s:
-            time.sleep(self.settings.idle_step_sleep_s)
+        if self._scheduled_nothing:
+            self._idle()
         return meta
+
+    def _idle(self) -> None:
+        """A step that scheduled nothing pauses, so that an engine holding retained blocks
+        does not spin: briefly while requests wait (their progress is polled by steps), and
+        with nothing running or waiting until a client request comes, or ``idle_wait_s``."""
+        if not self._engine_loop_sought:
+            self._engine_loop_sought = True
+            self._engine_loop = vllm_compat.find_engine_loop()
+        loop, wait_s = self._engine_loop, self.settings.idle_wait_s
+        if loop is not None and wait_s > 0 and not loop.unfinished():
+            loop.wait_for_input(wait_s)
+        elif self.settings.idle_step_sleep_s:
+            time.sleep(self.settings.idle_step_sleep_s)
 
     def _apply_deadlines(self) -> None:
         """The lease's deadlines become the worker's deadlines, never past the hard cap."""

@@ -10,8 +10,10 @@ module; porting to a new vLLM starts (and should end) here.
 from __future__ import annotations
 
 import logging
+import queue
 import sys
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import vllm
@@ -32,6 +34,7 @@ from vllm.v1.request import Request
 
 __all__ = [
     "BlockPool",
+    "EngineLoop",
     "KVCacheBlocks",
     "KVCacheConfig",
     "KVCacheManager",
@@ -46,6 +49,7 @@ __all__ = [
     "calm_progress_thread",
     "check_vllm_version",
     "engine_logger",
+    "find_engine_loop",
     "free_at",
     "in_transfer_batch",
     "kv_connector_extra_config",
@@ -194,3 +198,48 @@ def calm_progress_thread(delay_us: int) -> None:
     setattr(view, _PROGRESS_DELAY_MARK, delay_us)
     view._kvbroker_original = original  # type: ignore[attr-defined]
     setattr(api, "nixlBind", view)  # noqa: B010
+
+
+# ------------------------------------------------------------ the engine core's idle steps
+
+
+@dataclass(frozen=True)
+class EngineLoop:
+    """The engine core's queue of client requests and its scheduler, for an idle step: vLLM
+    steps without pause while finished requests hold blocks (a retained one always does), and
+    gives a connector no handle on either, so ``find_engine_loop`` finds them once on the
+    scheduler's call stack."""
+
+    input_queue: queue.Queue[Any]
+    scheduler: Any
+
+    def unfinished(self) -> int:
+        """Requests running or waiting (waiting for remote KV included)."""
+        running, waiting = self.scheduler.get_request_counts()
+        return int(running) + int(waiting)
+
+    def wait_for_input(self, timeout_s: float) -> None:
+        """Returns after ``timeout_s``, or as soon as a client request is queued."""
+        inputs = self.input_queue
+        with inputs.not_empty:  # the queue's own lock and condition, which put() notifies
+            if not inputs._qsize():  # empty() would take the lock again
+                inputs.not_empty.wait(timeout_s)
+
+
+def find_engine_loop(depth: int = 10) -> EngineLoop | None:
+    """From the connector's ``build_connector_meta``: ``Scheduler.schedule`` and then
+    ``EngineCore.step`` are its callers in vLLM 0.32. None where the stack is not that
+    (another caller, or another vLLM)."""
+    frame: types.FrameType | None = sys._getframe(1)
+    scheduler = None
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if scheduler is None and callable(getattr(owner, "get_request_counts", None)):
+            scheduler = owner
+        inputs = getattr(owner, "input_queue", None)
+        if isinstance(inputs, queue.Queue):
+            return EngineLoop(inputs, scheduler) if scheduler is not None else None
+        frame = frame.f_back
+    return None
