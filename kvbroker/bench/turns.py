@@ -13,15 +13,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvbroker.common.engine_metrics import Totals, read_totals
 from kvbroker.stack import Stack
-
-NIXL_METRICS = {
-    "reads": "vllm:nixl_xfer_time_seconds_count",
-    "read_seconds": "vllm:nixl_xfer_time_seconds_sum",
-    "read_bytes": "vllm:nixl_bytes_transferred_sum",
-}
 
 
 @dataclass
@@ -51,14 +45,11 @@ class TurnRecord:
         return asdict(self)
 
 
-async def nixl_counters(client: httpx.AsyncClient, prefill_url: str) -> dict[str, float]:
-    text = (await client.get(f"{prefill_url}/metrics")).text
-    totals = dict.fromkeys(NIXL_METRICS, 0.0)
-    wanted = {name: key for key, name in NIXL_METRICS.items()}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                totals[wanted[sample.name]] += sample.value
+async def prefill_totals(client: httpx.AsyncClient, prefill_url: str) -> Totals:
+    """P's running totals, its NIXL reads among them: a turn's reads are their difference."""
+    totals = read_totals((await client.get(f"{prefill_url}/metrics")).text)
+    if totals is None:
+        raise RuntimeError(f"{prefill_url}/metrics reports totals that are not totals")
     return totals
 
 
@@ -83,7 +74,7 @@ async def measured_turn(
     }
     if session is not None:
         body["session_id"] = session
-    before = await nixl_counters(client, prefill_url)
+    before = await prefill_totals(client, prefill_url)
     started = time.perf_counter()
     ttft = None
     parts: list[str] = []
@@ -111,16 +102,16 @@ async def measured_turn(
             for choice in choices:
                 parts.append(choice.get("delta", {}).get("content") or "")
     done = time.perf_counter()
-    after = await nixl_counters(client, prefill_url)
+    after = await prefill_totals(client, prefill_url)
     return "".join(parts), {
         "input_num_tokens": int(usage.get("prompt_tokens", 0)),
         "output_num_tokens": int(usage.get("completion_tokens", 0)),
         "ttft_ms": 1000 * (ttft if ttft is not None else done - started),
         "e2e_ms": 1000 * (done - started),
         "prefill_leg_ms": float(headers.get("x-kvbroker-prefill-ms", "nan")),
-        "kv_read_ms": 1000 * (after["read_seconds"] - before["read_seconds"]),
-        "kv_read_bytes": after["read_bytes"] - before["read_bytes"],
-        "kv_reads": int(after["reads"] - before["reads"]),
+        "kv_read_ms": 1000 * (after.read_seconds - before.read_seconds),
+        "kv_read_bytes": after.read_bytes - before.read_bytes,
+        "kv_reads": int(after.reads - before.reads),
         "decision": headers.get("x-kvbroker-decision", "?"),
         "path": headers.get("x-kvbroker-path", "?"),
     }
