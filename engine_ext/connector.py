@@ -36,6 +36,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from kvbroker.common import handles
 from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.common.engine_link import EngineLink
@@ -56,6 +58,7 @@ from kvbroker.engine_ext.pressure import (
     choose_reclaims,
     end_cause_of_free,
 )
+from kvbroker.engine_ext.retained_tail import RetainedTail, TailPlan, tail_copies, tail_match
 from kvbroker.engine_ext.settings import KvBrokerSettings
 from kvbroker.engine_ext.vllm_compat import (
     BlockPool,
@@ -69,8 +72,12 @@ from kvbroker.engine_ext.vllm_compat import (
     Request,
     SchedulerOutput,
     VllmConfig,
+    block_copies,
+    copy_kv_blocks,
     free_blocks,
+    kv_block_dims,
     local_hit_blocks_in_use,
+    set_block_copies,
 )
 from kvbroker.v1 import lease_pb2, registry_pb2
 
@@ -107,6 +114,17 @@ class NixlConnector(NixlPullConnector):
         self._engine_loop: vllm_compat.EngineLoop | None = None
         self._engine_loop_sought = False
         self._block_pool: BlockPool | None = None
+        self._num_blocks = kv_cache_config.num_blocks
+        # Decode side: the retained tail of each conversation's last turn, by conversation
+        # (and the conversation of each, by request id); the tail reuse planned for a request
+        # between the scheduler's question and its allocation; this step's block copies.
+        self._tails: dict[str, RetainedTail] = {}
+        self._tail_sessions: dict[str, str] = {}
+        self._tail_plans: dict[str, TailPlan] = {}
+        self._block_copies: list[tuple[int, int]] = []
+        # Worker side: the KV cache tensors the copies are made in, and their block dimension.
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._block_dims: dict[str, int] = {}
         self.link: EngineLink | None = None
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
             self.link = EngineLink(
@@ -189,7 +207,29 @@ class NixlConnector(NixlPullConnector):
             self._block_size,
         ):
             return None, False  # vLLM 0.32: "not known yet"; it asks again next step
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        matched, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if matched == 0 and params and params.get(handles.DECODE_LOCAL_KEY):
+            return self._match_tail(request, num_computed_tokens), False
+        return matched, load_async
+
+    def _match_tail(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens past the prefix-cache hit that the conversation's retained tail holds KV for
+        (``engine_ext.retained_tail``): loaded by a block copy in this step, not recomputed."""
+        self._tail_plans.pop(request.request_id, None)
+        session = vllm_compat.session_id(request)
+        tail = self._tails.get(session) if session else None
+        if tail is None or tail.request_id not in self._retained:
+            return 0
+        count = tail_match(
+            request.all_token_ids,
+            request.block_hashes,
+            num_computed_tokens,
+            tail,
+            self._block_size,
+        )
+        if count > 0:
+            self._tail_plans[request.request_id] = TailPlan(tail, num_computed_tokens, count)
+        return count
 
     # ------------------------------------------------------------ decode side
 
@@ -197,6 +237,10 @@ class NixlConnector(NixlPullConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        plan = self._tail_plans.pop(request.request_id, None)
+        if plan is not None and num_external_tokens > 0:
+            plan = TailPlan(plan.tail, plan.start, num_external_tokens)
+            self._block_copies += tail_copies(plan, blocks.get_block_ids()[0], self._block_size)
         self._unadmitted.pop(request.request_id, None)
         self._starved.discard(request.request_id)
         params = request.kv_transfer_params
@@ -219,6 +263,7 @@ class NixlConnector(NixlPullConnector):
         request_id = request.request_id
         # Finished (e.g. aborted) while its lease check was in flight: nothing will ask again.
         self._pending_checks.pop(request_id, None)
+        self._tail_plans.pop(request_id, None)
         self._unadmitted.pop(request_id, None)
         self._starved.discard(request_id)
         tracked = request_id in self._tracked
@@ -259,6 +304,8 @@ class NixlConnector(NixlPullConnector):
             last_active=now,
             ttl_s=self.settings.hard_cap_s,
         )
+        if self.settings.retained_tail_reuse and len(block_ids) == 1:
+            self._keep_tail(session, request, num_tokens, block_ids[0])
         checkpoints = Checkpoints.of(
             prefix_hashes(request.all_token_ids, self._block_size, num_tokens)
         )
@@ -274,10 +321,34 @@ class NixlConnector(NixlPullConnector):
         )
         return delay_free, out
 
+    def _keep_tail(
+        self, session: str, request: Request, kv_tokens: int, block_ids: list[int]
+    ) -> None:
+        """The conversation's next DECODE_LOCAL turn may take this request's unfinished last
+        block instead of recomputing it; a later turn's request replaces it."""
+        previous = self._tails.get(session)
+        if previous is not None:
+            self._tail_sessions.pop(previous.request_id, None)
+        self._tails[session] = RetainedTail(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids,
+            kv_tokens=min(kv_tokens, request.num_computed_tokens),
+            block_ids=tuple(block_ids),
+            block_hashes=request.block_hashes,
+        )
+        self._tail_sessions[request.request_id] = session
+
+    def _forget_tail(self, request_id: str) -> None:
+        session = self._tail_sessions.pop(request_id, None)
+        if session is not None:
+            self._tails.pop(session, None)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         self._apply_deadlines()
         self._reclaim(time.perf_counter())
         meta = super().build_connector_meta(scheduler_output)
+        set_block_copies(meta, self._block_copies)
+        self._block_copies = []
         self._scheduled_nothing = scheduler_output.total_num_scheduled_tokens == 0
         if self._scheduled_nothing:
             self._idle()
@@ -354,6 +425,7 @@ class NixlConnector(NixlPullConnector):
         super().update_connector_output(connector_output)
         now = time.perf_counter()
         for request_id in connector_output.finished_sending or ():
+            self._forget_tail(request_id)
             retained = self._retained.pop(request_id, None)
             if retained is not None and self.link is not None:
                 cause = end_cause_of_free(retained, now)
@@ -362,6 +434,21 @@ class NixlConnector(NixlPullConnector):
                     "freed by the engine: " + lease_pb2.LeaseEndCause.Name(cause),
                     cause,  # type: ignore[arg-type]
                 )
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self.settings.retained_tail_reuse:
+            self._block_dims = kv_block_dims(kv_caches, self._num_blocks)
+            self._kv_caches = kv_caches
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """A step's retained-tail copies land before its forward pass reads them."""
+        copy_kv_blocks(
+            self._kv_caches, self._block_dims, block_copies(self._get_connector_metadata())
+        )
+        super().start_load_kv(forward_context, **kwargs)
 
     def shutdown(self) -> None:
         if self.link is not None:

@@ -49,6 +49,9 @@ class KvBrokerSettings:
     # A reclaim the registry has not answered within this long may be asked again (or of
     # another request); meanwhile its blocks count as being freed.
     reclaim_retry_s: float = 1.0
+    # A DECODE_LOCAL turn takes the KV of its conversation's unfinished last block from the
+    # retained request instead of recomputing it (``engine_ext.retained_tail``).
+    retained_tail_reuse: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> KvBrokerSettings:
@@ -69,6 +72,9 @@ class KvBrokerSettings:
                 extra.get("kvbroker_retention_max_fraction", cls.retention_max_fraction)
             ),
             reclaim_retry_s=float(extra.get("kvbroker_reclaim_retry_s", cls.reclaim_retry_s)),
+            retained_tail_reuse=_flag(
+                extra.get("kvbroker_retained_tail_reuse", cls.retained_tail_reuse)
+            ),
         )
 
     def __post_init__(self) -> None:

@@ -16,10 +16,14 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import vllm
 from vllm import envs
 from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
@@ -38,6 +42,7 @@ __all__ = [
     "KVCacheBlocks",
     "KVCacheConfig",
     "KVCacheManager",
+    "KVConnectorMetadata",
     "KVConnectorOutput",
     "KVConnectorRole",
     "NixlPullConnector",
@@ -45,17 +50,21 @@ __all__ = [
     "Request",
     "SchedulerOutput",
     "VllmConfig",
+    "block_copies",
     "bytes_per_block",
     "calm_progress_thread",
     "check_vllm_version",
+    "copy_kv_blocks",
     "engine_logger",
     "find_engine_loop",
     "free_at",
     "in_transfer_batch",
+    "kv_block_dims",
     "kv_connector_extra_config",
     "remote_read_attempted",
     "served_model_name",
     "session_id",
+    "set_block_copies",
     "side_channel_address",
     "track_for_free",
 ]
@@ -154,6 +163,54 @@ def bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
         group.kv_cache_spec.page_size_bytes * len(group.layer_names)
         for group in kv_cache_config.kv_cache_groups
     )
+
+
+def kv_block_dims(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> dict[str, int]:
+    """Each layer's block dimension in the KV cache tensors vLLM registers with the connector:
+    the first of the two leading dimensions of ``num_blocks`` (block-major layouts, as vLLM
+    0.32's CPU backend and NIXL's packed regions use, or K and V first). Raises ValueError on
+    a layout without one (e.g. kernel blocks smaller than the scheduler's), so that an engine
+    that could not copy a block is refused at start rather than handed wrong KV."""
+    dims = {}
+    for name, cache in kv_caches.items():
+        dim = next((d for d in (0, 1) if cache.dim() > d and cache.shape[d] == num_blocks), None)
+        if dim is None:
+            raise ValueError(
+                f"kvbroker: KV cache of layer {name} has shape {tuple(cache.shape)}, with no "
+                f"leading dimension of {num_blocks} blocks; set kvbroker_retained_tail_reuse "
+                "to false in kv_connector_extra_config"
+            )
+        dims[name] = dim
+    return dims
+
+
+def copy_kv_blocks(
+    kv_caches: dict[str, torch.Tensor], block_dims: dict[str, int], pairs: list[tuple[int, int]]
+) -> None:
+    """Copies whole blocks (source, destination) in every layer's KV cache, before the step's
+    forward pass (on an accelerator, on the stream the forward pass runs on)."""
+    if not pairs or not kv_caches:
+        return
+    device = next(iter(kv_caches.values())).device
+    source = torch.tensor([s for s, _ in pairs], device=device)
+    destination = torch.tensor([d for _, d in pairs], device=device)
+    for name, cache in kv_caches.items():
+        dim = block_dims[name]
+        cache.index_copy_(dim, destination, cache.index_select(dim, source))
+
+
+# The connector metadata's field for a step's block copies (vLLM's metadata class has none).
+_BLOCK_COPIES = "kvbroker_block_copies"
+
+
+def set_block_copies(meta: KVConnectorMetadata, pairs: list[tuple[int, int]]) -> None:
+    """Hands a step's (source, destination) block copies to the worker with the metadata."""
+    setattr(meta, _BLOCK_COPIES, pairs)
+
+
+def block_copies(meta: KVConnectorMetadata) -> list[tuple[int, int]]:
+    pairs: list[tuple[int, int]] = getattr(meta, _BLOCK_COPIES, [])
+    return pairs
 
 
 def served_model_name(vllm_config: VllmConfig) -> str:

@@ -68,6 +68,7 @@ LAYERS = {
     "test_retention_policy": "unit",
     "test_retention_mirror": "unit",
     "test_retention_sim": "unit",
+    "test_retained_tail": "unit",
     "test_router_requests": "unit",
     "test_routing": "unit",
     "test_testmodel": "unit",

@@ -39,7 +39,7 @@ from kvbroker.engine_ext import vllm_compat
 from kvbroker.engine_ext.connector import NixlConnector
 from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.engine_ext.testmodel import make_model
-from kvbroker.engine_ext.vllm_compat import KVCacheConfig
+from kvbroker.engine_ext.vllm_compat import KVCacheConfig, KVConnectorOutput
 from kvbroker.v1 import lease_pb2, sidecar_pb2
 
 BLOCK_SIZE = 16
@@ -306,14 +306,16 @@ class WorkerFrees:
 init_none_hash(sha256)
 
 
-def decode_local_request(request_id: str, tokens: list[int]) -> Request:
+def decode_local_request(
+    request_id: str, tokens: list[int], session: str = "conversation-1"
+) -> Request:
     """A turn the planner sent to the decode node alone (``handles.decode_local_params``)."""
     request = Request(
         request_id=request_id,
         prompt_token_ids=tokens,
         sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None,
-        session_id="conversation-1",
+        session_id=session,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
     request.kv_transfer_params = handles.decode_local_params()
@@ -357,3 +359,53 @@ def test_a_decode_local_turn_aborted_before_it_ran_keeps_nothing(
     decode_scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
     assert connector._retained == {}
     assert decode_scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def retained_turn(scheduler: Scheduler, request_id: str, tokens: list[int]) -> list[int]:
+    """Runs a DECODE_LOCAL turn to its end (retained under its lease); returns its blocks."""
+    request = decode_local_request(request_id, tokens)
+    scheduler.add_request(request)
+    assert scheduled_tokens(scheduler.schedule(), request) == len(tokens)
+    blocks = list(scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+    scheduler.finish_requests(request_id, RequestStatus.FINISHED_STOPPED)
+    return blocks
+
+
+def test_the_next_decode_local_turn_copies_the_retained_tail_instead_of_recomputing_it(
+    decode_scheduler: Scheduler,
+) -> None:
+    first = retained_turn(decode_scheduler, "d-turn-1", prompt())
+    # 200 tokens: 12 full blocks the prefix cache gives back, and 8 in an unfinished block it
+    # never caches; the retained request holds their KV.
+    follow_up = decode_local_request("d-turn-2", [*prompt(), *range(4001, 4031)])
+    decode_scheduler.add_request(follow_up)
+    output = decode_scheduler.schedule()
+
+    assert scheduled_tokens(output, follow_up) == 30  # only the new tokens are computed
+    assert follow_up.num_computed_tokens == 230
+    blocks = decode_scheduler.kv_cache_manager.get_block_ids("d-turn-2")[0]
+    assert blocks[:12] == first[:12]  # the prefix-cache hit shares the blocks
+    meta = output.kv_connector_metadata
+    assert meta is not None
+    # The unfinished block is copied into the follow-up's own block at the same position.
+    assert vllm_compat.block_copies(meta) == [(first[12], blocks[12])]
+
+
+def test_another_conversation_or_a_freed_tail_is_recomputed(
+    decode_scheduler: Scheduler,
+) -> None:
+    connector = decode_scheduler.connector
+    assert isinstance(connector, NixlConnector)
+    retained_turn(decode_scheduler, "d-turn-1", prompt())
+    other = decode_local_request("d-other", [*prompt(), 4001, 4002], session="conversation-2")
+    decode_scheduler.add_request(other)
+    output = decode_scheduler.schedule()
+    assert scheduled_tokens(output, other) == 202 - 192
+    assert output.kv_connector_metadata is not None
+    assert vllm_compat.block_copies(output.kv_connector_metadata) == []
+
+    # The tail's blocks are freed (the worker reports the retained request done): forgotten.
+    connector.update_connector_output(KVConnectorOutput(finished_sending={"d-turn-1"}))
+    late = decode_local_request("d-late", [*prompt(), 4003, 4004])
+    decode_scheduler.add_request(late)
+    assert scheduled_tokens(decode_scheduler.schedule(), late) == 202 - 192

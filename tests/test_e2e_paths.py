@@ -26,7 +26,7 @@ from kvbroker.common.tasks import poll_until
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.conftest import run_cli
-from tests.test_e2e import MODEL, current_lease, reads_by_prefill, user_message
+from tests.test_e2e import MODEL, current_lease, metric, reads_by_prefill, user_message
 
 pytestmark = [
     pytest.mark.e2e,
@@ -85,6 +85,12 @@ async def turn(
     return "".join(parts), taken
 
 
+async def tail_tokens_reused(stack: Stack, http: httpx.AsyncClient) -> float:
+    """Tokens the decode node took from a retained tail rather than computing them (vLLM counts
+    them as the connector's cache hits; D's connector loads nothing else)."""
+    return await metric(http, stack.url(stack.decode), "vllm:external_prefix_cache_hits_total")
+
+
 async def settle() -> None:
     await asyncio.sleep(0.5)  # D's retention report reaches the registry
 
@@ -111,6 +117,7 @@ async def test_every_path_gives_the_same_tokens(stack: Stack, http: httpx.AsyncC
     for stream in (False, True):
         for path in ("DECODE_LOCAL", "READ", "RECOMPUTE"):
             before_reads = await reads_by_prefill(stack, http)
+            before_tail = await tail_tokens_reused(stack, http)
             before = await current_lease(stack, "conv-paths")
             answers[path, stream], taken = await turn(
                 stack, http, messages, "conv-paths", path, stream
@@ -118,6 +125,9 @@ async def test_every_path_gives_the_same_tokens(stack: Stack, http: httpx.AsyncC
             assert taken == path
             read = await reads_by_prefill(stack, http) - before_reads
             assert read == (1 if path == "READ" else 0), path
+            if path == "DECODE_LOCAL":
+                # The unfinished last block of the previous turn came from its retained KV.
+                assert await tail_tokens_reused(stack, http) > before_tail
             await settle()
             after = await current_lease(stack, "conv-paths")
             assert after.state == lease_pb2.LEASE_STATE_ACTIVE  # retained for the next turn
