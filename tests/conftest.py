@@ -70,6 +70,7 @@ LAYERS = {
     "test_retention_sim": "unit",
     "test_router_requests": "unit",
     "test_routing": "unit",
+    "test_stats_bench": "unit",
     "test_testmodel": "unit",
     "test_vllm_compat": "unit",
     "test_cli": "integration",

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvbroker.bench.agentic_config import FIXED_TTL_CONNECTOR, AgenticConfig, compress
-from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, quantile, summarise, write
+from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, summarise, write
 from kvbroker.bench.retention import Conversation, Gap
+from kvbroker.bench.stats import quantile
 from kvbroker.cli.bench import bench_agentic
 
 
