@@ -71,6 +71,7 @@ LAYERS = {
     "test_retained_tail": "unit",
     "test_router_requests": "unit",
     "test_routing": "unit",
+    "test_stats_bench": "unit",
     "test_testmodel": "unit",
     "test_vllm_compat": "unit",
     "test_cli": "integration",

@@ -1,18 +1,25 @@
-"""`kvbroker bench agentic`'s pure parts: trace compression, arm stacks, summary figures."""
+"""`kvbroker bench agentic`'s pure parts: trace compression, arm stacks, summary figures
+and D's sampled gauges."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import math
 from dataclasses import fields
 from pathlib import Path
 
+import httpx
 import pytest
 
+from kvbroker.bench.agentic import DECODE_GAUGES, _sample_decode
 from kvbroker.bench.agentic_config import FIXED_TTL_CONNECTOR, AgenticConfig, compress
-from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, quantile, summarise, write
+from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, summarise, write
 from kvbroker.bench.retention import Conversation, Gap
+from kvbroker.bench.stats import quantile
 from kvbroker.cli.bench import bench_agentic
+from kvbroker.common.tasks import poll_until
 
 
 def test_compress_scales_caps_gaps_and_cuts_turns() -> None:
@@ -121,6 +128,37 @@ def test_empty_arm_and_quantiles() -> None:
     assert math.isnan(row["reuse_rate"]) and math.isnan(row["decode_kv_usage_mean"])
     assert quantile([7.0], 0.99) == 7.0
     assert quantile([1.0, 2.0, 3.0], 0.5) == 2.0
+
+
+async def test_the_decode_sampler_adds_up_d_s_gauges() -> None:
+    usage, waiting = DECODE_GAUGES["usage"], DECODE_GAUGES["waiting"]
+    body = (
+        f"# TYPE {usage} gauge\n"
+        f'{usage}{{engine="0"}} 0.25\n'
+        f'{usage}{{engine="1"}} 0.5\n'
+        f"# TYPE {waiting} gauge\n"
+        f'{waiting}{{engine="0"}} 2\n'
+        f'{waiting}{{engine="1"}} 1\n'
+    )
+
+    def metrics(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/metrics"
+        return httpx.Response(200, text=body)
+
+    result = ArmResult("kvbroker")
+
+    async def sampled() -> bool:
+        return bool(result.decode_samples)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(metrics)) as client:
+        sampler = asyncio.create_task(_sample_decode(client, "http://d", result, every_s=0.01))
+        await poll_until(sampled, 30, "a sample of D's gauges", every_s=0.01)
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+    assert [sample[1:] for sample in result.decode_samples] == [(0.75, 3.0)] * len(
+        result.decode_samples
+    )
 
 
 def test_write_outputs(tmp_path: Path) -> None:

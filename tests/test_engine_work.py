@@ -11,7 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker.calibration import read_cost_us_per_block
-from kvbroker.common.engine_metrics import Totals, WorkMeter, read_totals, work_between
+from kvbroker.common.engine_metrics import (
+    Totals,
+    WorkMeter,
+    read_gauges,
+    read_totals,
+    work_between,
+)
 from kvbroker.sidecar.engine_load import parse_vllm_load
 from kvbroker.v1 import node_pb2
 
@@ -67,6 +73,29 @@ def test_vllm_s_histograms_give_the_running_totals() -> None:
     assert parsed.load.running_requests == 2
     assert parsed.totals == Totals(3, 0.6, 900, 1500, 2, 0.05, 8 * BYTES_PER_BLOCK)
     assert read_totals(vllm_metrics(prefills=4)) == Totals(prefills=4)
+
+
+def test_gauges_are_read_as_they_stand_and_their_series_add_up() -> None:
+    text = vllm_metrics(prefills=3, running=2) + (
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny-qwen3"} 0.25\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="tiny-qwen3"} 0.5\n'
+    )
+    gauges = {
+        "usage": "vllm:kv_cache_usage_perc",
+        "running": "vllm:num_requests_running",
+        "waiting": "vllm:num_requests_waiting",  # not in the answer
+        "prefills": "vllm:request_prefill_time_seconds",  # a histogram's samples are not it
+    }
+    assert read_gauges(text, gauges) == {
+        "usage": 0.75,
+        "running": 2.0,
+        "waiting": 0.0,
+        "prefills": 0.0,
+    }
+    assert read_gauges(text, {}) == {}
+    with pytest.raises(ValueError):
+        read_gauges("<html><body><h1>502 Bad Gateway</h1></body></html>", gauges)
 
 
 def test_the_work_of_an_interval_is_the_difference_of_its_readings() -> None:

@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import Progress
 
@@ -47,6 +46,7 @@ from kvbroker.bench.agentic_report import AgenticRecord, ArmResult
 from kvbroker.bench.multiturn import ContextBuilder
 from kvbroker.bench.retention import Conversation, Gap
 from kvbroker.bench.turns import measured_turn
+from kvbroker.common.engine_metrics import read_gauges
 from kvbroker.stack import Stack
 
 # An agent in a tool call renews its lease this often (compressed seconds; the registry's
@@ -238,15 +238,10 @@ async def _sample_decode(
     client: httpx.AsyncClient, decode_url: str, result: ArmResult, every_s: float = 1.0
 ) -> None:
     started = time.perf_counter()
-    wanted = {name: key for key, name in DECODE_GAUGES.items()}
     while True:
         with contextlib.suppress(httpx.HTTPError):
             text = (await client.get(f"{decode_url}/metrics", timeout=5)).text
-            values = dict.fromkeys(DECODE_GAUGES, 0.0)
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name in wanted:
-                        values[wanted[sample.name]] += sample.value
+            values = read_gauges(text, DECODE_GAUGES)
             result.decode_samples.append(
                 (round(time.perf_counter() - started, 2), values["usage"], values["waiting"])
             )

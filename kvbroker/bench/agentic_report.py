@@ -24,6 +24,7 @@ from kvbroker.bench.agentic_config import (
     AgenticConfig,
     fixed_ttl_registry_flags,
 )
+from kvbroker.bench.stats import quantile
 
 
 @dataclass
@@ -59,15 +60,6 @@ class ArmResult:
     closes: int = 0
     # D's gauges: (seconds since the arm began, KV cache usage 0..1, requests waiting).
     decode_samples: list[tuple[float, float, float]] = field(default_factory=list)
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The q-quantile (0 < q < 1, in hundredths) of the values, interpolated; NaN if none."""
-    if not values:
-        return math.nan
-    if len(values) == 1:
-        return float(values[0])
-    return statistics.quantiles(values, n=100, method="inclusive")[round(100 * q) - 1]
 
 
 def summarise(result: ArmResult) -> dict[str, Any]:

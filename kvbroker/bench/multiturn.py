@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvbroker.bench.stats import quantile
 from kvbroker.bench.turns import TurnRecord, measured_turn
 from kvbroker.stack import KVBROKER, Stack
 
@@ -264,10 +265,7 @@ class Spread:
     @classmethod
     def of(cls, values: Sequence[float]) -> Spread:
         ordered = sorted(values)
-        if len(ordered) > 1:
-            q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
-        else:
-            q1 = q3 = ordered[0]
+        q1, q3 = (quantile(ordered, q, parts=4) for q in (0.25, 0.75))
         return cls(len(ordered), statistics.median(ordered), q1, q3, ordered[0], ordered[-1])
 
 

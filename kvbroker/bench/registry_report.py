@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvbroker.bench.registry_workers import HINT_RPC
+from kvbroker.bench.stats import quantile
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,6 @@ class LoadResult:
     registry_cpu: float
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
-
-
 def summarise(
     rpc: str, rate: float, latencies: list[float], seconds: float, errors: int, cpu: float
 ) -> LoadResult:
@@ -43,8 +38,8 @@ def summarise(
         rpc=rpc,
         rate=rate,
         p50_ms=1000 * statistics.median(latencies) if latencies else float("nan"),
-        p99_ms=1000 * percentile(latencies, 0.99),
-        p999_ms=1000 * percentile(latencies, 0.999),
+        p99_ms=1000 * quantile(latencies, 0.99, method="rank"),
+        p999_ms=1000 * quantile(latencies, 0.999, method="rank"),
         throughput=len(latencies) / seconds,
         errors=errors,
         registry_cpu=cpu,

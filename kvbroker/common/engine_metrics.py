@@ -13,11 +13,17 @@ between two readings cover the same requests; the iteration counters (``vllm:pro
 ``vllm:prefix_cache_hits``) count at other moments and would not. Reads come from the NIXL
 connector's per-transfer histograms: ``vllm:nixl_xfer_time_seconds`` and
 ``vllm:nixl_bytes_transferred``, on the node that reads.
+
+Beside the totals, ``read_gauges`` reads an engine's gauges as they stand (``kvbroker bench
+agentic`` samples the decode engine's KV cache usage and waiting requests with it). The
+sidecar's load figures are not read here: ``sidecar/engine_load.py`` checks each of them for
+what a heartbeat can carry.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -87,6 +93,20 @@ def read_totals(text: str) -> Totals | None:
         for sample in family.samples:
             reader.add(sample)
     return reader.totals()
+
+
+def read_gauges(text: str, gauges: Mapping[str, str]) -> dict[str, float]:
+    """Each of ``gauges`` (key -> metric name) in one /metrics answer, by key: the sum of its
+    samples (a series per engine or model name), 0 where it has none. Values are taken as the
+    engine gives them, unchecked; raises the parser's errors when the answer is not Prometheus
+    text."""
+    keys = {name: key for key, name in gauges.items()}
+    values = dict.fromkeys(gauges, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in keys:
+                values[keys[sample.name]] += sample.value
+    return values
 
 
 def blocks(read_bytes: float, bytes_per_block: int) -> float:
