@@ -12,8 +12,7 @@ lock: changes are committed, and commands sent, by the registry's unit of work.
 from __future__ import annotations
 
 import math
-import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 import structlog
 
@@ -22,7 +21,7 @@ from kvbroker.common.clock import stamp_duration
 from kvbroker.common.labels import label
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.controlplane import codec
-from kvbroker.controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
+from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from kvbroker.controlplane.errors import (
     ConversationNotFound,
@@ -33,6 +32,7 @@ from kvbroker.controlplane.errors import (
     NotHolder,
 )
 from kvbroker.controlplane.idle_ttl import IdleTtl
+from kvbroker.controlplane.lease_ids import new_lease_id, next_epoch
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.model import (
     ACTIVE,
@@ -65,26 +65,6 @@ LEASE_EXPIRY = DeadlineKind.LEASE_EXPIRY
 CLAIM_END = DeadlineKind.CLAIM_END
 FORGET_LEASE = DeadlineKind.FORGET_LEASE
 FORGET_CONVERSATION = DeadlineKind.FORGET_CONVERSATION
-
-
-# Epochs carry the term of the registry that granted them above this many bits: a million
-# grants of one conversation under one term before its count could reach a later term's floor
-# (a term in milliseconds, 44 bits until the year 2527, still leaves the epoch within 64).
-TERM_SHIFT = 20
-
-
-def next_epoch(epoch: int, term: int) -> int:
-    """The epoch of a conversation's next grant: above its current ``epoch``, and at least
-    ``term``'s floor, so that every epoch a later term grants exceeds every epoch an earlier
-    one did, whatever the later registry remembers (a successor replica, a restarted
-    standalone registry: both rebuild conversations from replays that may come after their
-    first grants)."""
-    return max(epoch + 1, term << TERM_SHIFT)
-
-
-def new_lease_id(now: float) -> str:
-    """Milliseconds then randomness: unique, and sorts in grant order for listings and paging."""
-    return f"{int(now * 1000):011x}{secrets.token_hex(5)}"
 
 
 class Leases:
@@ -169,41 +149,6 @@ class Leases:
         codec.lease_ack(lease, ack)
         if lease.state in LIVE_LEASE_STATES:
             stamp_duration(ack.time_to_live, self.expires(lease) - self._now())
-
-    async def page(
-        self,
-        node_id: str,
-        conversation_id: str,
-        states: Sequence[int],
-        page_size: int,
-        page_token: str,
-    ) -> tuple[list[lease_pb2.Lease], str]:
-        self._validate.list_leases(node_id, conversation_id, states, page_size)
-        wanted = set(states) or LIVE_LEASE_STATES
-        limit = page_size or 100
-        page: list[lease_pb2.Lease] = []
-        leases: Iterable[Lease]
-        if conversation_id and wanted <= LIVE_LEASE_STATES:
-            # A conversation has at most one live lease, its current one: no scan.
-            leases = await self._current_leases(conversation_id, node_id, page_token)
-        else:
-            leases = await self._store.list_leases(node_id, conversation_id, after=page_token)
-        page_bytes = 0
-        for lease in leases:
-            if lease.state not in wanted:
-                continue
-            if len(page) == limit or page_bytes > MAX_ANSWER_BYTES:
-                return page, page[-1].lease_id
-            page.append(self.view(lease))
-            page_bytes += page[-1].ByteSize()
-        return page, ""
-
-    async def _current_leases(self, conversation_id: str, node_id: str, after: str) -> list[Lease]:
-        conversation = await self._store.get_conversation(conversation_id)
-        if conversation is None or conversation.lease_id <= after:
-            return []
-        lease = await self._store.get_lease(conversation.lease_id)
-        return [lease] if lease is not None and node_id in ("", lease.node_id) else []
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -42,6 +42,7 @@ from kvbroker.controlplane.errors import (
 )
 from kvbroker.controlplane.hints import Hints
 from kvbroker.controlplane.idle_ttl import IdleTtl
+from kvbroker.controlplane.lease_pages import LeasePages
 from kvbroker.controlplane.leases import Leases
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.model import DOWN, Node
@@ -98,7 +99,7 @@ class Registry:
         term: int = 0,
     ) -> None:
         """``term``: rises with every registry that may grant, and sets the floor of the
-        epochs this one grants (``leases.next_epoch``): a replica's election revision, a
+        epochs this one grants (``lease_ids.next_epoch``): a replica's election revision, a
         standalone registry's start time; 0 (tests): epochs count from the conversation's."""
         self.store = store
         self.config = config = config or RegistryConfig()
@@ -131,6 +132,7 @@ class Registry:
             self._log,
             term,
         )
+        self.lease_pages = LeasePages(store, validate, self.leases.view)
         self.retention = RetentionReports(
             store, now, self.nodes, self.leases, self.outbox, validate, self._log
         )
@@ -363,7 +365,7 @@ class Registry:
         page_size: int = 0,
         page_token: str = "",
     ) -> tuple[list[lease_pb2.Lease], str]:
-        return await self.leases.page(node_id, conversation_id, states, page_size, page_token)
+        return await self.lease_pages.page(node_id, conversation_id, states, page_size, page_token)
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation:
         view = lease_pb2.Conversation()

@@ -25,7 +25,7 @@ from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 # Epochs and sequences stay far below uint64's end, so incrementing one never overflows.
 MAX_COUNTER = (1 << 63) - 1
-# What this registry mints (``leases.new_lease_id``): hex milliseconds, then randomness.
+# What this registry mints (``lease_ids.new_lease_id``): hex milliseconds, then randomness.
 LEASE_ID = re.compile(r"[0-9a-f]{21,32}")
 MAX_PORT = 65_535
 # A block hash is a digest: vLLM's are 32 bytes (sha256); anything much longer is not one.

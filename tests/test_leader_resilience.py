@@ -17,7 +17,7 @@ from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
-from kvbroker.controlplane.leases import TERM_SHIFT
+from kvbroker.controlplane.lease_ids import TERM_SHIFT
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.replica import Replica, ReplicaOptions
 from kvbroker.controlplane.store import WriteLimits

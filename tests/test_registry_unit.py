@@ -12,7 +12,7 @@ from kvbroker.common.clock import from_duration
 from kvbroker.controlplane.cached_store import MemoryStore
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyNode, SessionLost
-from kvbroker.controlplane.leases import TERM_SHIFT, next_epoch
+from kvbroker.controlplane.lease_ids import TERM_SHIFT, next_epoch
 from kvbroker.controlplane.registry import Registry
 from kvbroker.testing.factories import block_hashes, handle, node_spec, replayed
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
