@@ -75,7 +75,6 @@ from kvbroker.engine_ext.vllm_compat import (
     block_copies,
     copy_kv_blocks,
     free_blocks,
-    kv_block_dims,
     local_hit_blocks_in_use,
     set_block_copies,
 )
@@ -122,9 +121,14 @@ class NixlConnector(NixlPullConnector):
         self._tail_sessions: dict[str, str] = {}
         self._tail_plans: dict[str, TailPlan] = {}
         self._block_copies: list[tuple[int, int]] = []
-        # Worker side: the KV cache tensors the copies are made in, and their block dimension.
+        # Worker side: the KV cache tensors the copies are made in.
         self._kv_caches: dict[str, torch.Tensor] = {}
-        self._block_dims: dict[str, int] = {}
+        # Both roles decide alike, from the same configuration.
+        self._tail_reuse = self.settings.retained_tail_reuse
+        unsupported = vllm_compat.tail_reuse_unsupported(vllm_config, kv_cache_config)
+        if self._tail_reuse and unsupported:
+            self._tail_reuse = False
+            log.info("kvbroker: retained-tail copies are off: %s", unsupported)
         self.link: EngineLink | None = None
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
             self.link = EngineLink(
@@ -218,11 +222,15 @@ class NixlConnector(NixlPullConnector):
         self._tail_plans.pop(request.request_id, None)
         session = vllm_compat.session_id(request)
         tail = self._tails.get(session) if session else None
-        if tail is None or tail.request_id not in self._retained:
+        retained = self._retained.get(tail.request_id) if tail is not None else None
+        if tail is None or retained is None:
             return 0
+        if retained.deadline <= time.perf_counter() or retained.reclaim_asked_at is not None:
+            return 0  # its free is due or being asked for: not a source to copy from
         count = tail_match(
             request.all_token_ids,
             request.block_hashes,
+            vllm_compat.token_identity(request),
             num_computed_tokens,
             tail,
             self._block_size,
@@ -304,7 +312,7 @@ class NixlConnector(NixlPullConnector):
             last_active=now,
             ttl_s=self.settings.hard_cap_s,
         )
-        if self.settings.retained_tail_reuse and len(block_ids) == 1:
+        if self._tail_reuse:
             self._keep_tail(session, request, num_tokens, block_ids[0])
         checkpoints = Checkpoints.of(
             prefix_hashes(request.all_token_ids, self._block_size, num_tokens)
@@ -335,6 +343,7 @@ class NixlConnector(NixlPullConnector):
             kv_tokens=min(kv_tokens, request.num_computed_tokens),
             block_ids=tuple(block_ids),
             block_hashes=request.block_hashes,
+            identity=vllm_compat.token_identity(request),
         )
         self._tail_sessions[request.request_id] = session
 
@@ -439,15 +448,14 @@ class NixlConnector(NixlPullConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
-        if self.settings.retained_tail_reuse:
-            self._block_dims = kv_block_dims(kv_caches, self._num_blocks)
+        if self._tail_reuse:
             self._kv_caches = kv_caches
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """A step's retained-tail copies land before its forward pass reads them."""
-        copy_kv_blocks(
-            self._kv_caches, self._block_dims, block_copies(self._get_connector_metadata())
-        )
+        pairs = block_copies(self._get_connector_metadata())
+        if pairs:
+            copy_kv_blocks(self._kv_caches, self._num_blocks, pairs)
         super().start_load_kv(forward_context, **kwargs)
 
     def shutdown(self) -> None:

@@ -14,13 +14,17 @@ synchronously, so vLLM computes only from the first token the retained request d
 hold, and the worker copies the retained request's blocks that hold them into the new
 request's own blocks before the step's forward pass (``vllm_compat.copy_kv_blocks``).
 
-Why it is safe:
+Why it is safe (where ``vllm_compat.tail_reuse_unsupported`` finds nothing against it:
+one full-attention KV cache group, one batch in flight, no drafter):
+- the KV of the matched tokens is the same in both requests: they agree on the adapter and
+  cache salt, and no input but tokens (no embeddings, no images) is involved;
 - the KV at a position depends only on the tokens up to it, and both requests agree on all
   of those: before the prefix-cache hit by the chained hash of its last block, after it
   token by token;
 - the source blocks outlive the copy: a retained request's blocks are freed only after the
-  worker has reported it done, which is after the forward pass of a step that copies from it,
-  and workers run steps in order;
+  worker has reported it done, and with one batch in flight that report comes after the
+  forward pass of any step planned while the request was still retained; a tail whose free
+  is due or being asked for is not copied from;
 - the destination blocks are the new request's own, past its prefix-cache hit, so nobody
   else reads them; the tail of the last one copied is overwritten by the tokens computed
   after the match in the same step.
@@ -28,7 +32,7 @@ Why it is safe:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 
@@ -45,6 +49,8 @@ class RetainedTail:
     block_ids: tuple[int, ...]
     # vLLM's chained hashes of its full blocks.
     block_hashes: Sequence[object]
+    # What else its KV depends on (``vllm_compat.token_identity``); None: not tokens alone.
+    identity: Hashable | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,15 +65,17 @@ class TailPlan:
 def tail_match(
     prompt: Sequence[int],
     prompt_hashes: Sequence[object],
+    identity: Hashable | None,
     start: int,
     tail: RetainedTail,
     block_size: int,
 ) -> int:
     """How many tokens from ``start`` (where the prompt's prefix-cache hit ends, on a block
-    boundary) the tail's KV gives the prompt: 0 unless both agree on everything before
-    ``start``, then the run of tokens both agree on, ending at the last the tail has KV for
-    and always one short of the prompt's end (vLLM samples from the last token's pass)."""
-    if start % block_size:
+    boundary) the tail's KV gives the prompt: 0 unless both have the same identity (what else
+    the KV depends on; None never matches) and agree on everything before ``start``, then the
+    run of tokens both agree on, ending at the last the tail has KV for and always one short
+    of the prompt's end (vLLM samples from the last token's pass)."""
+    if identity is None or identity != tail.identity or start % block_size:
         return 0
     hit_blocks = start // block_size
     if hit_blocks and (

@@ -50,7 +50,8 @@ class KvBrokerSettings:
     # another request); meanwhile its blocks count as being freed.
     reclaim_retry_s: float = 1.0
     # A DECODE_LOCAL turn takes the KV of its conversation's unfinished last block from the
-    # retained request instead of recomputing it (``engine_ext.retained_tail``).
+    # retained request instead of recomputing it (``engine_ext.retained_tail``); engines the
+    # rules do not cover turn it off themselves (``vllm_compat.tail_reuse_unsupported``).
     retained_tail_reuse: bool = True
 
     @classmethod

@@ -31,10 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
+from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
 __all__ = [
     "BlockPool",
@@ -59,13 +61,14 @@ __all__ = [
     "find_engine_loop",
     "free_at",
     "in_transfer_batch",
-    "kv_block_dims",
     "kv_connector_extra_config",
     "remote_read_attempted",
     "served_model_name",
     "session_id",
     "set_block_copies",
     "side_channel_address",
+    "tail_reuse_unsupported",
+    "token_identity",
     "track_for_free",
 ]
 
@@ -165,38 +168,43 @@ def bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
     )
 
 
-def kv_block_dims(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> dict[str, int]:
-    """Each layer's block dimension in the KV cache tensors vLLM registers with the connector:
-    the first of the two leading dimensions of ``num_blocks`` (block-major layouts, as vLLM
-    0.32's CPU backend and NIXL's packed regions use, or K and V first). Raises ValueError on
-    a layout without one (e.g. kernel blocks smaller than the scheduler's), so that an engine
-    that could not copy a block is refused at start rather than handed wrong KV."""
-    dims = {}
-    for name, cache in kv_caches.items():
-        dim = next((d for d in (0, 1) if cache.dim() > d and cache.shape[d] == num_blocks), None)
-        if dim is None:
-            raise ValueError(
-                f"kvbroker: KV cache of layer {name} has shape {tuple(cache.shape)}, with no "
-                f"leading dimension of {num_blocks} blocks; set kvbroker_retained_tail_reuse "
-                "to false in kv_connector_extra_config"
-            )
-        dims[name] = dim
-    return dims
+def tail_reuse_unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    """Why an engine cannot take a retained tail by block copy (``engine_ext.retained_tail``),
+    or None. The copy's rules hold for one full-attention KV cache group whose blocks are the
+    hash unit, with one batch in flight (under async scheduling or pipeline parallelism the
+    next step is scheduled before the last one's frees are seen, so a copy's source could be
+    freed first) and no drafter (EAGLE keeps KV vLLM's own hits leave out)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        return "the model's KV cache is not one full-attention group"
+    if vllm_config.max_concurrent_batches > 1:
+        return "more than one batch is in flight (async scheduling or pipeline parallelism)"
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        return "decode context parallelism splits blocks across ranks"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding keeps drafter KV outside the prefix cache's rules"
+    return None
+
+
+def token_identity(request: Request) -> tuple[int, str | None] | None:
+    """What besides its tokens the KV of a request's text depends on (its LoRA adapter and
+    cache salt), for comparing two requests token by token; None when tokens alone do not
+    say what the KV holds (prompt embeddings, multimodal inputs)."""
+    if request.prompt_embeds is not None or request.mm_features:
+        return None
+    lora = request.lora_request
+    return (lora.lora_int_id if lora is not None else 0, request.cache_salt)
 
 
 def copy_kv_blocks(
-    kv_caches: dict[str, torch.Tensor], block_dims: dict[str, int], pairs: list[tuple[int, int]]
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, pairs: list[tuple[int, int]]
 ) -> None:
     """Copies whole blocks (source, destination) in every layer's KV cache, before the step's
-    forward pass (on an accelerator, on the stream the forward pass runs on)."""
-    if not pairs or not kv_caches:
-        return
-    device = next(iter(kv_caches.values())).device
-    source = torch.tensor([s for s, _ in pairs], device=device)
-    destination = torch.tensor([d for _, d in pairs], device=device)
-    for name, cache in kv_caches.items():
-        dim = block_dims[name]
-        cache.index_copy_(dim, destination, cache.index_select(dim, source))
+    forward pass (vLLM's own block copy: kernel blocks smaller than the scheduler's and layers
+    that share a cache are handled there; on an accelerator it runs on the forward's stream)."""
+    copy_kv_cache_blocks_inplace(
+        kv_caches.values(), num_blocks, [KVCacheBlockCopy(s, d) for s, d in pairs]
+    )
 
 
 # The connector metadata's field for a step's block copies (vLLM's metadata class has none).

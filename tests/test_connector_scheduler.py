@@ -8,6 +8,7 @@ flight; it is then read (only the verified prefix), or recomputed with the handl
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -29,7 +30,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -409,3 +410,29 @@ def test_another_conversation_or_a_freed_tail_is_recomputed(
     late = decode_local_request("d-late", [*prompt(), 4003, 4004])
     decode_scheduler.add_request(late)
     assert scheduled_tokens(decode_scheduler.schedule(), late) == 202 - 192
+
+
+def test_retained_tail_copies_are_for_one_full_attention_group_with_one_batch_in_flight(
+    decode_config: VllmConfig,
+) -> None:
+    def groups(*specs: Any) -> KVCacheConfig:
+        return KVCacheConfig(
+            num_blocks=8,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)
+            ],
+        )
+
+    full = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    window = SlidingWindowSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=64
+    )
+    assert vllm_compat.tail_reuse_unsupported(decode_config, groups(full)) is None
+    assert vllm_compat.tail_reuse_unsupported(decode_config, groups(full, window))
+    assert vllm_compat.tail_reuse_unsupported(decode_config, groups(window))
+    overlapped = copy.deepcopy(decode_config)
+    overlapped.scheduler_config.async_scheduling = True
+    assert vllm_compat.tail_reuse_unsupported(overlapped, groups(full))
