@@ -24,11 +24,8 @@ from kvbroker.controlplane import codec
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from kvbroker.controlplane.errors import (
-    ConversationNotFound,
     InvalidArgument,
     LeaseEnded,
-    LeaseNotFound,
-    NoLiveLease,
     NotHolder,
 )
 from kvbroker.controlplane.idle_ttl import IdleTtl
@@ -101,34 +98,6 @@ class Leases:
         self.inherited_claims_until = 0.0
 
     # ----------------------------------------------------------------- reads
-
-    async def lease(self, lease_id: str) -> Lease:
-        lease = await self._store.get_lease(self._validate.id(lease_id, "lease_id"))
-        if lease is None:
-            raise LeaseNotFound(f"lease {lease_id!r} does not exist (or ended long ago)")
-        return lease
-
-    async def conversation(self, conversation_id: str) -> Conversation:
-        conversation = await self._store.get_conversation(
-            self._validate.id(conversation_id, "conversation_id")
-        )
-        if conversation is None:
-            raise ConversationNotFound(f"conversation {conversation_id!r} is unknown")
-        return conversation
-
-    async def current_live(self, conversation_id: str) -> Lease:
-        conversation = await self.conversation(conversation_id)
-        lease = (
-            await self._store.get_lease(conversation.lease_id) if conversation.lease_id else None
-        )
-        if lease is None or lease.state not in LIVE_LEASE_STATES:
-            raise NoLiveLease(f"conversation {conversation_id!r} has no live lease")
-        return lease
-
-    async def by_id_or_conversation(self, lease_id: str, conversation_id: str) -> Lease:
-        if conversation_id:
-            return await self.current_live(conversation_id)
-        return await self.lease(lease_id)
 
     @staticmethod
     def expires(lease: Lease) -> float:

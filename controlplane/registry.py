@@ -42,7 +42,7 @@ from kvbroker.controlplane.errors import (
 )
 from kvbroker.controlplane.hints import Hints
 from kvbroker.controlplane.idle_ttl import IdleTtl
-from kvbroker.controlplane.lease_pages import LeasePages
+from kvbroker.controlplane.lease_reads import LeaseReads
 from kvbroker.controlplane.leases import Leases
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.model import DOWN, Node
@@ -132,9 +132,9 @@ class Registry:
             self._log,
             term,
         )
-        self.lease_pages = LeasePages(store, validate, self.leases.view)
+        self.reads = LeaseReads(store, validate, self.leases.view)
         self.retention = RetentionReports(
-            store, now, self.nodes, self.leases, self.outbox, validate, self._log
+            store, now, self.nodes, self.leases, self.reads, self.outbox, validate, self._log
         )
         self.hints = Hints(
             store, metrics, now, self.nodes, self.leases, self.turns, self.idle_ttl, config.planner
@@ -328,7 +328,7 @@ class Registry:
         self._validate.lease_ref(lease_id, conversation_id)
         self._validate.ttl(ttl)
         async with self._mutation():
-            lease = await self.leases.by_id_or_conversation(lease_id, conversation_id)
+            lease = await self.reads.by_id_or_conversation(lease_id, conversation_id)
             await self.leases.renew(lease, self.leases.ttl(ttl, lease.node_id))
             return self.leases.view(lease)
 
@@ -337,7 +337,7 @@ class Registry:
     ) -> lease_pb2.Lease:
         self._validate.release(lease_id, node_id, incarnation, reason)
         async with self._mutation():
-            lease = await self.leases.lease(lease_id)
+            lease = await self.reads.lease(lease_id)
             await self.leases.release(lease, node_id, incarnation, reason)
             return self.leases.view(lease)
 
@@ -347,12 +347,12 @@ class Registry:
         self._validate.lease_ref(lease_id, conversation_id)
         self._validate.text(reason, "reason")
         async with self._mutation():
-            lease = await self.leases.by_id_or_conversation(lease_id, conversation_id)
+            lease = await self.reads.by_id_or_conversation(lease_id, conversation_id)
             await self.leases.revoke(lease, reason)
             return self.leases.view(lease)
 
     async def get_lease(self, lease_id: str) -> lease_pb2.Lease:
-        lease = await self.leases.lease(lease_id)
+        lease = await self.reads.lease(lease_id)
         async with self._mutation():
             await self.leases.expire_if_due(lease)
         return self.leases.view(lease)
@@ -365,11 +365,11 @@ class Registry:
         page_size: int = 0,
         page_token: str = "",
     ) -> tuple[list[lease_pb2.Lease], str]:
-        return await self.lease_pages.page(node_id, conversation_id, states, page_size, page_token)
+        return await self.reads.page(node_id, conversation_id, states, page_size, page_token)
 
     async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation:
         view = lease_pb2.Conversation()
-        codec.conversation_into(await self.leases.conversation(conversation_id), view)
+        codec.conversation_into(await self.reads.conversation(conversation_id), view)
         return view
 
     # ----------------------------------------------------------------- retention reports

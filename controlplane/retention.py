@@ -17,6 +17,7 @@ from kvbroker.common.clock import from_duration
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.controlplane import codec
 from kvbroker.controlplane.errors import InvalidArgument, NotHolder, RegistryError, hint_error
+from kvbroker.controlplane.lease_reads import LeaseReads
 from kvbroker.controlplane.leases import Leases
 from kvbroker.controlplane.model import (
     CLAIMED,
@@ -47,6 +48,7 @@ class RetentionReports:
         now: Callable[[], float],
         nodes: NodeSessions,
         leases: Leases,
+        reads: LeaseReads,
         outbox: Outbox,
         validate: Validation,
         log: structlog.typing.FilteringBoundLogger,
@@ -55,6 +57,7 @@ class RetentionReports:
         self._now = now
         self._nodes = nodes
         self._leases = leases
+        self._reads = reads
         self._outbox = outbox
         self._validate = validate
         self._log = log
@@ -103,7 +106,7 @@ class RetentionReports:
         if full_snapshot:
             runtime.synced = True
             for lease_id in self._store.live_lease_ids(node.node_id) - snapshot_ids:
-                lease = await self._leases.lease(lease_id)
+                lease = await self._reads.lease(lease_id)
                 await self._leases.end(
                     lease, REVOKED, FENCED, "not retained by the engine after reconnect", None
                 )

@@ -1,8 +1,9 @@
-"""Listing leases a page at a time (``ListLeases``): by node, by conversation, by state.
+"""Reading leases and conversations: one by id (or a conversation's live lease), with the
+typed error a caller gets when there is none, and ``ListLeases`` a page at a time.
 
-Apart from the lessor because it only reads: it pages the store from the token on (never a
-scan of every lease per page), finds a conversation's live lease without a scan, and bounds
-each answer's size.
+Apart from the lessor because it only reads and changes nothing: listing pages the store
+from the token on (never a scan of every lease per page), finds a conversation's live lease
+without a scan, and bounds each answer's size.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.controlplane.config import MAX_ANSWER_BYTES
-from kvbroker.controlplane.model import Lease
+from kvbroker.controlplane.errors import ConversationNotFound, LeaseNotFound, NoLiveLease
+from kvbroker.controlplane.model import Conversation, Lease
 from kvbroker.controlplane.store import Store
 from kvbroker.controlplane.validation import Validation
 from kvbroker.v1 import lease_pb2
 
 
-class LeasePages:
+class LeaseReads:
     def __init__(
         self, store: Store, validate: Validation, view: Callable[[Lease], lease_pb2.Lease]
     ) -> None:
@@ -25,6 +27,34 @@ class LeasePages:
         self._validate = validate
         # The lease as an answer, its time left as of now (``Leases.view``).
         self._view = view
+
+    async def lease(self, lease_id: str) -> Lease:
+        lease = await self._store.get_lease(self._validate.id(lease_id, "lease_id"))
+        if lease is None:
+            raise LeaseNotFound(f"lease {lease_id!r} does not exist (or ended long ago)")
+        return lease
+
+    async def conversation(self, conversation_id: str) -> Conversation:
+        conversation = await self._store.get_conversation(
+            self._validate.id(conversation_id, "conversation_id")
+        )
+        if conversation is None:
+            raise ConversationNotFound(f"conversation {conversation_id!r} is unknown")
+        return conversation
+
+    async def current_live(self, conversation_id: str) -> Lease:
+        conversation = await self.conversation(conversation_id)
+        lease = (
+            await self._store.get_lease(conversation.lease_id) if conversation.lease_id else None
+        )
+        if lease is None or lease.state not in LIVE_LEASE_STATES:
+            raise NoLiveLease(f"conversation {conversation_id!r} has no live lease")
+        return lease
+
+    async def by_id_or_conversation(self, lease_id: str, conversation_id: str) -> Lease:
+        if conversation_id:
+            return await self.current_live(conversation_id)
+        return await self.lease(lease_id)
 
     async def page(
         self,
