@@ -30,8 +30,14 @@ class RegistryConfig:
     max_idle_ttl_s: float = 600.0
     # A hint for a conversation whose previous turn is still finishing on its decode node (the
     # lease it read is consumed, the new retention not reported yet) waits up to this long
-    # for that retention, so back-to-back turns find the latest KV.
+    # for that retention, so back-to-back turns find the latest KV; never longer than half the
+    # time the hint's caller has left (``turns.wait_budget``), and never for a decode node
+    # that does not retain.
     turn_settle_timeout_s: float = 1.0
+    # A turn whose decode node reported neither its retention nor its end this long after its
+    # hint is forgotten: no hint waits for it, and the node may no longer lease the
+    # conversation for it. Above the router's decode timeout (the longest a turn is served).
+    turn_timeout_s: float = 900.0
     # No grant or renewal may ask for longer.
     max_lease_ttl_s: float = 3600.0
     # How long a hint's claim protects a lease from being freed while P may be reading it.
@@ -90,4 +96,6 @@ class RegistryConfig:
             raise ValueError("the drain's quiet time must not be negative")
         if self.turn_settle_timeout_s < 0:
             raise ValueError("the turn settle timeout must not be negative")
+        if self.turn_timeout_s <= self.turn_settle_timeout_s:
+            raise ValueError("the turn timeout must exceed the turn settle timeout")
         self.idle_ttl()  # validates the idle TTL settings

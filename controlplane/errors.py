@@ -74,6 +74,13 @@ class NotHolder(RegistryError):
     reason = registry_pb2.ERROR_REASON_NOT_HOLDER
 
 
+class NotRoutedHere(RegistryError):
+    """A node asked to lease a conversation whose turns were routed to another node."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = registry_pb2.ERROR_REASON_NOT_ROUTED_HERE
+
+
 class Unauthenticated(RegistryError):
     code = grpc.StatusCode.UNAUTHENTICATED
     reason = registry_pb2.ERROR_REASON_UNAUTHENTICATED

@@ -102,7 +102,9 @@ class Hints:
                 prefill.assigned_since_heartbeat += 1
             decode.assigned_since_heartbeat += 1
             if conversation_id:
-                self._turns.started(conversation_id)
+                self._turns.started(
+                    conversation_id, decode, prefill if path != planner.DECODE_LOCAL else None
+                )
                 retained = usable.token_count if usable is not None else 0
                 self._note_prefill(conversation_id, path, prefill, retained, asked)
         hint.decision = reuse.decision

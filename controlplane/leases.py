@@ -27,6 +27,7 @@ from kvbroker.controlplane.errors import (
     InvalidArgument,
     LeaseEnded,
     NotHolder,
+    NotRoutedHere,
 )
 from kvbroker.controlplane.idle_ttl import IdleTtl
 from kvbroker.controlplane.lease_ids import new_lease_id, next_epoch
@@ -156,6 +157,7 @@ class Leases:
             )
         now = self._now()
         conversation = await self._store.get_conversation(conversation_id)
+        self.require_routed(conversation_id, conversation, node.node_id)
         if conversation is None:
             conversation = Conversation(conversation_id)
         lease = Lease(
@@ -176,8 +178,7 @@ class Leases:
         await self._supersede(conversation, lease)
         await self._put(lease)
         self._nodes.account(lease.node_id, handle.block_count, +1)
-        self._nodes.turn_finished(lease.node_id)
-        self._turns.settle(conversation_id)
+        self._turns.finished(conversation_id, lease.node_id)
         self._metrics.lease_event("grant").inc()
         await self._end_if_draining(lease)
         self._log.debug(
@@ -189,6 +190,23 @@ class Leases:
             tokens=token_count,
         )
         return lease
+
+    def require_routed(
+        self, conversation_id: str, conversation: Conversation | None, node_id: str
+    ) -> None:
+        """Who may lease a conversation: the decode node its turn in flight was routed to,
+        or, with none in flight, the node that held it last (a turn it served without a hint)
+        or any node for a conversation the registry does not know (a registry rebuilding from
+        its holders' replays). Anything else would let one node's credential pull another's
+        conversation, prompt and all, to itself."""
+        routed = self._turns.routed_to(conversation_id)
+        holder = conversation.decode_node_id if conversation is not None else ""
+        if routed == node_id or (not routed and holder in ("", node_id)):
+            return
+        raise NotRoutedHere(
+            f"conversation {conversation_id!r} was routed to node {routed or holder!r}, not "
+            f"{node_id!r}: only that node may lease it"
+        )
 
     async def revive(
         self,

@@ -117,8 +117,16 @@ class RegistryMetrics:
         )
         self.settle_waits = Counter(
             "kvbroker_hint_settle_waits",
-            "Hints that waited for the previous turn's retention, by outcome (settled, timeout).",
+            "Hints that waited for the previous turn's retention, by outcome (settled, timeout, "
+            "no_time: the caller's deadline left no time to wait).",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.turns_not_retained = Counter(
+            "kvbroker_turns_not_retained",
+            "Turns whose decode node reported their end without retaining their KV, by reason "
+            "(retention_off, aborted, failed, declined).",
+            ["reason"],
             registry=self.registry,
         )
         self.commands_dropped = Counter(

@@ -68,6 +68,9 @@ class NodeRuntime(RoutedNode[Node]):
     # its last heartbeat, with the load it reported, arrived.
     busy_at: float = 0.0
     load_at: float = 0.0
+    # Heartbeats applied in this session: a turn sent to the node before the latest one was
+    # counted in the load it reported.
+    heartbeats: int = 0
 
     def keep(self, node: Node) -> None:
         """The node's record as now stored."""
@@ -205,6 +208,14 @@ class NodeSessions:
         if runtime is not None:
             runtime.finished_since_heartbeat += 1
 
+    def prefill_finished(self, node_id: str, heartbeats: int) -> None:
+        """A turn sent to prefill node ``node_id`` when it had had ``heartbeats`` heartbeats
+        ended: it no longer counts as that node's load, unless a heartbeat since reported the
+        node's load afresh (and so counted the turn, or its end, already)."""
+        runtime = self.runtime.get(node_id)
+        if runtime is not None and runtime.heartbeats == heartbeats:
+            runtime.assigned_since_heartbeat = max(runtime.assigned_since_heartbeat - 1, 0)
+
     def account(self, node_id: str, blocks: int, sign: int) -> None:
         """Counts a lease of ``blocks`` in (+1) or out (-1) of its holder's retained blocks."""
         runtime = self.runtime.get(node_id)
@@ -268,6 +279,7 @@ class NodeSessions:
         runtime = await self._put(node, durable=changed)
         runtime.note_load(load)
         runtime.load_at = now
+        runtime.heartbeats += 1
         runtime.assigned_since_heartbeat = runtime.finished_since_heartbeat = 0
         if work is not None:
             runtime.observe(work)

@@ -51,7 +51,7 @@ from kvbroker.controlplane.outbox import Outbox, Unsent
 from kvbroker.controlplane.planner import UNSAID, TurnRequest
 from kvbroker.controlplane.retention import RetentionReports
 from kvbroker.controlplane.store import Store
-from kvbroker.controlplane.turns import Turns
+from kvbroker.controlplane.turns import Turns, wait_budget
 from kvbroker.controlplane.validation import Validation
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
@@ -117,7 +117,7 @@ class Registry:
         validate = self._validate = Validation(config)
         self.outbox = Outbox(config.max_pending_commands, metrics)
         self.nodes = NodeSessions(store, config, self._deadlines, now, validate, self._log)
-        self.turns = Turns(store, config, metrics, now)
+        self.turns = Turns(store, config, metrics, self.nodes, now)
         self.leases = Leases(
             store,
             config,
@@ -134,7 +134,15 @@ class Registry:
         )
         self.reads = LeaseReads(store, validate, self.leases.view)
         self.retention = RetentionReports(
-            store, now, self.nodes, self.leases, self.reads, self.outbox, validate, self._log
+            store,
+            now,
+            self.nodes,
+            self.leases,
+            self.reads,
+            self.outbox,
+            self.turns,
+            validate,
+            self._log,
         )
         self.hints = Hints(
             store, metrics, now, self.nodes, self.leases, self.turns, self.idle_ttl, config.planner
@@ -405,21 +413,26 @@ class Registry:
         model: str,
         dry_run: bool = False,
         asked: TurnRequest = UNSAID,
+        time_remaining: float | None = None,
     ) -> registry_pb2.RoutingHint:
+        """``time_remaining``: the caller's deadline, in seconds from now (None: none), which
+        bounds any wait for a previous turn's retention (``turns.wait_budget``)."""
         self._validate.hint(conversation_id, model)
         if conversation_id and not dry_run:
-            await self.turns.settled((conversation_id,))
+            await self.turns.settled((conversation_id,), wait_budget(self.config, time_remaining))
         hint = registry_pb2.RoutingHint()
         async with self._mutation():
             await self.hints.hint(conversation_id, model, dry_run, hint, asked)
         return hint
 
     async def routing_hints(
-        self, requests: Sequence[registry_pb2.GetRoutingHintRequest]
+        self,
+        requests: Sequence[registry_pb2.GetRoutingHintRequest],
+        time_remaining: float | None = None,
     ) -> registry_pb2.BatchGetRoutingHintsResponse:
         """Each request's hint, or the error it alone would have failed with, under one lock
         and one commit; written straight into the response (at saturation a copy of each hint
-        cost a tenth of the registry's time)."""
+        cost a tenth of the registry's time). ``time_remaining`` as for ``routing_hint``."""
         if len(requests) > MAX_HINT_BATCH:
             raise InvalidArgument(
                 f"{len(requests)} hint requests exceed the batch limit of {MAX_HINT_BATCH}"
@@ -435,9 +448,12 @@ class Registry:
                 refused[index] = error
         if self.turns:
             await self.turns.settled(
-                r.conversation_id
-                for i, r in enumerate(requests)
-                if r.conversation_id and not r.dry_run and i not in refused
+                (
+                    r.conversation_id
+                    for i, r in enumerate(requests)
+                    if r.conversation_id and not r.dry_run and i not in refused
+                ),
+                wait_budget(self.config, time_remaining),
             )
         answered_bytes = 0
         async with self._mutation():

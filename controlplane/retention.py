@@ -33,6 +33,7 @@ from kvbroker.controlplane.model import (
 from kvbroker.controlplane.nodes import NodeRuntime, NodeSessions
 from kvbroker.controlplane.outbox import Outbox
 from kvbroker.controlplane.store import Store
+from kvbroker.controlplane.turns import Turns
 from kvbroker.controlplane.validation import MAX_COUNTER, Validation
 from kvbroker.v1 import registry_pb2
 
@@ -50,10 +51,12 @@ class RetentionReports:
         leases: Leases,
         reads: LeaseReads,
         outbox: Outbox,
+        turns: Turns,
         validate: Validation,
         log: structlog.typing.FilteringBoundLogger,
     ) -> None:
         self._store = store
+        self._turns = turns
         self._now = now
         self._nodes = nodes
         self._leases = leases
@@ -133,6 +136,8 @@ class RetentionReports:
             pass
         elif event.HasField("released"):
             await self._released(node, event.released)
+        elif event.HasField("not_retained"):
+            self._turns.not_retained(node.node_id, event.not_retained)
         else:
             await self._reclaim(node, event.reclaim)
 

@@ -380,7 +380,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         request: registry_pb2.BatchGetRoutingHintsRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.BatchGetRoutingHintsResponse:
-        return await registry.routing_hints(request.requests)
+        return await registry.routing_hints(request.requests, context.time_remaining())
 
     @_served
     async def SetCostProfile(
@@ -400,7 +400,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetRoutingHintResponse:
         hint = await registry.routing_hint(
-            request.conversation_id, request.model, request.dry_run, TurnRequest.of(request)
+            request.conversation_id,
+            request.model,
+            request.dry_run,
+            TurnRequest.of(request),
+            context.time_remaining(),
         )
         return registry_pb2.GetRoutingHintResponse(hint=hint)
 

@@ -1,18 +1,58 @@
-"""Turns still finishing: a hint sent a conversation's turn to a decode node, which will report
-its retention when the turn ends. A hint for the same conversation's next turn waits for that
-report (up to the settle timeout) instead of recomputing what the decode node is about to
-report.
+"""Turns in flight: a hint sent a conversation's turn to a decode node (and, unless it is
+DECODE_LOCAL, to a prefill node), and the decode node says when the turn ends: it reports
+the turn's retention (a grant), or that it did not retain it and why (``TurnNotRetained``).
+
+What hangs on that:
+- A hint for the same conversation's next turn waits for the report (``settled``) instead of
+  recomputing what the decode node is about to retain, but only for a turn whose decode node
+  retains, and never longer than its caller can wait (``wait_budget``): a report that cannot
+  come is never waited for.
+- The turn's load leaves its nodes when it ends, not at their next heartbeat, so a quick next
+  turn is not steered away from the prefill node that caches its conversation.
+- Only the node a turn was routed to may lease the conversation (``Leases.require_routed``):
+  one node's credential cannot pull another's conversation to itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
+from kvbroker.common.labels import label
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.model import ACTIVE
+from kvbroker.controlplane.nodes import NodeRuntime, NodeSessions
 from kvbroker.controlplane.store import Store
+from kvbroker.v1 import registry_pb2
+
+# A hint waits for a previous turn's retention at most this share of its caller's deadline:
+# the rest is for the hint itself (the lock, the commit, the answer's way back).
+_WAIT_SHARE_OF_DEADLINE = 0.5
+
+
+def wait_budget(config: RegistryConfig, time_remaining: float | None) -> float:
+    """How long a hint may wait for a previous turn's retention: the configured settle
+    timeout, bounded by the caller's deadline (None: the caller set none)."""
+    if time_remaining is None:
+        return config.turn_settle_timeout_s
+    return max(0.0, min(config.turn_settle_timeout_s, _WAIT_SHARE_OF_DEADLINE * time_remaining))
+
+
+@dataclass(slots=True)
+class Turn:
+    started: float
+    decode_node_id: str
+    # "" for a DECODE_LOCAL turn (no prefill leg).
+    prefill_node_id: str
+    # The prefill node's heartbeat count when the turn was sent there: a heartbeat since has
+    # reported its load afresh, with this turn's prefill done or counted.
+    prefill_heartbeats: int
+    # Whether a hint waits for this turn's report: its decode node retains, and no wait for
+    # it has timed out yet.
+    awaited: bool
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Turns:
@@ -21,70 +61,104 @@ class Turns:
         store: Store,
         config: RegistryConfig,
         metrics: RegistryMetrics,
+        nodes: NodeSessions,
         now: Callable[[], float],
     ) -> None:
         self._store = store
         self._config = config
         self._metrics = metrics
+        self._nodes = nodes
         self._now = now
-        # Conversations whose turn was hinted and whose retention has not been reported yet:
-        # when the turn started, and an event set once it is.
-        self._turns: dict[str, tuple[float, asyncio.Event]] = {}
+        self._turns: dict[str, Turn] = {}
         self._sweep_at = 1024
 
     def __bool__(self) -> bool:
         return bool(self._turns)
 
-    def started(self, conversation_id: str) -> None:
-        """A hint sent a turn of this conversation to a decode node (call under the lock)."""
-        if conversation_id not in self._turns:
-            if len(self._turns) >= self._sweep_at:
-                self._sweep()
-            self._turns[conversation_id] = (self._now(), asyncio.Event())
+    def started(
+        self, conversation_id: str, decode: NodeRuntime, prefill: NodeRuntime | None
+    ) -> None:
+        """A hint sent a turn of this conversation to ``decode`` (and ``prefill``; None for
+        DECODE_LOCAL). Call under the lock. A turn still in flight is replaced: the newest
+        turn is the one whose node may lease the conversation."""
+        if len(self._turns) >= self._sweep_at:
+            self._sweep()
+        previous = self._turns.get(conversation_id)
+        if previous is not None:
+            previous.ended.set()  # nobody waits on a turn a newer one replaced
+        self._turns[conversation_id] = Turn(
+            started=self._now(),
+            decode_node_id=decode.node_id,
+            prefill_node_id=prefill.node_id if prefill is not None else "",
+            prefill_heartbeats=prefill.heartbeats if prefill is not None else 0,
+            awaited=decode.retains,
+        )
 
-    def settle(self, conversation_id: str) -> None:
-        """The conversation's retention was reported: waiters go on."""
-        turn = self._turns.pop(conversation_id, None)
-        if turn is not None:
-            turn[1].set()
+    def routed_to(self, conversation_id: str) -> str:
+        """The decode node the conversation's turn in flight was routed to ("" if none)."""
+        turn = self._turns.get(conversation_id)
+        return turn.decode_node_id if turn is not None else ""
+
+    def finished(self, conversation_id: str, node_id: str) -> None:
+        """``node_id`` reported the end of a turn of the conversation (its retention, or that
+        it retained nothing): waiters go on, and the turn's load leaves its nodes."""
+        self._nodes.turn_finished(node_id)
+        turn = self._turns.get(conversation_id)
+        if turn is None or turn.decode_node_id != node_id:
+            return  # an older turn's late report: the turn in flight is another's
+        del self._turns[conversation_id]
+        turn.ended.set()
+        if turn.prefill_node_id:
+            self._nodes.prefill_finished(turn.prefill_node_id, turn.prefill_heartbeats)
+
+    def not_retained(self, node_id: str, report: registry_pb2.TurnNotRetained) -> None:
+        """``node_id`` ended a turn of the conversation without retaining it."""
+        self._metrics.turns_not_retained.labels(
+            label(registry_pb2.NotRetainedReason, report.reason).lower()
+        ).inc()
+        self.finished(report.conversation_id, node_id)
 
     def _sweep(self) -> None:
-        """Forgets turns that never reported retention (aborted, failed, not retained)."""
-        config = self._config
-        horizon = self._now() - config.claim_timeout_s - config.turn_settle_timeout_s
-        for conversation_id, (started, _) in list(self._turns.items()):
-            if started < horizon:
-                self.settle(conversation_id)
+        """Forgets turns that never reported their end (a decode node that went away, or an
+        older sidecar that does not report turns it did not retain)."""
+        horizon = self._now() - self._config.turn_timeout_s
+        for conversation_id, turn in list(self._turns.items()):
+            if turn.started < horizon:
+                turn.ended.set()
+                del self._turns[conversation_id]
         self._sweep_at = max(2 * len(self._turns), 1024)
 
-    async def settled(self, conversation_ids: Iterable[str]) -> None:
-        """Waits, up to the settle timeout, for the retention of previous turns still
-        finishing: a conversation whose current lease is not ACTIVE (consumed by the read
-        that started its last turn, or claimed by it) but whose last turn's retention has not
-        been reported yet."""
-        waits: dict[str, asyncio.Event] = {}
+    async def settled(self, conversation_ids: Iterable[str], budget_s: float) -> None:
+        """Waits, up to ``budget_s`` (``wait_budget``), for the retention of previous turns
+        still finishing on a decode node that retains: a conversation whose current lease is
+        not ACTIVE (consumed by the read that started its last turn, or claimed by it) but
+        whose last turn has not reported its end yet."""
+        waits: dict[str, Turn] = {}
         for conversation_id in conversation_ids:
             turn = self._turns.get(conversation_id)
-            if turn is None or conversation_id in waits:
+            if turn is None or not turn.awaited or conversation_id in waits:
                 continue
             conversation = await self._store.get_conversation(conversation_id)
             lease_id = conversation.lease_id if conversation is not None else ""
             lease = await self._store.get_lease(lease_id) if lease_id else None
             if lease is None or lease.state != ACTIVE:
-                waits[conversation_id] = turn[1]
+                waits[conversation_id] = turn
         if not waits:
             return
-        done, _ = await asyncio.wait(
-            [asyncio.ensure_future(event.wait()) for event in waits.values()],
-            timeout=self._config.turn_settle_timeout_s,
+        if budget_s <= 0:
+            self._metrics.settle_waits.labels("no_time").inc(len(waits))
+            return
+        done, pending = await asyncio.wait(
+            [asyncio.ensure_future(turn.ended.wait()) for turn in waits.values()],
+            timeout=budget_s,
         )
-        settled = len(done)
-        self._metrics.settle_waits.labels("settled").inc(settled)
-        if settled < len(waits):
-            self._metrics.settle_waits.labels("timeout").inc(len(waits) - settled)
-            for conversation_id, event in waits.items():
-                if not event.is_set():
-                    event.set()  # wakes the waiter task created above
-                    # That turn will not report (or is a parallel request still running):
-                    # later hints need not wait for it again.
-                    self._turns.pop(conversation_id, None)
+        for waiter in pending:
+            waiter.cancel()
+        self._metrics.settle_waits.labels("settled").inc(len(done))
+        if pending:
+            self._metrics.settle_waits.labels("timeout").inc(len(pending))
+            for turn in waits.values():
+                if not turn.ended.is_set():
+                    # That turn will not report in time (or is a parallel request still
+                    # running): later hints need not wait for it again.
+                    turn.awaited = False

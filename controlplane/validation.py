@@ -248,7 +248,13 @@ class Validation:
             if event.reclaim.cause not in RECLAIM_CAUSES:
                 raise InvalidArgument("a reclaim's cause must be PRESSURE or BUDGET")
             return 0
-        raise InvalidArgument("the event is neither retained, released nor a reclaim")
+        if kind == "not_retained":
+            self.id(event.not_retained.conversation_id, "not_retained.conversation_id")
+            self.enum(registry_pb2.NotRetainedReason, event.not_retained.reason, "reason")
+            return 0
+        raise InvalidArgument(
+            "the event is neither retained, released, a reclaim nor a turn not retained"
+        )
 
     def retained(self, retained: registry_pb2.RetainedBlocks) -> int:
         self.id(retained.conversation_id, "retained.conversation_id")

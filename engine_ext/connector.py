@@ -129,6 +129,7 @@ class NixlConnector(NixlPullConnector):
         if self._tail_reuse and unsupported:
             self._tail_reuse = False
             log.info("kvbroker: retained-tail copies are off: %s", unsupported)
+        self._retains = vllm_compat.retains_kv(vllm_config)
         self.link: EngineLink | None = None
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
             self.link = EngineLink(
@@ -266,6 +267,24 @@ class NixlConnector(NixlPullConnector):
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        finished = self._finished(request, block_ids)
+        if (
+            self.link is not None
+            and params
+            and not params.get("do_remote_decode")  # P's leg: D ends the turn
+            and request.request_id not in self._retained
+        ):
+            session = vllm_compat.session_id(request)
+            if session:
+                self.link.not_retained(
+                    session, vllm_compat.end_without_retention(request, self._retains)
+                )
+        return finished
+
+    def _finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kvbroker.common.clock import to_duration
 from kvbroker.engine_ext import vllm_compat
 from kvbroker.engine_ext.vllm_compat import KVCacheConfig, VllmConfig
-from kvbroker.v1 import sidecar_pb2
+from kvbroker.v1 import node_pb2, sidecar_pb2
 
 
 def engine_info(
@@ -29,4 +29,9 @@ def engine_info(
         model=vllm_compat.served_model_name(vllm_config),
         retention_budget_blocks=budget_blocks,
         retention_hard_cap=to_duration(hard_cap_s),
+        kv_retention=(
+            node_pb2.KV_RETENTION_ON
+            if vllm_compat.retains_kv(vllm_config)
+            else node_pb2.KV_RETENTION_OFF
+        ),
     )

@@ -35,8 +35,10 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+from kvbroker.v1 import registry_pb2
 
 __all__ = [
     "BlockPool",
@@ -57,12 +59,14 @@ __all__ = [
     "calm_progress_thread",
     "check_vllm_version",
     "copy_kv_blocks",
+    "end_without_retention",
     "engine_logger",
     "find_engine_loop",
     "free_at",
     "in_transfer_batch",
     "kv_connector_extra_config",
     "remote_read_attempted",
+    "retains_kv",
     "served_model_name",
     "session_id",
     "set_block_copies",
@@ -146,6 +150,23 @@ def remote_read_attempted(params: dict[str, Any]) -> bool:
 def session_id(request: Request) -> str | None:
     """The conversation a request belongs to (vLLM 0.32's ``session_id`` request field)."""
     return request.session_id
+
+
+def retains_kv(vllm_config: VllmConfig) -> bool:
+    """Whether a decode engine keeps a finished turn's blocks for the next turn (vLLM's
+    ``bidirectional_kv_xfer``, read as vLLM's NIXL scheduler reads it)."""
+    return bool(kv_connector_extra_config(vllm_config).get("bidirectional_kv_xfer", False))
+
+
+def end_without_retention(request: Request, retains: bool) -> registry_pb2.NotRetainedReason:
+    """Why a decode turn that finished retained nothing (a ``NotRetainedReason``)."""
+    if not retains:
+        return registry_pb2.NOT_RETAINED_REASON_RETENTION_OFF
+    if request.status == RequestStatus.FINISHED_ABORTED:
+        return registry_pb2.NOT_RETAINED_REASON_ABORTED
+    if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+        return registry_pb2.NOT_RETAINED_REASON_FAILED
+    return registry_pb2.NOT_RETAINED_REASON_DECLINED
 
 
 def kv_connector_extra_config(vllm_config: VllmConfig) -> dict[str, Any]:

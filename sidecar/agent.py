@@ -132,6 +132,7 @@ class Agent:
             retention_hard_cap=self.engine.retention_hard_cap,
             incarnation=self.incarnation,
             prefix_caching=self.config.prefix_caching,
+            kv_retention=self.engine.kv_retention,
         )
 
     async def run(self) -> None:

@@ -38,7 +38,7 @@ class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
             if event.WhichOneof("event") is None:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    "an event is neither retained, released nor a reclaim",
+                    "an event names no kind (retained, released, reclaim or not_retained)",
                 )
         depth = self.agent.submit(request.events)
         return sidecar_pb2.SubmitRetentionEventsResponse(queue_depth=depth)

@@ -79,6 +79,7 @@ LAYERS = {
     "test_drain": "integration",
     "test_election": "integration",
     "test_error_reasons": "integration",
+    "test_turns": "integration",
     "test_identity": "integration",
     "test_leader_resilience": "integration",
     "test_long_context": "integration",

@@ -41,7 +41,7 @@ from kvbroker.engine_ext.connector import NixlConnector
 from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.engine_ext.testmodel import make_model
 from kvbroker.engine_ext.vllm_compat import KVCacheConfig, KVConnectorOutput
-from kvbroker.v1 import lease_pb2, sidecar_pb2
+from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 200
@@ -55,6 +55,19 @@ class FakeLeaseLink(EngineLink):
     def __init__(self) -> None:
         super().__init__("unix:/nonexistent", sidecar_pb2.EngineInfo())
         self.checks: list[tuple[str, int, Future[LeaseAnswer]]] = []
+        # The retention events the engine sent its sidecar.
+        self.events: list[registry_pb2.RetentionEvent] = []
+
+    def _send(self, event: registry_pb2.RetentionEvent) -> None:
+        self.events.append(event)
+        super()._send(event)
+
+    def not_retained_turns(self) -> list[tuple[str, int]]:
+        return [
+            (event.not_retained.conversation_id, event.not_retained.reason)
+            for event in self.events
+            if event.HasField("not_retained")
+        ]
 
     def start_lease_check(self, lease_id: str, epoch: int, timeout_s: float) -> Future[LeaseAnswer]:
         future: Future[LeaseAnswer] = Future()
@@ -350,6 +363,13 @@ def test_a_decode_local_turn_is_retained_only_as_the_worker_will_free_it(
     assert worker.deadlines["d-local"] <= time.perf_counter()
 
 
+def decode_link(scheduler: Scheduler) -> FakeLeaseLink:
+    connector = scheduler.connector
+    assert isinstance(connector, NixlConnector)
+    assert isinstance(connector.link, FakeLeaseLink)
+    return connector.link
+
+
 def test_a_decode_local_turn_aborted_before_it_ran_keeps_nothing(
     decode_scheduler: Scheduler,
 ) -> None:
@@ -360,6 +380,37 @@ def test_a_decode_local_turn_aborted_before_it_ran_keeps_nothing(
     decode_scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
     assert connector._retained == {}
     assert decode_scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    # The registry hears that nothing of the turn was retained, so no hint waits for it.
+    assert decode_link(decode_scheduler).not_retained_turns() == [
+        ("conversation-1", registry_pb2.NOT_RETAINED_REASON_ABORTED)
+    ]
+
+
+def test_a_retained_turn_reports_its_retention_not_its_end(
+    decode_scheduler: Scheduler,
+) -> None:
+    retained_turn(decode_scheduler, "d-kept", prompt())
+    link = decode_link(decode_scheduler)
+    assert [event.WhichOneof("event") for event in link.events] == ["retained"]
+
+
+def test_a_decode_engine_that_does_not_retain_says_so_for_each_turn() -> None:
+    """``kvbroker up --reuse off``: the engine ends every turn without retaining it, and says
+    so (the registry takes the node as not retaining from its registration, too)."""
+    config = engine_config("kv_consumer", prefix_caching=True, extra={})
+    scheduler = real_scheduler(config, 64)
+    try:
+        connector = scheduler.connector
+        assert isinstance(connector, NixlConnector)
+        connector.link = FakeLeaseLink()
+        retained_turn(scheduler, "d-off", prompt())
+        assert connector._retained == {}
+        assert decode_link(scheduler).not_retained_turns() == [
+            ("conversation-1", registry_pb2.NOT_RETAINED_REASON_RETENTION_OFF)
+        ]
+        assert not vllm_compat.retains_kv(config)
+    finally:
+        scheduler.shutdown()
 
 
 def retained_turn(scheduler: Scheduler, request_id: str, tokens: list[int]) -> list[int]:

@@ -445,7 +445,6 @@ async def test_a_conversation_s_next_turn_goes_to_the_prefill_node_that_caches_i
         first = await turn(3000)
         assert first.decision == registry_pb2.HINT_DECISION_MISS
         await grant(stub, decode, "conv-p", "req-1", tokens=3200)
-        await asyncio.sleep(0.3)  # heartbeats since: the first turn no longer counts as load
         second = await turn(6240, new_tokens=3040)
     assert second.decision == registry_pb2.HINT_DECISION_REUSE
     assert second.path == registry_pb2.TURN_PATH_READ

@@ -161,7 +161,7 @@ async def test_reports_need_a_live_session(stub: RegistryServiceStub) -> None:
     answer = await report(stub, spec, empty)
     assert [refused.sequence for refused in answer.refused] == [1]
     assert answer.refused[0].error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT
-    assert "neither retained, released nor a reclaim" in answer.refused[0].error.message
+    assert "the event is neither retained" in answer.refused[0].error.message
 
 
 async def test_listings_page_and_filter_without_repeats(stub: RegistryServiceStub) -> None:

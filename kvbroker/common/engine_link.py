@@ -104,6 +104,17 @@ class EngineLink:
             )
         )
 
+    def not_retained(self, conversation_id: str, reason: registry_pb2.NotRetainedReason) -> None:
+        """A decode turn of the conversation ended without retaining its KV: the registry
+        need not wait for its retention. Lost if the link is down (the wait is bounded)."""
+        self._send(
+            registry_pb2.RetentionEvent(
+                not_retained=registry_pb2.TurnNotRetained(
+                    conversation_id=conversation_id, reason=reason
+                )
+            )
+        )
+
     def reclaim(self, remote_request_id: str, cause: lease_pb2.LeaseEndCause) -> None:
         """Asks the registry to end a lease so its blocks can be freed; the answer comes back
         as a deadline (free now, or keep for a read in flight). Lost if the link is down."""

@@ -96,6 +96,8 @@ class RoutedNode(Generic[R]):
     model: str = field(init=False)
     prefills: bool = field(init=False)
     decodes: bool = field(init=False)
+    # A decode node that keeps finished turns' KV (unsaid by an older sidecar: it does).
+    retains: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self._read_spec()
@@ -106,6 +108,7 @@ class RoutedNode(Generic[R]):
         self.model = spec.model
         self.prefills = spec.role in PREFILL_ROLES
         self.decodes = spec.role in DECODE_ROLES
+        self.retains = spec.kv_retention != node_pb2.KV_RETENTION_OFF
 
     @property
     def spec(self) -> node_pb2.NodeSpec:

@@ -17,6 +17,12 @@ class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_ROLE_DECODE: _ClassVar[NodeRole]
     NODE_ROLE_BOTH: _ClassVar[NodeRole]
 
+class KvRetention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_RETENTION_UNSPECIFIED: _ClassVar[KvRetention]
+    KV_RETENTION_ON: _ClassVar[KvRetention]
+    KV_RETENTION_OFF: _ClassVar[KvRetention]
+
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
@@ -28,6 +34,9 @@ NODE_ROLE_UNSPECIFIED: NodeRole
 NODE_ROLE_PREFILL: NodeRole
 NODE_ROLE_DECODE: NodeRole
 NODE_ROLE_BOTH: NodeRole
+KV_RETENTION_UNSPECIFIED: KvRetention
+KV_RETENTION_ON: KvRetention
+KV_RETENTION_OFF: KvRetention
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_READY: NodeState
 NODE_STATE_NOT_READY: NodeState
@@ -91,7 +100,7 @@ class CostCorrection(_message.Message):
     def __init__(self, prefill: _Optional[float] = ..., read: _Optional[float] = ..., prefill_samples: _Optional[int] = ..., read_samples: _Optional[int] = ...) -> None: ...
 
 class NodeSpec(_message.Message):
-    __slots__ = ("node_id", "role", "engine_id", "side_channel_host", "side_channel_port", "http_base_url", "model", "block_size", "capacity_blocks", "bytes_per_block", "incarnation", "retention_budget_blocks", "retention_hard_cap", "prefix_caching")
+    __slots__ = ("node_id", "role", "engine_id", "side_channel_host", "side_channel_port", "http_base_url", "model", "block_size", "capacity_blocks", "bytes_per_block", "incarnation", "retention_budget_blocks", "retention_hard_cap", "prefix_caching", "kv_retention")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +115,7 @@ class NodeSpec(_message.Message):
     RETENTION_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HARD_CAP_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    KV_RETENTION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: NodeRole
     engine_id: str
@@ -120,7 +130,8 @@ class NodeSpec(_message.Message):
     retention_budget_blocks: int
     retention_hard_cap: _duration_pb2.Duration
     prefix_caching: bool
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., http_base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., incarnation: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
+    kv_retention: KvRetention
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., http_base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., incarnation: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefix_caching: _Optional[bool] = ..., kv_retention: _Optional[_Union[KvRetention, str]] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("spec", "state", "load", "registered_time", "last_heartbeat_time", "live_leases", "retained_blocks", "cost", "drained", "cost_correction")

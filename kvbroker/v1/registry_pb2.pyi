@@ -12,6 +12,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class NotRetainedReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NOT_RETAINED_REASON_UNSPECIFIED: _ClassVar[NotRetainedReason]
+    NOT_RETAINED_REASON_RETENTION_OFF: _ClassVar[NotRetainedReason]
+    NOT_RETAINED_REASON_ABORTED: _ClassVar[NotRetainedReason]
+    NOT_RETAINED_REASON_FAILED: _ClassVar[NotRetainedReason]
+    NOT_RETAINED_REASON_DECLINED: _ClassVar[NotRetainedReason]
+
 class HintDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     HINT_DECISION_UNSPECIFIED: _ClassVar[HintDecision]
@@ -51,6 +59,12 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_BATCH_FULL: _ClassVar[ErrorReason]
     ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
     ERROR_REASON_PERMISSION_DENIED: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_ROUTED_HERE: _ClassVar[ErrorReason]
+NOT_RETAINED_REASON_UNSPECIFIED: NotRetainedReason
+NOT_RETAINED_REASON_RETENTION_OFF: NotRetainedReason
+NOT_RETAINED_REASON_ABORTED: NotRetainedReason
+NOT_RETAINED_REASON_FAILED: NotRetainedReason
+NOT_RETAINED_REASON_DECLINED: NotRetainedReason
 HINT_DECISION_UNSPECIFIED: HintDecision
 HINT_DECISION_REUSE: HintDecision
 HINT_DECISION_RECOMPUTE: HintDecision
@@ -79,6 +93,7 @@ ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
 ERROR_REASON_BATCH_FULL: ErrorReason
 ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_PERMISSION_DENIED: ErrorReason
+ERROR_REASON_NOT_ROUTED_HERE: ErrorReason
 
 class SetCostProfileRequest(_message.Message):
     __slots__ = ("node_id", "cost")
@@ -322,6 +337,14 @@ class ReleasedBlocks(_message.Message):
     cause: _lease_pb2.LeaseEndCause
     def __init__(self, remote_request_id: _Optional[str] = ..., reason: _Optional[str] = ..., cause: _Optional[_Union[_lease_pb2.LeaseEndCause, str]] = ...) -> None: ...
 
+class TurnNotRetained(_message.Message):
+    __slots__ = ("conversation_id", "reason")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    reason: NotRetainedReason
+    def __init__(self, conversation_id: _Optional[str] = ..., reason: _Optional[_Union[NotRetainedReason, str]] = ...) -> None: ...
+
 class ReclaimRequest(_message.Message):
     __slots__ = ("remote_request_id", "cause")
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -331,16 +354,18 @@ class ReclaimRequest(_message.Message):
     def __init__(self, remote_request_id: _Optional[str] = ..., cause: _Optional[_Union[_lease_pb2.LeaseEndCause, str]] = ...) -> None: ...
 
 class RetentionEvent(_message.Message):
-    __slots__ = ("sequence", "retained", "released", "reclaim")
+    __slots__ = ("sequence", "retained", "released", "reclaim", "not_retained")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_FIELD_NUMBER: _ClassVar[int]
+    NOT_RETAINED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     retained: RetainedBlocks
     released: ReleasedBlocks
     reclaim: ReclaimRequest
-    def __init__(self, sequence: _Optional[int] = ..., retained: _Optional[_Union[RetainedBlocks, _Mapping]] = ..., released: _Optional[_Union[ReleasedBlocks, _Mapping]] = ..., reclaim: _Optional[_Union[ReclaimRequest, _Mapping]] = ...) -> None: ...
+    not_retained: TurnNotRetained
+    def __init__(self, sequence: _Optional[int] = ..., retained: _Optional[_Union[RetainedBlocks, _Mapping]] = ..., released: _Optional[_Union[ReleasedBlocks, _Mapping]] = ..., reclaim: _Optional[_Union[ReclaimRequest, _Mapping]] = ..., not_retained: _Optional[_Union[TurnNotRetained, _Mapping]] = ...) -> None: ...
 
 class ReportRetentionRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "events", "full_snapshot")

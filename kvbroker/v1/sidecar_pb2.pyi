@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
+from kvbroker.v1 import node_pb2 as _node_pb2
 from kvbroker.v1 import registry_pb2 as _registry_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -11,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model", "retention_budget_blocks", "retention_hard_cap")
+    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model", "retention_budget_blocks", "retention_hard_cap", "kv_retention")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_HOST_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +22,7 @@ class EngineInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RETENTION_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HARD_CAP_FIELD_NUMBER: _ClassVar[int]
+    KV_RETENTION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     side_channel_host: str
     side_channel_port: int
@@ -30,7 +32,8 @@ class EngineInfo(_message.Message):
     model: str
     retention_budget_blocks: int
     retention_hard_cap: _duration_pb2.Duration
-    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    kv_retention: _node_pb2.KvRetention
+    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_retention: _Optional[_Union[_node_pb2.KvRetention, str]] = ...) -> None: ...
 
 class AttachEngineRequest(_message.Message):
     __slots__ = ("engine", "retained")
