@@ -3,7 +3,8 @@ them as its flags' defaults without importing the web stack."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,23 @@ class RouterConfig:
     # How often the node list is refreshed: what the router routes by while the registry is
     # away, tells an unknown model by, and what /health's view of the registry comes from.
     node_refresh_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for setting in fields(self):
+            value = getattr(self, setting.name)
+            if setting.name.endswith("_s") and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{setting.name} must be a finite number of seconds, not {value}")
+        for name in (
+            "hint_timeout_s",
+            "connect_timeout_s",
+            "prefill_timeout_s",
+            "decode_timeout_s",
+            "node_refresh_s",
+        ):
+            if getattr(self, name) == 0:
+                raise ValueError(f"{name} must be above 0 seconds")
+        if self.max_body_bytes <= 0:
+            raise ValueError("max_body_bytes must be above 0")
 
     def host_and_port(self) -> tuple[str, int]:
         """``listen`` split for binding; raises ValueError when it is not HOST:PORT."""

@@ -15,6 +15,8 @@ from kvbroker.cli.options import (
     LogFormatOpt,
     LogLevelOpt,
     apply_logging_flags,
+    positive_seconds,
+    seconds,
 )
 from kvbroker.cli.output import fail
 from kvbroker.common.grpc_client import RegistryEndpoint
@@ -31,12 +33,17 @@ def router_run(
     ] = RouterConfig.listen,
     hint_timeout: Annotated[
         float,
-        typer.Option(envvar="KVBROKER_HINT_TIMEOUT", help="Registry deadline per hint, s."),
+        typer.Option(
+            envvar="KVBROKER_HINT_TIMEOUT",
+            callback=positive_seconds,
+            help="Registry deadline per hint, s (a hint never waits past it).",
+        ),
     ] = RouterConfig.hint_timeout_s,
     ready_node_wait: Annotated[
         float,
         typer.Option(
             envvar="KVBROKER_READY_NODE_WAIT",
+            callback=seconds,
             help="How long a request waits for a ready node before a 503, s (0: no wait).",
         ),
     ] = RouterConfig.ready_node_wait_s,
@@ -44,6 +51,7 @@ def router_run(
         float,
         typer.Option(
             envvar="KVBROKER_ROUTER_CONNECT_TIMEOUT",
+            callback=positive_seconds,
             help="How long connecting to an engine may take before it counts as unreachable, s.",
         ),
     ] = RouterConfig.connect_timeout_s,
@@ -51,6 +59,7 @@ def router_run(
         float,
         typer.Option(
             envvar="KVBROKER_ROUTER_PREFILL_TIMEOUT",
+            callback=positive_seconds,
             help="How long a prefill node may take to answer before the leg goes to another "
             "prefill node (504 when there is none), s.",
         ),
@@ -59,6 +68,7 @@ def router_run(
         float,
         typer.Option(
             envvar="KVBROKER_ROUTER_DECODE_TIMEOUT",
+            callback=positive_seconds,
             help="How long a decode node may go silent (the whole answer when not streaming, "
             "between chunks when streaming) before a 504 or an error event, s.",
         ),
