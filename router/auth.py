@@ -132,7 +132,7 @@ class Authenticate:
                     tenant = self.keys.tenant(Headers(scope=scope).get("authorization"))
                 except ApiError as error:
                     self.metrics.auth_failures.inc()
-                    await error.response()(scope, receive, send)
+                    await error.answer(scope["path"])(scope, receive, send)
                     return
             scope[SCOPE_KEY] = tenant
         await self.app(scope, receive, send)

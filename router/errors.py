@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 from enum import StrEnum
 
+import structlog
 from starlette.responses import JSONResponse
+
+log = structlog.get_logger("kvbroker.router")
 
 
 class ErrorType(StrEnum):
@@ -89,9 +92,25 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), self.status, headers=self.headers)
 
+    def answer(self, path: str) -> JSONResponse:
+        """The response, logged (``log_answer``): what every route answers it with."""
+        log_answer(path, self.status, self.code.value, self.message)
+        return self.response()
+
     def sse(self) -> bytes:
         """The error as a stream's last event but for ``[DONE]``."""
         return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+
+# The reason code logged for an engine's own error answer, passed through as it came.
+UPSTREAM_ANSWER = "upstream_answer"
+
+
+def log_answer(path: str, status: int, code: str, message: str) -> None:
+    """Every answer of the router's that is not a 2xx, logged once, with its reason code: a
+    client's fault at info, the router's or an engine's at warning."""
+    emit = log.warning if status >= 500 else log.info
+    emit("answered_error", path=path, status=status, code=code, error=message)
 
 
 def invalid_request(message: str, code: ErrorCode, param: str | None = None) -> ApiError:

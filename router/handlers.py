@@ -28,10 +28,12 @@ from kvbroker.common.handles import decode_local_params
 from kvbroker.common.labels import label
 from kvbroker.router.auth import SCOPE_KEY, Authenticate, Tenant
 from kvbroker.router.errors import (
+    UPSTREAM_ANSWER,
     ApiError,
     ErrorCode,
     ErrorType,
     invalid_request,
+    log_answer,
     upstream_failed,
 )
 from kvbroker.router.proxy import (
@@ -67,14 +69,21 @@ def _guarded(endpoint: Endpoint) -> Endpoint:
 
     @functools.wraps(endpoint)
     async def guarded(request: Request) -> Response:
+        path = request.url.path
         try:
             return await endpoint(request)
         except ApiError as error:
+            return error.answer(path)
+        except UpstreamError as error:
+            log_answer(
+                path, error.status, UPSTREAM_ANSWER, error.body[:200].decode(errors="replace")
+            )
             return error.response()
         except ClientDisconnect:
+            log_answer(path, 400, "client_disconnected", "the client went away mid-request")
             return Response(status_code=400)  # nobody is left to read an answer
         except Exception:
-            log.exception("router_bug", path=request.url.path)
+            log.exception("router_bug", path=path)  # the one log of this answer
             return _internal_error().response()
 
     return guarded
@@ -98,8 +107,9 @@ async def _http_exception(request: Request, error: Exception) -> Response:
         error.detail,
         ErrorType.INVALID_REQUEST,
         codes.get(error.status_code, ErrorCode.INVALID_VALUE),
+        headers=dict(error.headers or {}),
     )
-    return JSONResponse(api_error.body(), error.status_code, headers=error.headers)
+    return api_error.answer(request.url.path)
 
 
 class Handlers:
@@ -132,10 +142,7 @@ class Handlers:
             # The holder computes the new suffix against its own cache: no prefill leg.
             kv_params: Any = decode_local_params()
         else:
-            try:
-                prefill_node, kv_params = await self._prefill_with_fallback(plan, path, completion)
-            except UpstreamError as error:
-                return error.response()
+            prefill_node, kv_params = await self._prefill_with_fallback(plan, path, completion)
         prefill_done = time.perf_counter()
         if prefill_node is not None:
             self.metrics.prefill_seconds.observe(prefill_done - hint_done)
@@ -171,16 +178,19 @@ class Handlers:
             if completion.stream:
                 return await self._stream(leg, plan.decode, headers, started, prefill_done)
             response = await self.router.http.send(leg)
-            engine_answer(response, "decode", plan.decode)
+            answer = engine_answer(response, "decode", plan.decode)
         except httpx.HTTPError as error:
             raise leg_failed("decode", plan.decode, error) from error
-        except UpstreamError as error:
-            return error.response()
         done = time.perf_counter()
         self.metrics.decode_seconds.observe(done - prefill_done)
         self.metrics.ttft_seconds.labels(plan.path).observe(done - started)
+        content = response.content
+        if answer.pop("kv_transfer_params", None) is not None:
+            # The decode engine's handle (its NIXL address, request and block ids) is no
+            # client's business: the next turn's comes from the registry.
+            content = encode(answer)
         return Response(
-            response.content,
+            content,
             response.status_code,
             media_type=response.headers.get("content-type", "application/json"),
             headers=headers,
@@ -215,25 +225,29 @@ class Handlers:
 
     async def _prefill_with_fallback(
         self, plan: Plan, path: str, completion: Completion
-    ) -> tuple[node_pb2.NodeSpec, Any]:
-        """P's params; when P is unreachable or does not answer within ``prefill_timeout_s``,
-        another ready P recomputes (no reuse)."""
+    ) -> tuple[node_pb2.NodeSpec | None, Any]:
+        """P's params; when P is unreachable, fails mid-answer or does not answer within
+        ``prefill_timeout_s``, another ready P recomputes (no reuse), and with none left the
+        decode node computes the prompt itself (no prefill node: None, and the plan's path
+        becomes DECODE_LOCAL). Either way the turn is served while its decode node is."""
         try:
             leg = self.router.prefill(plan.prefill, path, completion, plan.lease)
             return plan.prefill, await leg
         except httpx.TransportError as error:
-            fallback = self.router.other_prefill(plan.prefill.node_id, completion.model)
-            if fallback is None:
-                raise leg_failed("prefill", plan.prefill, error) from error
-            log.warning(
-                "prefill_node_failed",
-                node=plan.prefill.node_id,
-                error=repr(error),
-                retry=fallback.node_id,
-            )
-            self.metrics.prefill_failovers.inc()
+            failed, failure = plan.prefill, error
         except httpx.HTTPError as error:
             raise leg_failed("prefill", plan.prefill, error) from error
+        fallback = self.router.other_prefill(failed.node_id, completion.model)
+        log.warning(
+            "prefill_node_failed",
+            node=failed.node_id,
+            error=repr(failure),
+            retry=fallback.node_id if fallback is not None else f"decode {plan.decode.node_id}",
+        )
+        self.metrics.prefill_failovers.inc()
+        if fallback is None:
+            plan.path = "DECODE_LOCAL"
+            return None, decode_local_params()
         try:
             return fallback, await self.router.prefill(fallback, path, completion, None)
         except httpx.HTTPError as error:
@@ -285,7 +299,13 @@ class Handlers:
         """200 ``ok`` while the registry answers; 200 ``degraded`` while it does not but the
         last node list can still route plain P/D (a load balancer should keep this router:
         every other one is in the same place); 503 ``unavailable`` when neither, as every
-        request would get a 503."""
+        request would get a 503; 503 ``misconfigured`` while the registry refuses this
+        router's credential."""
+        refused = self.router.registry_refused
+        if refused is not None:
+            # A configuration error: a rollout of it should stop here, not serve on quietly.
+            refusal = f"refused this router's credential: {refused}"
+            return JSONResponse({"status": "misconfigured", "registry": refusal}, 503)
         away = self.router.registry_away
         if away is None:
             return JSONResponse({"status": "ok"})

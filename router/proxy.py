@@ -68,6 +68,10 @@ _REGISTRY_ANSWERS = (
 )
 # How often a request waiting for a ready node asks the registry again.
 _READY_NODE_POLL_S = 0.1
+# The background refresh of the node list may take this long.
+_NODE_LIST_TIMEOUT_S = 2.0
+# A registry's answer that this router's credential is not accepted (configuration).
+_CREDENTIAL_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -121,6 +125,9 @@ class Router:
         self.known_nodes: list[node_pb2.Node] = []
         # Why the registry could not be reached at the last call to it (None: it answered).
         self.registry_away: str | None = "not reached yet"
+        # Why the registry refused this router's credential at the last call (None: it did
+        # not): a configuration error, said in /health and the log, not the registry's absence.
+        self.registry_refused: str | None = None
         self._turn = 0
         self.prompt_size = PromptSize()
         self._refresher: asyncio.Task[None] | None = None
@@ -153,22 +160,45 @@ class Router:
             await self.refresh_nodes()
             await asyncio.sleep(self.config.node_refresh_s)
 
-    async def refresh_nodes(self) -> None:
+    async def refresh_nodes(self, timeout_s: float = _NODE_LIST_TIMEOUT_S) -> None:
         """The registry's node list, for routing while it is away and for telling an unknown
         model; on failure the last list stays."""
         try:
-            response = await self.stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=2)
+            response = await self.stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
-            self.registry_away = error.details() or error.code().name
+            self._registry_failed(error)
             return
         self.known_nodes = list(response.nodes)
+        self._registry_answered()
+
+    def _registry_answered(self) -> None:
         self.registry_away = None
+        if self.registry_refused is not None:
+            log.info("registry_credential_accepted")
+            self.registry_refused = None
+
+    def _registry_failed(self, error: grpc.aio.AioRpcError) -> None:
+        """A call to the registry failed: it is away, or it refused this router's
+        credential (logged once, as the configuration error it is)."""
+        why = error.details() or error.code().name
+        self.registry_away = why
+        if error.code() not in _CREDENTIAL_REFUSED:
+            return
+        if self.registry_refused is None:
+            log.error(
+                "registry_refused_credential",
+                code=error.code().name,
+                error=why,
+                fix="give the router a credential the registry accepts (--registry-token, "
+                "or a client certificate); meanwhile turns are served plain P/D, without reuse",
+            )
+        self.registry_refused = why
 
     def can_route_alone(self) -> bool:
         """Whether the last node list has a ready prefill and decode node (of any model): what
         the router needs to serve plain P/D while the registry is away."""
         try:
-            routing.candidates(map(routing.RoutedNode.of_node, self.known_nodes), "")
+            self._routes("")
         except routing.NoReadyNode:
             return False
         return True
@@ -235,16 +265,18 @@ class Router:
             # Queued behind a batch in flight, a hint may wait up to one more call.
             hint = await asyncio.wait_for(self.hints.hint(request), 2 * self.config.hint_timeout_s)
         except TimeoutError:
-            return self._degraded_plan(model, "the registry did not answer in time")
+            return await self._degraded_plan(model, "the registry did not answer in time")
         except RegistryCallError as error:
             if error.reason in _REGISTRY_ANSWERS:
-                self.registry_away = None
+                self._registry_answered()
                 raise  # the registry answered: nowhere to send it, or a request at fault
             # Away (UNAVAILABLE, DEADLINE_EXCEEDED), overloaded (RESOURCE_EXHAUSTED), failing
-            # (INTERNAL, UNKNOWN) or anything else: no hint, but the turn can still be served.
+            # (INTERNAL, UNKNOWN), this router's credential refused, or anything else: no
+            # hint, but the turn can still be served.
+            self._registry_failed(error)
             why = f"{error.code().name}: {error.message}" if error.message else error.code().name
-            return self._degraded_plan(model, why)
-        self.registry_away = None
+            return await self._degraded_plan(model, why)
+        self._registry_answered()
         return Plan(
             prefill=hint.prefill,
             decode=hint.decode,
@@ -255,16 +287,22 @@ class Router:
             path=label(registry_pb2.TurnPath, hint.path) if hint.path else "READ",
         )
 
-    def _degraded_plan(self, model: str, why: str) -> Plan:
-        """Plain P/D by the registry's own routing rule, over the last node list it gave."""
-        self.registry_away = why
-        nodes = [routing.RoutedNode.of_node(n) for n in self.known_nodes]
+    async def _degraded_plan(self, model: str, why: str) -> Plan:
+        """Plain P/D by the registry's own routing rule, over the last node list it gave; when
+        that list has no ready node for the model (taken before the nodes were ready, say),
+        over a fresh one. Only when both have none is the request refused (``RegistryDown``)."""
         try:
-            routes = routing.candidates(nodes, model)
-        except routing.NoReadyNode as error:
-            if not self._known_model(model):
-                raise ModelNotFound(model) from error
-            raise RegistryDown(why) from error
+            routes = self._routes(model)
+        except routing.NoReadyNode:
+            await self.refresh_nodes(self.config.hint_timeout_s)
+            self.registry_away = why  # the hint failed, whatever the listing did
+            try:
+                routes = self._routes(model)
+            except routing.NoReadyNode as error:
+                if not self._known_model(model):
+                    raise ModelNotFound(model) from error
+                raise RegistryDown(why) from error
+        self.registry_away = why
         self._turn += 1
         prefill, decode = routing.choose(routes, self._turn)
         return Plan(
@@ -275,6 +313,10 @@ class Router:
             consistency="DEGRADED",
             reason=f"no hint from the registry ({why}): plain P/D without reuse",
         )
+
+    def _routes(self, model: str) -> routing.Routes[routing.RoutedNode[node_pb2.Node]]:
+        """Where the last node list can route the model (raises ``routing.NoReadyNode``)."""
+        return routing.candidates(map(routing.RoutedNode.of_node, self.known_nodes), model)
 
     def other_prefill(self, failed: str, model: str) -> node_pb2.NodeSpec | None:
         """A ready prefill node other than ``failed``, by the registry's routing rule."""

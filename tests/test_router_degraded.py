@@ -1,0 +1,200 @@
+"""The router's unhappy paths against a real registry and real upstream HTTP servers: a router
+that gets no hint serves the turn plain P/D whenever a node is ready (its node list refreshed
+when the last one has none), refuses only when a fresh list has none, says a refused
+credential is a configuration error, falls back to the decode node when no prefill node
+answers, never hands the client the decode engine's handle, and logs every non-2xx answer
+once with its reason code."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from structlog.testing import capture_logs
+
+from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.ports import free_port
+from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
+from kvbroker.router.config import RouterConfig
+from kvbroker.router.handlers import build_app
+from kvbroker.router.proxy import Router
+from kvbroker.testing.engine import FakeEngine, serving
+from kvbroker.testing.factories import Heartbeats, node_spec
+from kvbroker.v1 import node_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from tests.conftest import FAST
+
+MODEL = "tiny-qwen3"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+# The background refresh never comes within a test: what the router knows of nodes is what
+# it read at start, or what it refreshes on need.
+NO_BACKGROUND_REFRESH = RouterConfig(node_refresh_s=3600, ready_node_wait_s=0)
+
+
+@dataclass
+class Engines:
+    prefill: FakeEngine
+    decode: FakeEngine
+    specs: list[node_pb2.NodeSpec]
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Engines]:
+    prefill, decode = FakeEngine("prefill-0"), FakeEngine("decode-0")
+    specs = []
+    for engine, role in (
+        (prefill, node_pb2.NODE_ROLE_PREFILL),
+        (decode, node_pb2.NODE_ROLE_DECODE),
+    ):
+        spec = node_spec(engine.name, role, port=engine.port)
+        spec.http_base_url = engine.url
+        specs.append(spec)
+    async with serving(prefill.app(), prefill.port), serving(decode.app(), decode.port):
+        yield Engines(prefill, decode, specs)
+
+
+@pytest.fixture
+async def router_at() -> AsyncIterator[Callable[[Router], Any]]:
+    """Serves a router; returns its URL (stopped at the test's end)."""
+    async with AsyncExitStack() as stack:
+
+        async def serve(router: Router) -> str:
+            port = free_port()
+            await stack.enter_async_context(serving(build_app(router), port))
+            return f"http://127.0.0.1:{port}"
+
+        yield serve
+
+
+def hints_hang(registry_server: RunningRegistry) -> None:
+    """The registry answers everything but hints, which it never answers (a registry stuck on
+    one conversation's lock, say)."""
+    registry = registry_server.registry
+    assert registry is not None
+
+    async def hang(*args: object, **kwargs: object) -> Any:
+        await asyncio.Event().wait()
+
+    registry.routing_hint = hang  # type: ignore[method-assign]
+    registry.routing_hints = hang  # type: ignore[method-assign]
+
+
+async def test_a_node_list_from_before_the_nodes_were_ready_is_refreshed_not_refused(
+    registry_server: RunningRegistry,
+    stub: RegistryServiceStub,
+    engines: Engines,
+    router_at: Callable[[Router], Any],
+) -> None:
+    """The router started before any node registered; then the nodes came up and the
+    registry stopped answering hints. The turn is served plain P/D (before: a 503 for "no
+    known node", with both engines ready)."""
+    router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
+    url = await router_at(router)
+    assert router.known_nodes == []
+    async with Heartbeats(stub, *engines.specs), httpx.AsyncClient() as client:
+        hints_hang(registry_server)
+        response = await client.post(f"{url}/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kvbroker-consistency"] == "DEGRADED"
+    assert response.json()["choices"][0]["message"]["content"] == "from decode-0"
+
+
+async def test_only_a_fresh_node_list_without_a_ready_node_refuses(
+    registry_server: RunningRegistry, router_at: Callable[[Router], Any]
+) -> None:
+    router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
+    url = await router_at(router)
+    hints_hang(registry_server)
+    with capture_logs() as logs:
+        async with httpx.AsyncClient() as client:
+            response = await client.post(f"{url}/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "registry_unavailable"
+    answered = [entry for entry in logs if entry["event"] == "answered_error"]
+    assert [(e["status"], e["code"]) for e in answered] == [(503, "registry_unavailable")]
+
+
+async def test_every_refusal_is_logged_once_with_its_code(
+    registry_server: RunningRegistry, router_at: Callable[[Router], Any]
+) -> None:
+    router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
+    url = await router_at(router)
+    with capture_logs() as logs:
+        async with httpx.AsyncClient() as client:
+            bad_json = await client.post(f"{url}/v1/chat/completions", content=b"{")
+            no_route = await client.get(f"{url}/v1/nothing-here")
+    assert (bad_json.status_code, no_route.status_code) == (400, 404)
+    answered = [(e["path"], e["status"], e["code"]) for e in logs if e["event"] == "answered_error"]
+    assert answered == [
+        ("/v1/chat/completions", 400, "invalid_json"),
+        ("/v1/nothing-here", 404, "not_found"),
+    ]
+
+
+async def test_the_decode_engine_s_handle_never_reaches_the_client(
+    registry_server: RunningRegistry,
+    stub: RegistryServiceStub,
+    engines: Engines,
+    router_at: Callable[[Router], Any],
+) -> None:
+    async with Heartbeats(stub, *engines.specs), httpx.AsyncClient() as client:
+        router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
+        url = await router_at(router)
+        response = await client.post(
+            f"{url}/v1/chat/completions", json=CHAT, headers={"x-session-id": "conv-h"}
+        )
+    assert response.status_code == 200, response.text
+    assert engines.decode.received[-1]["kv_transfer_params"]  # the engine had one to answer
+    assert "kv_transfer_params" not in response.json()
+    assert response.json()["choices"][0]["message"]["content"] == "from decode-0"
+
+
+async def test_with_no_prefill_node_answering_the_decode_node_computes_the_turn(
+    registry_server: RunningRegistry,
+    stub: RegistryServiceStub,
+    engines: Engines,
+    router_at: Callable[[Router], Any],
+) -> None:
+    """The only prefill node is registered and heartbeating but its server is gone (killed
+    mid-turn, not yet noticed): the decode node serves the turn from the prompt itself."""
+    gone = node_spec("prefill-gone", node_pb2.NODE_ROLE_PREFILL, port=free_port())
+    gone.http_base_url = f"http://127.0.0.1:{gone.side_channel_port}"
+    decode = engines.specs[1]
+    async with Heartbeats(stub, gone, decode), httpx.AsyncClient() as client:
+        router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
+        url = await router_at(router)
+        response = await client.post(f"{url}/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kvbroker-path"] == "DECODE_LOCAL"
+    assert engines.decode.received[-1]["kv_transfer_params"]["do_remote_prefill"] is False
+
+
+@pytest.fixture
+async def guarded_registry() -> AsyncIterator[RunningRegistry]:
+    running = await start_registry(
+        ServerOptions(listen="127.0.0.1:0", token="the-registry-token", config=FAST)
+    )
+    yield running
+    await running.stop(grace=0.1)
+
+
+async def test_a_refused_credential_is_a_configuration_error(
+    guarded_registry: RunningRegistry, router_at: Callable[[Router], Any]
+) -> None:
+    endpoint = RegistryEndpoint.parse(guarded_registry.address, "not-the-token")
+    with capture_logs() as logs:
+        router = Router(endpoint, NO_BACKGROUND_REFRESH)
+        url = await router_at(router)
+        async with httpx.AsyncClient() as client:
+            health = await client.get(f"{url}/health")
+            await client.post(f"{url}/v1/chat/completions", json=CHAT)
+    assert health.status_code == 503
+    assert health.json()["status"] == "misconfigured"
+    assert "credential" in health.json()["registry"]
+    refused = [entry for entry in logs if entry["event"] == "registry_refused_credential"]
+    assert len(refused) == 1
