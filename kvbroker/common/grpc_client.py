@@ -183,6 +183,10 @@ def open_channel(endpoint: RegistryEndpoint) -> grpc.aio.Channel:
     options = [
         ("grpc.enable_retries", 1),
         ("grpc.keepalive_time_ms", 10_000),
+        # A registry that restarts is found again within two seconds, not gRPC's default
+        # backoff of up to two minutes, during which every call fails at once.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
     interceptors = (
         [_UnaryUnaryToken(endpoint.token), _UnaryStreamToken(endpoint.token)]
