@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -353,6 +354,30 @@ class Stack:
         child = self._engines[f"vllm-{engine.role}"]
         child.kill()
         await child.wait()
+
+    async def restart_engine(self, engine: EngineSpec) -> None:
+        """SIGKILLs a vLLM server, starts it again, and returns once its sidecar has it
+        registered again (failure tests): it comes back with nothing retained."""
+        await self.kill_engine(engine)
+        await self._engines[f"vllm-{engine.role}"].start()
+        await self._wait_registered()
+
+    async def restart_registry(self) -> None:
+        """SIGKILLs the one registry (memory store: it forgets everything), starts it again,
+        and returns once both sidecars have registered with it again (failure tests)."""
+        if self.etcd is not None:
+            raise RuntimeError("this stack runs registry replicas; kill the leader instead")
+        registry = self._registries[self.registry_address]
+        registry.kill()
+        await registry.wait()
+        await registry.start()
+        await self._wait_registered()
+
+    def pause_registry(self, paused: bool) -> None:
+        """SIGSTOPs (or SIGCONTs) the one registry: a registry that hangs, its port still
+        open, rather than one that is gone (failure tests)."""
+        registry = self._registries[self.registry_address]
+        registry.kill(signal.SIGSTOP if paused else signal.SIGCONT)
 
     async def stop(self) -> None:
         await stop_all(self.children, grace_s=15)

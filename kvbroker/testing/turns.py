@@ -1,0 +1,135 @@
+"""One chat turn through a stack's router, streamed and timed, and the checks every turn of the
+fault matrix meets against the same turn with reuse off (``tests/test_e2e_faults*.py``).
+
+Reuse off is the same request without a session id: plain P/D, every token computed, which
+is what a client gets without kvbroker. A turn with reuse on must give the same tokens (at
+temperature 0), a 2xx, and a first token no later than 1.5 times reuse off's plus 200 ms: a
+turn that hid a second-long wait somewhere (a hint waiting for a report that never comes, a
+refresh of the node list) fails that bound.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.tasks import poll_until
+from kvbroker.stack import Stack
+from kvbroker.v1 import lease_pb2, registry_pb2
+
+TTFT_FACTOR = 1.5
+TTFT_SLACK_S = 0.2
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    status: int
+    ttft_s: float
+    decision: str
+    consistency: str
+    path: str
+
+
+async def ask(
+    stack: Stack,
+    http: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    session: str | None,
+    max_tokens: int = 12,
+    path: str | None = None,
+) -> Answer:
+    """One streamed turn; the session id (if any) goes in the body and in ``X-Session-ID``,
+    as agent frameworks send it; ``path`` asks the planner for a path (``x-kvbroker-path``)."""
+    body: dict[str, Any] = {
+        "model": stack.config.served_model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    headers = {"x-kvbroker-path": path} if path else {}
+    if session is not None:
+        body["session_id"] = session
+        headers["x-session-id"] = session
+    parts: list[str] = []
+    started = time.perf_counter()
+    first: float | None = None
+    url = f"{stack.router_url}/v1/chat/completions"
+    async with http.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return Answer(response.text, response.status_code, 0.0, "", "", "")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if first is None:
+                first = time.perf_counter()
+            parts.append(event["choices"][0]["delta"].get("content") or "")
+    assert first is not None, "the stream carried no event"
+    return Answer(
+        "".join(parts),
+        response.status_code,
+        first - started,
+        response.headers.get("x-kvbroker-decision", ""),
+        response.headers.get("x-kvbroker-consistency", ""),
+        response.headers.get("x-kvbroker-path", ""),
+    )
+
+
+async def checked_turn(
+    stack: Stack,
+    http: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    session: str,
+    max_tokens: int = 12,
+) -> Answer:
+    """The turn with reuse on, checked against the same turn with reuse off, asked just
+    before and just after it: the slower of those two is the reference, so a moment of load
+    on a shared machine that slows one request does not pass for a hidden wait."""
+    before = await ask(stack, http, messages, None, max_tokens)
+    assert before.status == 200, before.text
+    on = await ask(stack, http, messages, session, max_tokens)
+    assert on.status == 200, on.text
+    assert on.text == before.text, (on, before)
+    after = await ask(stack, http, messages, None, max_tokens)
+    off_ttft_s = max(before.ttft_s, after.ttft_s)
+    bound = TTFT_FACTOR * off_ttft_s + TTFT_SLACK_S
+    assert on.ttft_s <= bound, f"TTFT {on.ttft_s:.3f} s over {bound:.3f} s ({on}, off: {before})"
+    return on
+
+
+async def current_lease(stack: Stack, session: str) -> lease_pb2.Lease | None:
+    """The conversation's newest lease as the registry has it, ended or not (None: it knows
+    none)."""
+    every_state = [lease_pb2.LeaseState.Name(state) for state in lease_pb2.LeaseState.values()]
+    async with open_channel(RegistryEndpoint.parse(stack.registry_address)) as channel:
+        stub = registry_stub(channel)
+        found = await stub.ListLeases(
+            registry_pb2.ListLeasesRequest(conversation_id=session, states=every_state),
+            timeout=5,
+        )
+    leases: list[lease_pb2.Lease] = list(found.leases)
+    return max(leases, key=lambda lease: lease.epoch) if leases else None
+
+
+async def retained_after(stack: Stack, session: str, epoch: int, within_s: float = 30) -> int:
+    """Waits until the decode node has reported the retention of the conversation's turn that
+    followed ``epoch`` (a lease of a higher epoch is live); returns that epoch."""
+
+    async def newer() -> int:
+        lease = await current_lease(stack, session)
+        live = lease is not None and lease.state in (
+            lease_pb2.LEASE_STATE_ACTIVE,
+            lease_pb2.LEASE_STATE_CLAIMED,
+        )
+        return lease.epoch if lease is not None and live and lease.epoch > epoch else 0
+
+    return await poll_until(newer, within_s, f"{session}'s retention after epoch {epoch}")

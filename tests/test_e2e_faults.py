@@ -1,0 +1,196 @@
+"""The fault matrix, end to end on real vLLM CPU servers with reuse on: every turn of a
+conversation that meets a fault is still served, token-identical with reuse off, a 2xx with
+the right decision headers, and no slower than reuse off allows (``kvbroker.testing.turns``).
+
+The faults: a first turn too short to read back followed by a long one; a client that goes
+away mid-stream and sends its next turn; a registry (memory store) restarted between two
+turns; a registry that hangs (SIGSTOP) through a turn; the decode engine restarted between two
+turns (its leases end, the next turn recomputes); the prefill engine killed while it serves a
+READ (the decode node computes the turn itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from kvbroker.common.tasks import poll_until
+from kvbroker.stack import Stack, StackConfig
+from kvbroker.testing.turns import ask, checked_turn, current_lease, retained_after
+from kvbroker.v1 import lease_pb2
+from tests.test_e2e import metric, user_message
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(1200),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    async with Stack(StackConfig(workdir=tmp_path_factory.mktemp("stack"))) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        yield client
+
+
+def opening(seed: int, lines: int = 20) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": user_message(seed, lines=lines)},
+        {"role": "user", "content": user_message(seed + 1, lines=lines)},
+    ]
+
+
+def follow_up(messages: list[dict[str, str]], answer: str, question: str) -> None:
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+
+
+async def first_turn(
+    stack: Stack, http: httpx.AsyncClient, session: str, seed: int
+) -> tuple[list[dict[str, str]], int]:
+    """A conversation's first turn, checked; returns its messages so far and the epoch of
+    the lease its retention was granted."""
+    messages = opening(seed)
+    answer = await checked_turn(stack, http, messages, session)
+    assert (answer.decision, answer.consistency) == ("MISS", "EXACT")
+    epoch = await retained_after(stack, session, 0)
+    follow_up(messages, answer.text, "and what follows from that?")
+    return messages, epoch
+
+
+async def routed_by_the_registry(stack: Stack, http: httpx.AsyncClient) -> None:
+    """Waits until the router gets hints from the registry again (after it came back)."""
+
+    async def exact() -> bool:
+        answer = await ask(stack, http, [{"role": "user", "content": "ping"}], None, 1)
+        return answer.status == 200 and answer.consistency == "EXACT"
+
+    await poll_until(exact, 30, "the router getting hints again", every_s=0.2)
+
+
+async def test_a_turn_too_short_to_read_back_then_a_long_one(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    short = await checked_turn(stack, http, messages, "conv-short", max_tokens=4)
+    assert short.consistency == "EXACT"
+    follow_up(messages, short.text, user_message(40, lines=30))
+    long = await checked_turn(stack, http, messages, "conv-short")
+    assert long.consistency == "EXACT"
+    follow_up(messages, long.text, "and then?")
+    assert (await checked_turn(stack, http, messages, "conv-short")).consistency == "EXACT"
+
+
+async def test_a_client_gone_mid_stream_then_its_next_turn(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """The client reads one event of its second turn and hangs up: the decode engine aborts
+    the turn (and says it retained nothing), and the third turn is served without waiting
+    for that turn's retention."""
+    messages, _ = await first_turn(stack, http, "conv-gone", seed=50)
+    body = {
+        "model": stack.config.served_model,
+        "messages": messages,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "session_id": "conv-gone",
+    }
+    url = f"{stack.router_url}/v1/chat/completions"
+    async with http.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                break  # hang up after the first event
+    # The client never saw an answer: it asks anew.
+    messages[-1] = {"role": "user", "content": "let me ask that differently: why?"}
+    answer = await checked_turn(stack, http, messages, "conv-gone")
+    assert answer.consistency == "EXACT"
+
+
+async def test_the_registry_restarted_between_two_turns(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """A memory-store registry forgets everything when it restarts; the sidecars register
+    again and replay what their engines retain, and the next turn reuses it."""
+    messages, epoch = await first_turn(stack, http, "conv-restart", seed=60)
+    await stack.restart_registry()
+    replayed = await current_lease(stack, "conv-restart")
+    assert replayed is not None and replayed.epoch == epoch
+    await routed_by_the_registry(stack, http)
+    answer = await checked_turn(stack, http, messages, "conv-restart")
+    assert (answer.decision, answer.consistency) == ("REUSE", "EXACT")
+
+
+async def test_a_registry_that_hangs_through_a_turn(stack: Stack, http: httpx.AsyncClient) -> None:
+    """SIGSTOPped, the registry keeps its port and answers nothing: the router's hint deadline
+    passes and the turn is served plain P/D (DEGRADED) at once; resumed, the next turn is
+    routed by it again."""
+    messages, _ = await first_turn(stack, http, "conv-hung", seed=70)
+    off = await ask(stack, http, messages, None)
+    stack.pause_registry(True)
+    try:
+        hung = await ask(stack, http, messages, "conv-hung")
+    finally:
+        stack.pause_registry(False)
+    assert hung.status == 200, hung.text
+    assert hung.text == off.text
+    assert (hung.decision, hung.consistency, hung.path) == ("MISS", "DEGRADED", "RECOMPUTE")
+    # The router's hint deadline (0.5 s) is the wait the hung registry costs, no more.
+    assert hung.ttft_s <= 1.5 * off.ttft_s + 0.2 + 0.5
+    follow_up(messages, hung.text, "one more thing?")
+    await routed_by_the_registry(stack, http)
+    assert (await checked_turn(stack, http, messages, "conv-hung")).consistency == "EXACT"
+
+
+async def test_the_decode_engine_restarted_between_two_turns(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """The engine comes back with nothing retained: its sidecar's replay ends the
+    conversation's lease, and the next turn recomputes instead of reading blocks that are
+    gone."""
+    messages, epoch = await first_turn(stack, http, "conv-d-restart", seed=80)
+    await stack.restart_engine(stack.decode)
+
+    async def lease_ended() -> bool:
+        lease = await current_lease(stack, "conv-d-restart")
+        assert lease is not None and lease.epoch == epoch
+        return lease.state not in (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
+
+    await poll_until(lease_ended, 30, "the restarted decode engine's lease ended")
+    answer = await checked_turn(stack, http, messages, "conv-d-restart")
+    assert answer.decision != "REUSE"
+    assert answer.consistency == "EXACT"
+
+
+async def test_the_prefill_engine_killed_during_a_read(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """The only prefill node dies while it serves a turn that reads the history from the
+    decode node: the decode node computes the turn itself, and the client gets the same
+    answer. (Last: the prefill engine stays dead.)"""
+    messages, _ = await first_turn(stack, http, "conv-p-dies", seed=90)
+    messages[-1] = {"role": "user", "content": user_message(91, lines=200)}  # a bulk suffix
+    off = await ask(stack, http, messages, None)
+    prefill_url = stack.url(stack.prefill)
+    assert await metric(http, prefill_url, "vllm:num_requests_running") == 0
+    turn = asyncio.create_task(ask(stack, http, messages, "conv-p-dies", path="READ"))
+
+    async def prefilling() -> bool:
+        return await metric(http, prefill_url, "vllm:num_requests_running") > 0
+
+    await poll_until(prefilling, 30, "the prefill engine serving the turn", every_s=0.005)
+    await stack.kill_engine(stack.prefill)
+    answer = await turn
+    assert answer.status == 200, answer.text
+    assert answer.text == off.text
+    assert answer.path == "DECODE_LOCAL"
