@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 from pathlib import Path
 
 import grpc
@@ -361,6 +362,83 @@ async def test_tls_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert plain.code == 3  # a plaintext client cannot talk to a TLS registry
     finally:
         await secured.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two self-signed certificates with their keys, and files that are not what they claim:
+    garbage, an encrypted key, and a path that does not exist."""
+    root = tmp_path_factory.mktemp("tls")
+    for name in ("a", "b"):
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=127.0.0.1", "-keyout", str(root / f"{name}.key"),
+             "-out", str(root / f"{name}.pem")],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    subprocess.run(
+        ["openssl", "genrsa", "-aes128", "-passout", "pass:x", "-out", str(root / "enc.key")],
+        check=True,
+        capture_output=True,
+    )
+    (root / "garbage").write_bytes(b"\x00\xffnot a PEM file\n")
+    return {
+        "cert": root / "a.pem",
+        "key": root / "a.key",
+        "other_key": root / "b.key",
+        "encrypted_key": root / "enc.key",
+        "garbage": root / "garbage",
+        "missing": root / "missing.pem",
+    }
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "ca", "named", "says"),
+    [
+        ("cert", "garbage", None, "garbage", "holds no unencrypted PEM private key"),
+        ("cert", "encrypted_key", None, "encrypted_key", "holds no unencrypted PEM private key"),
+        ("cert", "cert", None, "cert", "holds no unencrypted PEM private key"),
+        ("garbage", "key", None, "garbage", "holds no PEM certificate"),
+        ("key", "key", None, "key", "holds no PEM certificate"),
+        ("missing", "key", None, "missing", "cannot read the certificate file"),
+        ("cert", "missing", None, "missing", "cannot read the private key file"),
+        ("cert", "other_key", None, "other_key", "is not the key of the certificate"),
+        ("cert", "key", "garbage", "garbage", "the CA file"),
+        ("cert", "key", "missing", "missing", "cannot read the CA file"),
+    ],
+)
+async def test_bad_tls_files_are_one_sentence_naming_the_file(
+    tls_files: dict[str, Path], cert: str, key: str, ca: str | None, named: str, says: str
+) -> None:
+    """The registry's --tls-cert/--tls-key/--tls-client-ca, the sidecar's --metrics-tls-*
+    and a client's --tls-client-cert/--tls-client-key: a wrong file is refused before
+    anything is served or called, in one line naming it, with no traceback."""
+    server = ["--tls-cert", str(tls_files[cert]), "--tls-key", str(tls_files[key])]
+    if ca is not None:
+        server += ["--tls-client-ca", str(tls_files[ca])]
+    sidecar = [f"--metrics-{flag[2:]}" if flag.startswith("--") else flag for flag in server]
+    runs = [
+        await run_cli("registry", "serve", "--listen", "127.0.0.1:0", *server),
+        await run_cli(
+            "sidecar", "run", "--engine-url", "http://127.0.0.1:1", "--role", "decode",
+            "--listen", "unix:" + str(tls_files["cert"].parent / "s.sock"),
+            "--registry", "127.0.0.1:1", "--metrics-listen", "127.0.0.1:0", *sidecar,
+        ),
+    ]  # fmt: skip
+    if key in ("other_key", "encrypted_key"):
+        # A client's key that is a PEM key but not the one (other files: flag checks).
+        runs.append(
+            await run_cli(
+                "node", "ls", "--registry", "127.0.0.1:1", "--tls-ca", str(tls_files["cert"]),
+                "--tls-client-cert", str(tls_files[cert]),
+                "--tls-client-key", str(tls_files[key]),
+            )
+        )  # fmt: skip
+    for result in runs:
+        assert result.code == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        [line] = result.stderr.splitlines()
+        assert line.startswith("error: ") and says in line and str(tls_files[named]) in line
 
 
 def test_sidecar_roles_are_the_node_role_labels() -> None:

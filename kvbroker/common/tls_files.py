@@ -60,6 +60,6 @@ def load_tls_context(
     return context
 
 
-def check_certificates(path: Path) -> None:
-    """Raises TlsFileError unless ``path`` is a readable file of PEM certificates (a CA)."""
-    _check_certificates(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), path, "CA")
+def check_certificates(path: Path, what: str = "CA") -> None:
+    """Raises TlsFileError unless ``path`` is a readable file of PEM certificates."""
+    _check_certificates(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), path, what)
