@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+import unicodedata
 from pathlib import Path
 
 import grpc
@@ -114,6 +115,51 @@ async def test_drain_wait_returns_once_drained_and_fails_on_its_timeout(
             )
             assert done.code == 0, done.stderr
             assert done.json()["drained"] and "decode-0: drained" in done.stderr
+
+
+# Control characters a terminal obeys: OSC (retitle the window, ended by BEL), CSI (clear the
+# screen) as ESC [, and CSI as the single C1 character U+009B.
+_OSC, _CSI, _C1_CSI = "\x1b]0;owned\x07", "\x1b[2J", "\x9b31m"
+
+
+def _printable(output: str) -> str:
+    """``output``, checked to hold no control character but the lines' ends."""
+    assert not [c for c in output if unicodedata.category(c) == "Cc" and c != "\n"], output
+    return output
+
+
+async def test_stored_control_characters_print_as_escapes(
+    registry_process: RegistryProcess,
+) -> None:
+    """Ids, models, URLs and reasons are the clients' text and the registry stores them as
+    given: the tables show their control characters as escapes (never raw, where a terminal
+    would act on them), and JSON keeps them exact."""
+    address = registry_process.address
+    decode = node_spec(f"d{_CSI}")
+    decode.model = f"m{_C1_CSI}"
+    decode.http_base_url = f"http://h{_OSC}"
+    conversation = f"c{_OSC}"
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        async with Heartbeats(stub, decode):
+            lease = await grant(stub, decode, conversation, "req-1")
+            await stub.RevokeLease(
+                registry_pb2.RevokeLeaseRequest(lease_id=lease.lease_id, reason=f"r{_C1_CSI}"),
+                timeout=5,
+            )
+            nodes = await run_cli("node", "ls", "--registry", address)
+            leases = await run_cli("lease", "ls", "--all", "--registry", address)
+            shown = await run_cli("lease", "show", lease.lease_id, "--registry", address)
+            missing = await run_cli("node", "get", f"gone{_CSI}", "--registry", address)
+            as_json = await run_cli("node", "ls", "--registry", address, "-o", "json")
+    assert nodes.code == leases.code == shown.code == 0, nodes.stderr + leases.stderr
+    assert "d\\x1b[2J" in _printable(nodes.stdout) and "m\\x9b31m" in nodes.stdout
+    assert "c\\x1b]0;owned\\x07" in _printable(leases.stdout)
+    assert "r\\x9b31m" in _printable(shown.stdout) and "c\\x1b]0;owned" in shown.stdout
+    assert missing.code == 1 and "gone\\x1b[2J" in _printable(missing.stderr)
+    [node] = as_json.json()
+    assert node["spec"]["node_id"] == decode.node_id
+    assert node["spec"]["http_base_url"] == decode.http_base_url
 
 
 async def test_clear_errors_and_exit_codes(registry_process: RegistryProcess) -> None:
