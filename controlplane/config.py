@@ -11,10 +11,14 @@ from kvbroker.controlplane.planner import PlannerConfig
 # etcd's default --max-request-bytes is 1.5 MiB; ``EtcdBackend`` keeps 0.5 MiB of it for a
 # transaction's framing, and a record needs room for its key.
 MAX_RECORD_BYTES = (1 << 20) - 4096
-# An answer that lists many records (a hint batch, a page of leases) stops growing past this
-# many bytes: under gRPC's default 4 MiB receive limit even with one more record of the
-# largest kind (a handle's block ids for 65,536 blocks and its checkpoints, about 0.4 MiB).
-MAX_ANSWER_BYTES = 3 * 1024 * 1024
+# gRPC's default limit on a message a client receives: every answer must fit in it, whatever
+# the records it lists.
+GRPC_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+# The most hint requests one BatchGetRoutingHints may carry.
+MAX_HINT_BATCH = 1000
+# A batch's requests answered after its byte budget ran out each get a short BATCH_FULL error
+# (a status code, a reason and a sentence of ~50 bytes): room for each, generously.
+BATCH_FULL_RESULT_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,18 @@ class RegistryConfig:
     # How each turn's path is chosen (controlplane/planner.py).
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
+    @property
+    def max_answer_bytes(self) -> int:
+        """An answer that lists many records (a hint batch, a page of leases) stops growing
+        once past this many bytes, and still fits gRPC's default receive limit with one more
+        item of the largest kind this registry accepts: a lease record of max_record_bytes
+        (its handle may fill all of it) and, beside it in a hint, two node specs and the
+        planner's estimates (at most 9 ids and 13 free texts: counted as 16 of each), then the
+        rest of a batch answered with BATCH_FULL."""
+        hint_beyond_lease = 16 * (4 * self.max_id_length + self.max_text_bytes)
+        batch_rest = MAX_HINT_BATCH * BATCH_FULL_RESULT_BYTES
+        return GRPC_MAX_RECEIVE_BYTES - self.max_record_bytes - hint_beyond_lease - batch_rest
+
     def idle_ttl(self) -> IdleTtlConfig:
         return IdleTtlConfig(
             default_s=self.default_lease_ttl_s,
@@ -90,6 +106,8 @@ class RegistryConfig:
             raise ValueError("need 0 < heartbeat interval < session TTL")
         if not 0 < self.max_record_bytes <= MAX_RECORD_BYTES:
             raise ValueError(f"the record size bound must be within (0, {MAX_RECORD_BYTES}]")
+        if self.max_answer_bytes <= 0:
+            raise ValueError("the record, id and text limits leave no room under gRPC's 4 MiB")
         if self.forget_down_nodes_after_s < 0:
             raise ValueError("the retention of DOWN nodes must not be negative")
         if self.drain_quiet_s < 0:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from kvbroker.common.routing import LIVE_LEASE_STATES
-from kvbroker.controlplane.config import MAX_ANSWER_BYTES
 from kvbroker.controlplane.errors import ConversationNotFound, LeaseNotFound, NoLiveLease
 from kvbroker.controlplane.model import Conversation, Lease
 from kvbroker.controlplane.store import Store
@@ -21,12 +20,18 @@ from kvbroker.v1 import lease_pb2
 
 class LeaseReads:
     def __init__(
-        self, store: Store, validate: Validation, view: Callable[[Lease], lease_pb2.Lease]
+        self,
+        store: Store,
+        validate: Validation,
+        view: Callable[[Lease], lease_pb2.Lease],
+        answer_bytes: int,
     ) -> None:
         self._store = store
         self._validate = validate
         # The lease as an answer, its time left as of now (``Leases.view``).
         self._view = view
+        # A page stops growing once past this (``RegistryConfig.max_answer_bytes``).
+        self._answer_bytes = answer_bytes
 
     async def lease(self, lease_id: str) -> Lease:
         lease = await self._store.get_lease(self._validate.id(lease_id, "lease_id"))
@@ -78,7 +83,7 @@ class LeaseReads:
         for lease in leases:
             if lease.state not in wanted:
                 continue
-            if len(page) == limit or page_bytes > MAX_ANSWER_BYTES:
+            if len(page) == limit or page_bytes > self._answer_bytes:
                 return page, page[-1].lease_id
             page.append(self._view(lease))
             page_bytes += page[-1].ByteSize()

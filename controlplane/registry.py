@@ -29,7 +29,7 @@ import structlog
 from kvbroker.common.checkpoints import Checkpoints
 from kvbroker.common.clock import MonotonicClock
 from kvbroker.controlplane import codec
-from kvbroker.controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
+from kvbroker.controlplane.config import MAX_HINT_BATCH, RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from kvbroker.controlplane.errors import (
     BatchFull,
@@ -56,8 +56,6 @@ from kvbroker.controlplane.validation import Validation
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
-
-MAX_HINT_BATCH = 1000
 
 
 class _Mutation:
@@ -132,7 +130,7 @@ class Registry:
             self._log,
             term,
         )
-        self.reads = LeaseReads(store, validate, self.leases.view)
+        self.reads = LeaseReads(store, validate, self.leases.view, config.max_answer_bytes)
         self.retention = RetentionReports(
             store,
             now,
@@ -456,12 +454,13 @@ class Registry:
                 wait_budget(self.config, time_remaining),
             )
         answered_bytes = 0
+        budget = self.config.max_answer_bytes
         async with self._mutation():
             for index, request in enumerate(requests):
                 result = response.results.add()
-                if answered_bytes > MAX_ANSWER_BYTES:
+                if answered_bytes > budget:
                     # Answered unclaimed: the client sends it again in its next batch.
-                    full = BatchFull(f"the batch's answer passed {MAX_ANSWER_BYTES} bytes; retry")
+                    full = BatchFull(f"the batch's answer passed {budget} bytes; retry")
                     result.error.CopyFrom(hint_error(full))
                     continue
                 try:

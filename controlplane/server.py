@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker.common.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
 from kvbroker.common.metrics_http import MetricsTls, serve_metrics
+from kvbroker.common.tls_files import check_certificates, load_tls_context
 from kvbroker.controlplane.cached_store import MemoryStore
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
@@ -48,6 +49,13 @@ class TlsFiles:
     # The CA that signs the replicas' server certificates, for replicas that forward to each
     # other over TLS (default: client_ca).
     peer_ca: Path | None = None
+
+    def check(self) -> None:
+        """Raises TlsFileError naming a file that is missing or wrong: gRPC itself says only
+        that it failed to bind."""
+        load_tls_context(self.cert, self.key, self.client_ca, server=True)
+        if self.peer_ca is not None:
+            check_certificates(self.peer_ca)
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,8 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         client_certificates=options.tls is not None and options.tls.client_ca is not None,
     )
     peers = _peers(options) if etcd is not None else None
+    if options.tls is not None:
+        options.tls.check()
     # Health and reflection need no credential, as load balancers and grpcurl expect; the
     # registry's own methods authenticate and authorize every call (RegistryServicer).
     server = grpc.aio.server()

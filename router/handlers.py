@@ -405,13 +405,19 @@ def build_app(router: Router) -> Starlette:
             Route("/v1/models", _guarded(handlers.models), methods=["GET"]),
             Route("/health", _guarded(handlers.health), methods=["GET"]),
             Route("/metrics", _guarded(handlers.prometheus), methods=["GET"]),
+            # A session id is the client's: whatever the completion routes take (``/`` too,
+            # percent-encoded or not), so ``path``, not one segment. The greedy match leaves
+            # the last ``/keepalive`` to the route: session "a/keepalive" is
+            # /v1/sessions/a/keepalive/keepalive.
             Route(
-                "/v1/sessions/{session_id}/keepalive",
+                "/v1/sessions/{session_id:path}/keepalive",
                 _guarded(handlers.keepalive),
                 methods=["POST"],
             ),
             Route(
-                "/v1/sessions/{session_id}", _guarded(handlers.close_session), methods=["DELETE"]
+                "/v1/sessions/{session_id:path}",
+                _guarded(handlers.close_session),
+                methods=["DELETE"],
             ),
         ],
         middleware=[Middleware(Authenticate, keys=router.api_keys, metrics=router.metrics)],

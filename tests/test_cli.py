@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import unicodedata
 from pathlib import Path
 
 import grpc
@@ -113,6 +115,51 @@ async def test_drain_wait_returns_once_drained_and_fails_on_its_timeout(
             )
             assert done.code == 0, done.stderr
             assert done.json()["drained"] and "decode-0: drained" in done.stderr
+
+
+# Control characters a terminal obeys: OSC (retitle the window, ended by BEL), CSI (clear the
+# screen) as ESC [, and CSI as the single C1 character U+009B.
+_OSC, _CSI, _C1_CSI = "\x1b]0;owned\x07", "\x1b[2J", "\x9b31m"
+
+
+def _printable(output: str) -> str:
+    """``output``, checked to hold no control character but the lines' ends."""
+    assert not [c for c in output if unicodedata.category(c) == "Cc" and c != "\n"], output
+    return output
+
+
+async def test_stored_control_characters_print_as_escapes(
+    registry_process: RegistryProcess,
+) -> None:
+    """Ids, models, URLs and reasons are the clients' text and the registry stores them as
+    given: the tables show their control characters as escapes (never raw, where a terminal
+    would act on them), and JSON keeps them exact."""
+    address = registry_process.address
+    decode = node_spec(f"d{_CSI}")
+    decode.model = f"m{_C1_CSI}"
+    decode.http_base_url = f"http://h{_OSC}"
+    conversation = f"c{_OSC}"
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        async with Heartbeats(stub, decode):
+            lease = await grant(stub, decode, conversation, "req-1")
+            await stub.RevokeLease(
+                registry_pb2.RevokeLeaseRequest(lease_id=lease.lease_id, reason=f"r{_C1_CSI}"),
+                timeout=5,
+            )
+            nodes = await run_cli("node", "ls", "--registry", address)
+            leases = await run_cli("lease", "ls", "--all", "--registry", address)
+            shown = await run_cli("lease", "show", lease.lease_id, "--registry", address)
+            missing = await run_cli("node", "get", f"gone{_CSI}", "--registry", address)
+            as_json = await run_cli("node", "ls", "--registry", address, "-o", "json")
+    assert nodes.code == leases.code == shown.code == 0, nodes.stderr + leases.stderr
+    assert "d\\x1b[2J" in _printable(nodes.stdout) and "m\\x9b31m" in nodes.stdout
+    assert "c\\x1b]0;owned\\x07" in _printable(leases.stdout)
+    assert "r\\x9b31m" in _printable(shown.stdout) and "c\\x1b]0;owned" in shown.stdout
+    assert missing.code == 1 and "gone\\x1b[2J" in _printable(missing.stderr)
+    [node] = as_json.json()
+    assert node["spec"]["node_id"] == decode.node_id
+    assert node["spec"]["http_base_url"] == decode.http_base_url
 
 
 async def test_clear_errors_and_exit_codes(registry_process: RegistryProcess) -> None:
@@ -361,6 +408,83 @@ async def test_tls_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert plain.code == 3  # a plaintext client cannot talk to a TLS registry
     finally:
         await secured.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two self-signed certificates with their keys, and files that are not what they claim:
+    garbage, an encrypted key, and a path that does not exist."""
+    root = tmp_path_factory.mktemp("tls")
+    for name in ("a", "b"):
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=127.0.0.1", "-keyout", str(root / f"{name}.key"),
+             "-out", str(root / f"{name}.pem")],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    subprocess.run(
+        ["openssl", "genrsa", "-aes128", "-passout", "pass:x", "-out", str(root / "enc.key")],
+        check=True,
+        capture_output=True,
+    )
+    (root / "garbage").write_bytes(b"\x00\xffnot a PEM file\n")
+    return {
+        "cert": root / "a.pem",
+        "key": root / "a.key",
+        "other_key": root / "b.key",
+        "encrypted_key": root / "enc.key",
+        "garbage": root / "garbage",
+        "missing": root / "missing.pem",
+    }
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "ca", "named", "says"),
+    [
+        ("cert", "garbage", None, "garbage", "holds no unencrypted PEM private key"),
+        ("cert", "encrypted_key", None, "encrypted_key", "holds no unencrypted PEM private key"),
+        ("cert", "cert", None, "cert", "holds no unencrypted PEM private key"),
+        ("garbage", "key", None, "garbage", "holds no PEM certificate"),
+        ("key", "key", None, "key", "holds no PEM certificate"),
+        ("missing", "key", None, "missing", "cannot read the certificate file"),
+        ("cert", "missing", None, "missing", "cannot read the private key file"),
+        ("cert", "other_key", None, "other_key", "is not the key of the certificate"),
+        ("cert", "key", "garbage", "garbage", "the CA file"),
+        ("cert", "key", "missing", "missing", "cannot read the CA file"),
+    ],
+)
+async def test_bad_tls_files_are_one_sentence_naming_the_file(
+    tls_files: dict[str, Path], cert: str, key: str, ca: str | None, named: str, says: str
+) -> None:
+    """The registry's --tls-cert/--tls-key/--tls-client-ca, the sidecar's --metrics-tls-*
+    and a client's --tls-client-cert/--tls-client-key: a wrong file is refused before
+    anything is served or called, in one line naming it, with no traceback."""
+    server = ["--tls-cert", str(tls_files[cert]), "--tls-key", str(tls_files[key])]
+    if ca is not None:
+        server += ["--tls-client-ca", str(tls_files[ca])]
+    sidecar = [f"--metrics-{flag[2:]}" if flag.startswith("--") else flag for flag in server]
+    runs = [
+        await run_cli("registry", "serve", "--listen", "127.0.0.1:0", *server),
+        await run_cli(
+            "sidecar", "run", "--engine-url", "http://127.0.0.1:1", "--role", "decode",
+            "--listen", "unix:" + str(tls_files["cert"].parent / "s.sock"),
+            "--registry", "127.0.0.1:1", "--metrics-listen", "127.0.0.1:0", *sidecar,
+        ),
+    ]  # fmt: skip
+    if key in ("other_key", "encrypted_key"):
+        # A client's key that is a PEM key but not the one (other files: flag checks).
+        runs.append(
+            await run_cli(
+                "node", "ls", "--registry", "127.0.0.1:1", "--tls-ca", str(tls_files["cert"]),
+                "--tls-client-cert", str(tls_files[cert]),
+                "--tls-client-key", str(tls_files[key]),
+            )
+        )  # fmt: skip
+    for result in runs:
+        assert result.code == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        [line] = result.stderr.splitlines()
+        assert line.startswith("error: ") and says in line and str(tls_files[named]) in line
 
 
 def test_sidecar_roles_are_the_node_role_labels() -> None:

@@ -36,7 +36,7 @@ from kvbroker.controlplane.identity import (
     authorize,
     sees_incarnation,
 )
-from kvbroker.controlplane.server import RunningRegistry
+from kvbroker.controlplane.server import RunningRegistry, ServerOptions, TlsFiles, start_registry
 from kvbroker.stack import router_command, router_routing, sidecar_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
@@ -550,14 +550,53 @@ async def test_a_sidecar_serves_its_metrics_over_tls_when_asked(pki: Pki, tmp_pa
         ready=[Announces()],
     )
     await sidecar.start()
+    # A client that connects and never says hello holds only its own connection.
+    _, silent = await asyncio.open_connection("127.0.0.1", port)
     try:
-        async with httpx.AsyncClient(verify=str(pki.ca)) as scraper:
+        ssl_context = ssl.create_default_context(cafile=str(pki.ca))
+        async with httpx.AsyncClient(verify=ssl_context, timeout=2.0) as scraper:
             response = await scraper.get(f"https://127.0.0.1:{port}/metrics")
         assert "kvbroker_sidecar_engine_ready" in response.text
     finally:
+        silent.close()
         await sidecar.stop()
     lone = await run_cli(
         "sidecar", "run", "--engine-url", "http://x:1", "--role", "decode",
         "--metrics-tls-cert", str(cert),
     )  # fmt: skip
     assert lone.code == 2 and "--metrics-tls-cert and --metrics-tls-key go together" in lone.stderr
+
+
+async def test_a_silent_or_garbled_client_does_not_stop_tls_scrapes(pki: Pki) -> None:
+    """The handshake runs on each connection's own thread: a client that connects and sends
+    nothing, one that sends bytes that are no ClientHello and one that starts a TLS record and
+    stops hold only their own connections while a real scraper reads the metrics at once."""
+    cert, key = pki.files["replica"]
+    running = await start_registry(
+        ServerOptions(
+            listen="127.0.0.1:0",
+            metrics_listen="127.0.0.1:0",
+            tls=TlsFiles(cert, key, pki.ca),
+        )
+    )
+    assert running.metrics_address is not None
+    host, _, port = running.metrics_address.rpartition(":")
+    idle = []
+    try:
+        for opening in (b"", b"\x00not a client hello\r\n\r\n", b"\x16\x03\x01\x02\x00\x01"):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(opening)
+            await writer.drain()
+            idle.append(writer)
+        scraper_cert, scraper_key = pki.files["router"]
+        ssl_context = ssl.create_default_context(cafile=str(pki.ca))
+        ssl_context.load_cert_chain(str(scraper_cert), str(scraper_key))
+        # Well under HANDSHAKE_TIMEOUT_S: the scrape does not wait for the silent ones to go.
+        async with httpx.AsyncClient(verify=ssl_context, timeout=2.0) as scraper:
+            for _ in range(3):
+                response = await scraper.get(f"https://{running.metrics_address}/metrics")
+                assert "kvbroker_hints_total" in response.text
+    finally:
+        for writer in idle:
+            writer.close()
+        await running.stop(grace=0.1)

@@ -18,9 +18,11 @@ import pytest
 
 from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.ports import free_port
-from kvbroker.controlplane.config import MAX_ANSWER_BYTES, RegistryConfig
+from kvbroker.controlplane.config import GRPC_MAX_RECEIVE_BYTES, MAX_HINT_BATCH, RegistryConfig
+from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.planner import PlannerConfig
 from kvbroker.controlplane.server import RunningRegistry
+from kvbroker.controlplane.validation import Validation
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.handlers import build_app
 from kvbroker.router.proxy import Router
@@ -157,7 +159,7 @@ async def test_a_batch_past_its_byte_budget_answers_the_rest_unclaimed(
         answered = [r for r in response.results if r.HasField("hint")]
         refused = [r for r in response.results if r.HasField("error")]
         assert answered and refused and len(answered) + len(refused) == 200
-        assert response.ByteSize() < MAX_ANSWER_BYTES + 512 * 1024
+        assert response.ByteSize() < GRPC_MAX_RECEIVE_BYTES
         assert {r.error.reason for r in refused} == {registry_pb2.ERROR_REASON_BATCH_FULL}
         assert {r.hint.decision for r in answered} == {registry_pb2.HINT_DECISION_REUSE}
         # The refused ones were not claimed: each is still ACTIVE and reusable when asked again.
@@ -195,3 +197,77 @@ async def test_listing_many_long_leases_pages_by_bytes(stub: RegistryServiceStub
                 break
     assert sorted(seen) == sorted(ids)
     assert pages >= 2
+
+
+# An empty block group in a handle's encoding: field 3, length 0. A handle of such groups holds
+# no block, so the registry bounds it only by its record size: the largest hint there is.
+EMPTY_GROUP = b"\x1a\x00"
+
+
+def padded_lease_request(
+    decode: node_pb2.NodeSpec, conversation: str, groups: int
+) -> registry_pb2.GrantLeaseRequest:
+    request = long_lease_request(decode, conversation, 256)
+    request.handle.MergeFromString(EMPTY_GROUP * groups)
+    return request
+
+
+def largest_padding(config: RegistryConfig, decode: node_pb2.NodeSpec) -> int:
+    """The most empty groups a lease the registry accepts holds (by its own validation)."""
+    validate = Validation(config)
+    low, high = 0, config.max_record_bytes
+    while low < high:
+        middle = (low + high + 1) // 2
+        request = padded_lease_request(decode, "big-0", middle)
+        try:
+            validate.retention(request.handle, request.block_hashes, request.token_count)
+            low = middle
+        except InvalidArgument:
+            high = middle - 1
+    return low
+
+
+async def test_no_answer_passes_grpc_s_default_limit_whatever_its_records(
+    stub: RegistryServiceStub, registry_config: RegistryConfig
+) -> None:
+    """The worst batch: hints of the largest records the registry accepts (~1 MB each) up to
+    just under the byte budget, then one more of them, then short errors for the rest of 1,000
+    requests. Its answer, and a page of the same leases, reach a client with gRPC's default
+    4 MiB receive limit (the stub's channel sets none)."""
+    decode = big_decode_node("decode-0", 5600)
+    prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+    padding = largest_padding(registry_config, decode)
+    budget = registry_config.max_answer_bytes
+    async with Heartbeats(stub, prefill, decode):
+        await stub.GrantLease(padded_lease_request(decode, "big-0", padding), timeout=10)
+        probe = registry_pb2.GetRoutingHintRequest(conversation_id="big-0", model=MODEL)
+        probe.dry_run = True
+        hint = (await stub.GetRoutingHint(probe, timeout=10)).hint
+        big = registry_pb2.RoutingHintResult(hint=hint).ByteSize()
+        assert big > registry_config.max_record_bytes * 0.98
+        fits = budget // big
+        bigs = [f"big-{i}" for i in range(fits + 1)]
+        for conversation in bigs[1:fits]:
+            await stub.GrantLease(padded_lease_request(decode, conversation, padding), timeout=10)
+        # A filler that brings the answer to just under the budget before the last big one
+        # (a claimed hint is a few bytes longer than the dry run's: 256 bytes of slack).
+        filler = padding - (big - (budget - fits * big - 256)) // 2
+        await stub.GrantLease(padded_lease_request(decode, "filler", filler), timeout=10)
+        await stub.GrantLease(padded_lease_request(decode, bigs[-1], padding), timeout=10)
+        conversations = [*bigs[:fits], "filler", bigs[-1]]
+        conversations += [f"later-{i:04d}" for i in range(MAX_HINT_BATCH - len(conversations))]
+        requests = [registry_pb2.GetRoutingHintRequest(conversation_id=c, model=MODEL)
+                    for c in conversations]  # fmt: skip
+        response = await stub.BatchGetRoutingHints(
+            registry_pb2.BatchGetRoutingHintsRequest(requests=requests), timeout=30
+        )
+        answered = [r.hint.lease.conversation_id for r in response.results if r.HasField("hint")]
+        assert answered == conversations[: fits + 2]  # the last big one crossed the budget
+        assert response.results[fits + 2].error.reason == registry_pb2.ERROR_REASON_BATCH_FULL
+        assert response.ByteSize() < GRPC_MAX_RECEIVE_BYTES
+
+        page = await stub.ListLeases(
+            registry_pb2.ListLeasesRequest(page_size=1000, states=[lease_pb2.LEASE_STATE_CLAIMED]),
+            timeout=10,
+        )
+        assert len(page.leases) == fits + 2 and page.ByteSize() < GRPC_MAX_RECEIVE_BYTES

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import quote
 
 import grpc
 import httpx
@@ -324,6 +325,32 @@ async def test_keepalive_and_close(fleet: Fleet, stub: RegistryServiceStub) -> N
         unknown = await client.delete(f"{fleet.router_url}/v1/sessions/never")
         assert unknown.status_code == 404
         assert "unknown" in unknown.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("session", ["team/agent-1", "a/keepalive", "/lead", "trail/"])
+async def test_session_routes_take_every_session_id_the_completions_take(
+    fleet: Fleet, stub: RegistryServiceStub, session: str
+) -> None:
+    """A session id holding ``/`` (one that even ends in ``/keepalive``) is the client's to
+    choose: the completion routes take it, and the session routes name it, percent-encoded or
+    as it is, and reach its lease."""
+    async with httpx.AsyncClient() as client:
+        turn = await client.post(
+            f"{fleet.router_url}/v1/chat/completions", json=CHAT, headers={"X-Session-ID": session}
+        )
+        assert turn.status_code == 200, turn.text
+        assert fleet.decode.received[-1]["session_id"] == session
+        lease = await grant(stub, fleet.decode_spec, session, "d-req")
+        for named in (quote(session, safe=""), session):
+            kept = await client.post(
+                f"{fleet.router_url}/v1/sessions/{named}/keepalive", json={"ttl_seconds": 900}
+            )
+            assert kept.status_code == 200, kept.text
+            assert kept.json()["session_id"] == session
+            assert kept.json()["lease_id"] == lease.lease_id
+        closed = await client.delete(f"{fleet.router_url}/v1/sessions/{quote(session, safe='')}")
+        assert closed.status_code == 200, closed.text
+        assert closed.json()["state"] == "REVOKED" and closed.json()["session_id"] == session
 
 
 async def test_models_and_health(fleet: Fleet) -> None:
@@ -804,8 +831,8 @@ async def test_a_tenant_cannot_close_or_keep_alive_another_tenants_session(
             assert_openai_error(kept, 404, "session_not_found")
         closed = await client.delete(f"{url}/v1/sessions/agent-7", headers=as_tenant("acme"))
         assert_openai_error(closed, 404, "session_not_found")
-        # Nor by naming the scoped id itself: a path has no room for its slash, and a body's
-        # session id is scoped again (acme/globex/agent-7).
+        # Nor by naming the scoped id itself: a session id in a path or a body is scoped
+        # again (acme/globex/agent-7).
         quoted = await client.delete(
             f"{url}/v1/sessions/globex%2Fagent-7", headers=as_tenant("acme")
         )

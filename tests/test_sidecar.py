@@ -215,6 +215,39 @@ async def test_a_closed_session_stays_closed_across_a_registry_restart(stack: St
     assert after.time_to_live.ToTimedelta() <= before["conv-open"].time_to_live.ToTimedelta()
 
 
+async def test_a_closed_session_stays_closed_when_the_engine_re_attaches_for_a_replay(
+    stack: Stack,
+) -> None:
+    """The same within the revoke grace, when the node restarts with the registry: the
+    engine's link re-attaches to a new sidecar with its own mirror's snapshot, which the
+    sidecar replays to the restarted (empty) registry. The engine keeps the closed session's
+    blocks out the grace, but its lease ended: the snapshot must not carry it as retained."""
+    stack.link.retained(retained_blocks("decode-0", "conv-open", "req-open"))
+    stack.link.retained(retained_blocks("decode-0", "conv-closed", "req-closed"))
+    seen: list[Deadline] = []
+    await eventually(lambda: _leases_known(stack.link, seen, 2))
+    await stack.stub.RevokeLease(
+        registry_pb2.RevokeLeaseRequest(conversation_id="conv-closed", reason="closed"),
+        timeout=5,
+    )
+
+    async def revoked_reached_the_engine() -> bool:
+        seen.extend(stack.link.poll_deadlines())
+        return any(d.remote_request_id == "req-closed" and not d.lease_live for d in seen)
+
+    await eventually(revoked_reached_the_engine)
+    stack.registry.kill()
+    await stack.registry.wait()
+    stack.sidecar.kill()
+    await stack.sidecar.wait()
+    stack.registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{stack.port}")
+    stack.sidecar = await spawn_sidecar(
+        stack.registry.address, stack.engine.url, "decode-0", stack.socket_path
+    )
+    (after,) = await eventually(lambda: _when_count(stack.stub, 1, exact=True), within=15)
+    assert after.conversation_id == "conv-open"
+
+
 async def _when_count(stub: RegistryServiceStub, n: int, exact: bool = False):  # type: ignore[no-untyped-def]
     try:
         leases = await live_leases(stub)

@@ -29,6 +29,7 @@ from kvbroker.common.grpc_client import (
     open_channel,
     registry_stub,
 )
+from kvbroker.common.tls_files import TlsFileError, load_tls_context
 
 T = TypeVar("T")
 
@@ -47,6 +48,13 @@ def registry_endpoint(
         fail("--tls-client-cert and --tls-client-key go together", 2)
     if tls_client_cert is not None and tls_ca is None:
         fail("--tls-client-cert needs --tls-ca (the CA that signed the registry's certificate)", 2)
+    if tls_client_cert is not None and tls_client_key is not None:
+        try:
+            # A key that is not the certificate's would fail every handshake, which reads
+            # like an unreachable registry.
+            load_tls_context(tls_client_cert, tls_client_key, server=False)
+        except TlsFileError as error:
+            fail(str(error), 2)
     try:
         return RegistryEndpoint.parse(
             registry, bearer_token(token, token_file), tls_ca, tls_client_cert, tls_client_key

@@ -12,6 +12,7 @@ import typer
 
 from kvbroker.cli.output import OutputFormat, fail
 from kvbroker.common.logging import LogFormat, configure_logging
+from kvbroker.common.tls_files import TlsFileError, check_certificates
 
 # The longest duration a flag may give (ten years): protobuf Durations and gRPC deadlines
 # overflow not far above it, and nothing the registry keeps or a call waits for is longer.
@@ -53,8 +54,11 @@ def host_port(value: str | None) -> str | None:
 def pem_certificates(value: Path | None) -> Path | None:
     """A typer callback for --tls-ca: a file of PEM certificates (with anything else gRPC
     fails every call with a handshake error that reads like an unreachable registry)."""
-    if value is not None and b"-----BEGIN CERTIFICATE-----" not in value.read_bytes():
-        raise typer.BadParameter(f"{str(value)!r} holds no PEM certificate")
+    if value is not None:
+        try:
+            check_certificates(value, "certificate")
+        except TlsFileError as error:
+            raise typer.BadParameter(str(error)) from None
     return value
 
 

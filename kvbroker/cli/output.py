@@ -2,7 +2,11 @@
 
 Everything shown comes from the registry or the command line (node ids, reasons, error
 messages), so it is handed to rich as ``Text``, never as a markup string: a ``[/]`` in a node
-id must print as itself, not end a style (or raise)."""
+id must print as itself, not end a style (or raise). And that text is the clients': a node id
+or a conversation id may hold ESC and the other control characters, which a terminal obeys
+(move the cursor, rewrite what was printed, retitle the window, write the clipboard). Every
+printer here passes it through ``shown``, which writes them as escapes (``\x1b``); JSON output
+is exact, its encoder escapes them already."""
 
 from __future__ import annotations
 
@@ -38,6 +42,17 @@ _UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _NOT_SERVING = (registry_pb2.ERROR_REASON_NO_LEADER, registry_pb2.ERROR_REASON_STORE_UNAVAILABLE)
 
 
+# C0 controls (U+0000-U+001F), DEL and C1 controls (U+0080-U+009F): Unicode's Cc category,
+# everything a terminal may act on rather than print.
+_CONTROLS = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def shown(text: str) -> Text:
+    """``text`` ready for a terminal: as it is (no markup), its control characters written as
+    ``\\xNN`` escapes."""
+    return Text(text.translate(_CONTROLS))
+
+
 class OutputFormat(StrEnum):
     table = "table"
     json = "json"
@@ -46,7 +61,7 @@ class OutputFormat(StrEnum):
 def fail(message: str, code: int = EXIT_REJECTED) -> NoReturn:
     """One line on stderr, ``message`` as it is (no markup), and exit ``code``."""
     Console(stderr=True).print(
-        Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True
+        Text.assemble(("error:", "bold red"), " ", shown(message)), highlight=False, soft_wrap=True
     )
     raise typer.Exit(code)
 
@@ -54,7 +69,7 @@ def fail(message: str, code: int = EXIT_REJECTED) -> NoReturn:
 def say(console: Console, message: str, mark: str = "dim") -> None:
     """One line of progress (or, with ``mark="red"``, a failure): a mark, then ``message``
     as it is."""
-    console.print(Text.assemble(("·", mark), " ", message), highlight=False)
+    console.print(Text.assemble(("·", mark), " ", shown(message)), highlight=False)
 
 
 def unreachable(error: grpc.aio.AioRpcError) -> bool:
@@ -113,20 +128,20 @@ def emit_table(
     if not rows:
         console.print(Text(empty, style="dim"))
         return
-    table = Table(title=Text(title), title_justify="left", header_style="bold")
+    table = Table(title=shown(title), title_justify="left", header_style="bold")
     for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(*(Text(cell) for cell in row))
+        table.add_row(*(shown(cell) for cell in row))
     console.print(table)
 
 
 def emit_fields(title: str, fields: Sequence[tuple[str, str]]) -> None:
-    table = Table(title=Text(title), title_justify="left", show_header=False, box=None)
+    table = Table(title=shown(title), title_justify="left", show_header=False, box=None)
     table.add_column(style="bold")
     table.add_column()
     for name, value in fields:
-        table.add_row(Text(name), Text(value))
+        table.add_row(shown(name), shown(value))
     Console().print(table)
 
 

@@ -25,6 +25,7 @@ from kvbroker.common.grpc_client import RegistryEndpoint
 from kvbroker.common.labels import by_lower_label
 from kvbroker.common.metrics_http import MetricsTls
 from kvbroker.common.ports import ensure_free
+from kvbroker.common.tls_files import TlsFileError
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.v1 import node_pb2
 
@@ -135,5 +136,7 @@ def sidecar_run(
     )
     try:
         uvloop.run(serve_sidecar(config, endpoint, listen, metrics_listen, metrics_tls))
+    except TlsFileError as error:
+        fail(str(error), 2)
     except OSError as error:
         fail(f"cannot serve the sidecar on {listen}: {error}")

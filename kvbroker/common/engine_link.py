@@ -222,6 +222,10 @@ class EngineLink:
             if command.state in LIVE_LEASE_STATES:
                 # So that a replay restores the lease exactly.
                 self._mirror.note_lease(command.remote_request_id, command.lease_id, command.epoch)
+            # And so that the next attach's snapshot leaves out a lease that ended (a closed
+            # session whose blocks the engine keeps only out the grace): a new sidecar replays
+            # that snapshot, and a registry that lost its state would take it back as live.
+            self._mirror.note_command(command)
             self._deadlines.put(
                 Deadline(
                     remote_request_id=command.remote_request_id,

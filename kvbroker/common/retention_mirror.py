@@ -14,11 +14,12 @@ retention by request id.
 Stored entries are never changed in place (noting a lease replaces the entry), so a snapshot
 may be read on any thread while the engine goes on retaining and releasing.
 
-Where lease commands pass (the sidecar), the mirror also notes each one's deadline and whether
-it ended the lease (``note_command``): a replay then says how long the engine still keeps each
-request's blocks, and leaves out those whose lease ended (a closed session, a revoke, an
-expiry) and which the engine only keeps out its grace. Without that, a registry that lost its
-state (the memory store, restarted) would take them back as new, live leases with a fresh TTL.
+On both hops the mirror also notes each lease command's deadline and whether it ended the
+lease (``note_command``): a replay then says how long the engine still keeps each request's
+blocks, and leaves out those whose lease ended (a closed session, a revoke, an expiry) and
+which the engine only keeps out its grace. Without that, a registry that lost its state (the
+memory store, restarted) would take them back as new, live leases with a fresh TTL: from the
+sidecar's replay, or from the engine's snapshot when it re-attaches to a new sidecar.
 """
 
 from __future__ import annotations
