@@ -7,6 +7,12 @@ The create revision of that key is the leader's ``Term`` and the fence of all it
 deposed leader's fenced writes are refused, however late they arrive. A leader that cannot
 refresh its lease for half the TTL stops serving on its own (``keep_alive`` returns) before
 etcd lets anyone else win.
+
+The connection is shared with the store (its commits, loads and watch): a call of either that
+fails reconnects, which closes the client under every other call waiting on it, and grpc.aio
+ends those with ``CancelledError``. Every call here goes through ``Election._call``, which
+makes that a ``StoreUnavailable`` like any other failed call (unless the task itself is being
+cancelled), so the replica's election goes on rather than end with it.
 """
 
 from __future__ import annotations
@@ -14,15 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import aetcd
 import structlog
 from aetcd import rpc
 
+from kvbroker.common.tasks import own_cancellation
 from kvbroker.controlplane.errors import StoreUnavailable
 from kvbroker.controlplane.etcd_store import ETCD_ERRORS, EtcdConnection, key_created_at
 
 log = structlog.get_logger("kvbroker.registry")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,19 +55,14 @@ class Election:
 
     async def observe(self) -> str | None:
         """Where the current leader serves; None while nobody leads."""
-        try:
-            client = await self.connection.client()
-            current = await client.get(self.key)
-        except ETCD_ERRORS as error:
-            await self.connection.reconnect()
-            raise StoreUnavailable(f"etcd unreachable while observing: {error}") from error
+        current = await self._call("observing", lambda client: client.get(self.key))
         return current.value.decode() if current is not None else None
 
     async def campaign(self, value: str) -> Term | None:
         """Leads from now on, serving at ``value``, if nobody does; None if another candidate
         got there first."""
-        try:
-            client = await self.connection.client()
+
+        async def create(client: aetcd.Client) -> Term | None:
             lease = await client.lease(self.ttl_s)
             response = await client.kvstub.Txn(
                 rpc.TxnRequest(
@@ -74,10 +80,9 @@ class Election:
             if not response.succeeded:
                 await client.revoke_lease(lease.id)
                 return None
-        except ETCD_ERRORS as error:
-            await self.connection.reconnect()
-            raise StoreUnavailable(f"etcd unreachable while campaigning: {error}") from error
-        return Term(revision=int(response.header.revision), lease_id=lease.id)
+            return Term(revision=int(response.header.revision), lease_id=lease.id)
+
+        return await self._call("campaigning", create)
 
     async def keep_alive(self, term: Term, stop: asyncio.Event) -> None:
         """Refreshes the term's lease until ``stop`` is set or the term is lost or may be: a
@@ -89,11 +94,14 @@ class Election:
             if stop.is_set():
                 return
             try:
-                client = await self.connection.client()
-                reply = await asyncio.wait_for(client.refresh_lease(term.lease_id), self.ttl_s / 4)
-            except (*ETCD_ERRORS, TimeoutError) as error:
-                log.warning("leader_keepalive_failed", error=str(error))
-                await self.connection.reconnect()
+                reply = await self._call(
+                    "refreshing the leader's lease",
+                    lambda client: asyncio.wait_for(
+                        client.refresh_lease(term.lease_id), self.ttl_s / 4
+                    ),
+                )
+            except StoreUnavailable as error:
+                log.warning("leader_keepalive_failed", error=error.message)
                 continue
             if reply is None or reply.TTL <= 0:
                 return  # the lease is gone: someone else may lead already
@@ -102,6 +110,28 @@ class Election:
     async def resign(self, term: Term) -> None:
         """Gives the key up, so another candidate wins at once rather than after the TTL;
         best effort (unreachable, the lease expires anyway)."""
-        with contextlib.suppress(*ETCD_ERRORS):
+        with contextlib.suppress(StoreUnavailable):
+            await self._call(
+                "resigning",
+                lambda client: asyncio.wait_for(
+                    client.revoke_lease(term.lease_id), self.connection.timeout_s
+                ),
+            )
+
+    async def _call(self, what: str, call: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """``call`` on the shared client; ``StoreUnavailable`` when it fails, ``what`` saying
+        what was being done."""
+        try:
             client = await self.connection.client()
-            await asyncio.wait_for(client.revoke_lease(term.lease_id), self.connection.timeout_s)
+            return await call(client)
+        except ETCD_ERRORS as error:
+            await self.connection.reconnect()
+            raise StoreUnavailable(f"etcd unreachable while {what}: {error}") from error
+        except asyncio.CancelledError as error:
+            if own_cancellation():
+                raise
+            # Another call failed and closed the shared client under this one. It is being
+            # replaced already: reconnecting again would close the next client under others.
+            raise StoreUnavailable(
+                f"etcd call cut off while {what}: another call's failure closed the client"
+            ) from error

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.common.clock import MonotonicClock
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.tasks import own_cancellation
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.election import Election, Term
 from kvbroker.controlplane.errors import StoreUnavailable
@@ -100,16 +101,7 @@ class Replica:
         """Campaigns, leads or follows, until cancelled. The loop never ends on its own: a
         failure anywhere in it is logged and the loop starts over (no replica is left with no
         election running)."""
-        poll_s = self.options.election_ttl_s / 4
-        while True:
-            try:
-                await self._elect()
-            except Exception:
-                log.exception("election_loop_failed")
-                self.metrics.leader.set(0)
-                await asyncio.sleep(poll_s)
-            else:  # pragma: no cover - _elect only ends by raising
-                log.error("election_loop_ended")
+        await _until_cancelled(self._elect, "election", self.options.election_ttl_s / 4)
 
     async def _elect(self) -> None:
         poll_s = self.options.election_ttl_s / 4
@@ -145,8 +137,11 @@ class Replica:
                     continue
                 self._follow_leader(leader)
                 await self._can_serve(await self._leader_serves())
-                if follower is None or follower.done():
-                    follower = asyncio.create_task(self.store.follow(), name="kvbroker-follow")
+                if follower is None:
+                    follower = asyncio.create_task(
+                        _until_cancelled(self.store.follow, "follow", poll_s),
+                        name="kvbroker-follow",
+                    )
                 await asyncio.sleep(poll_s)
         finally:
             if follower is not None:
@@ -191,6 +186,10 @@ class Replica:
             log.warning("registry_leadership_failed", error=error.message)
         except Exception:  # step down and campaign again rather than die leading
             log.exception("registry_leadership_error")
+        except asyncio.CancelledError:
+            if own_cancellation():
+                raise
+            log.exception("registry_leadership_cut_off")
         finally:
             self.registry = None
             await self._can_serve(False)
@@ -238,3 +237,22 @@ class Replica:
             self._leader_stub = registry_stub(self._leader_channel)
             self._leader_health = health_pb2_grpc.HealthStub(self._leader_channel)
             log.info("registry_following", leader=address)
+
+
+async def _until_cancelled(step: Callable[[], Awaitable[None]], loop: str, pause_s: float) -> None:
+    """Runs ``step`` again and again until this task is cancelled. A failure in it, or a
+    ``CancelledError`` that is not this task's own cancellation (an etcd call cut off by
+    another's reconnect), is logged and ``step`` starts over after ``pause_s``: a replica's
+    loops never end without a word."""
+    while True:
+        try:
+            await step()
+        except asyncio.CancelledError:
+            if own_cancellation():
+                raise
+            log.exception("replica_loop_cut_off", loop=loop)
+        except Exception:
+            log.exception("replica_loop_failed", loop=loop)
+        else:
+            log.error("replica_loop_ended", loop=loop)
+        await asyncio.sleep(pause_s)

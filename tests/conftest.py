@@ -63,6 +63,7 @@ LAYERS = {
     "test_prompt_size": "unit",
     "test_readiness": "unit",
     "test_registry_endpoint": "unit",
+    "test_registry_failover": "integration",
     "test_registry_unit": "unit",
     "test_request_validation": "unit",
     "test_retention_policy": "unit",

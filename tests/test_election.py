@@ -11,6 +11,7 @@ import pytest
 
 from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.controlplane.election import Election, Term
+from kvbroker.controlplane.errors import StoreUnavailable
 from kvbroker.controlplane.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.model import Node
 from kvbroker.controlplane.store import Deposed
@@ -119,3 +120,30 @@ async def test_a_deposed_leaders_fence_refuses_its_writes(etcd: LocalEtcd) -> No
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_a_call_cut_off_by_another_s_reconnect_is_a_store_failure(etcd: LocalEtcd) -> None:
+    """The store and the election share one etcd client. While etcd hangs, a store call that
+    times out reconnects, which closes the client under the election's call: grpc.aio ends
+    that call with CancelledError, which ended the replica's election loop for good. It is a
+    failed call like any other (StoreUnavailable); only the task's own cancellation ends it."""
+    connection = EtcdConnection(EtcdEndpoints.parse(etcd.url))
+    election = Election(connection, KEY, TTL_S)
+    await election.observe()  # connected
+    await etcd.hang()
+    try:
+        observing = asyncio.create_task(election.observe())
+        await asyncio.sleep(0.2)  # the call is in flight (etcd answers nothing now)
+        assert not observing.done()
+        await connection.reconnect()  # as the store's timed-out call does
+        with pytest.raises(StoreUnavailable, match="cut off"):
+            await asyncio.wait_for(observing, 1)
+
+        cancelled = asyncio.create_task(election.observe())
+        await asyncio.sleep(0.2)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+    finally:
+        etcd.resume()
+        await connection.close()

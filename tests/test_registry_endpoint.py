@@ -1,35 +1,11 @@
-"""Reading ``--registry`` (``RegistryEndpoint.parse``) and the gRPC target a channel gets from
-it: names, IPv4 and bracketed IPv6 addresses, alone or in a failover list."""
+"""Reading ``--registry`` (``RegistryEndpoint.parse``): names, IPv4 and bracketed IPv6
+addresses, alone or in a failover list (tests/test_registry_failover.py: the list in use)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvbroker.common.grpc_client import RegistryEndpoint
-
-
-@pytest.mark.parametrize(
-    ("spec", "target"),
-    [
-        ("localhost:7070", "localhost:7070"),  # one address: gRPC resolves it, again and again
-        ("registry-0.registry.svc:7070", "registry-0.registry.svc:7070"),
-        ("[::1]:7070", "[::1]:7070"),
-        ("localhost:7070,localhost:7071", "ipv4:127.0.0.1:7070,127.0.0.1:7071"),
-        (" 127.0.0.1:7070 , localhost:7071 ", "ipv4:127.0.0.1:7070,127.0.0.1:7071"),
-        ("localhost:7070,127.0.0.1:7070", "ipv4:127.0.0.1:7070"),
-        ("[::1]:7070,[::1]:7071", "ipv6:[::1]:7070,[::1]:7071"),
-        # A name that does not resolve now is left out; the others still serve.
-        ("no-such-host.invalid:7070,localhost:7071", "ipv4:127.0.0.1:7071"),
-        # None resolves: the first, for gRPC to resolve on each call and to say why it cannot.
-        ("no-such-host.invalid:7070,gone.invalid:7071", "no-such-host.invalid:7070"),
-    ],
-)
-def test_names_and_addresses_make_a_target(spec: str, target: str) -> None:
-    assert RegistryEndpoint.parse(spec).target() == target
-
-
-def test_an_ipv6_only_entry_is_left_out_of_an_ipv4_list() -> None:
-    assert RegistryEndpoint.parse("[::1]:7070,127.0.0.1:7071").target() == "ipv4:127.0.0.1:7071"
 
 
 @pytest.mark.parametrize(

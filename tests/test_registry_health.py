@@ -97,3 +97,34 @@ async def test_health_says_not_serving_while_the_store_is_away(
         )
     finally:
         await stop_all(replicas)
+
+
+async def test_every_replica_leads_or_follows_again_after_etcd_hangs(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    """etcd hung, not dead (SIGSTOP for 8 s, four election TTLs, then SIGCONT): calls to it
+    time out rather than fail, a replica's shared etcd client is closed under its other calls,
+    and no replica may be left with its election ended. Within a few TTLs of etcd coming back
+    every replica serves again: one leads, the others follow it."""
+    replicas = [registry_replica(tmp_path, i, etcd.url, FLAGS) for i in range(3)]
+    for replica in replicas:
+        await replica.start()
+    addresses = [replica.address for replica in replicas]
+    try:
+        await until_all(addresses, SERVING, within_s=15)
+        await etcd.hang()
+        try:
+            await until_all(addresses, NOT_SERVING, within_s=8)
+            await asyncio.sleep(8)  # etcd hung this long
+        finally:
+            etcd.resume()
+        await poll_until(
+            lambda: _all(answers_when_serving(address) for address in addresses),
+            5 * 2,  # five election TTLs
+            "every replica leading or following",
+            every_s=0.1,
+            retrying=(),
+        )
+        assert await etcd.leader() in addresses
+    finally:
+        await stop_all(replicas)

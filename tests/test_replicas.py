@@ -191,10 +191,17 @@ async def test_a_partitioned_sidecars_leases_expire_and_are_not_offered(tmp_path
 
 @pytest.mark.soak
 async def test_kills_under_load_lose_nothing(tmp_path: Path) -> None:
-    """The soak, bounded: replicas killed (mostly the leader) and etcd restarted under a
-    steady load of turns through the router."""
+    """The soak, bounded: replicas killed (mostly the leader), etcd restarted and etcd hung
+    (SIGSTOP for four election TTLs, then SIGCONT) under a steady load of turns through the
+    router. After the hang every replica leads or follows again within five TTLs."""
     config = SoakConfig(
-        duration_s=36, kill_every_s=6, conversations=6, restart_etcd=True, leader_kill_share=1.0
+        duration_s=48,
+        kill_every_s=6,
+        conversations=6,
+        restart_etcd=True,
+        hang_etcd_s=8,
+        rejoin_within_s=10,
+        leader_kill_share=1.0,
     )
     report = await run_soak(config, FLAGS, tmp_path)
     print(report)
@@ -203,5 +210,7 @@ async def test_kills_under_load_lose_nothing(tmp_path: Path) -> None:
     assert report.leases_lost == 0
     assert report.stale_hints == report.stale_reads == 0
     assert report.leader_kills >= 1 and report.etcd_restarts == 1
+    assert report.etcd_hangs == 1 and report.replicas_stuck == 0
+    assert len(report.etcd_hang_rejoin_s) == 1
     assert report.recovery_s and report.etcd_recovery_s  # reuse came back after each
     assert report.reuse_exact > report.turns // 4

@@ -14,8 +14,12 @@ truth, which is what makes the counts below meaningful:
 - stale reads: reads the lease check allowed of blocks no longer held (the worst outcome);
 - lost leases: at the end, conversations whose decode engine still holds their last turn's
   blocks but whose lease the registry no longer has;
-- recovery: from each leader kill (and etcd restart) to the first turn that started after it
-  and reused KV on an EXACT hint.
+- recovery: from each leader kill (and etcd restart or hang) to the first turn that started
+  after it and reused KV on an EXACT hint;
+- rejoin: from etcd resuming after a hang (SIGSTOP, then SIGCONT: connections stay open and
+  nothing answers, so calls time out rather than fail) until every replica's gRPC health says
+  SERVING again (it leads, or follows a leader that serves); a replica that does not within
+  ``rejoin_within_s`` counts as stuck.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.bench.failover_engine import MODEL, SimEngine, Tally
 from kvbroker.bench.failover_report import SoakReport
@@ -40,6 +46,8 @@ from kvbroker.common.local_etcd import LocalEtcd
 from kvbroker.common.ports import free_port
 from kvbroker.common.routing import LIVE_LEASE_STATES
 from kvbroker.common.supervisor import ChildProcess, stop_all
+from kvbroker.common.tasks import poll_until
+from kvbroker.controlplane.server import SERVICE_NAME
 from kvbroker.stack import router_command, router_routing
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import registry_pb2
@@ -71,6 +79,11 @@ class SoakConfig:
     leader_kill_share: float = 0.75
     restart_after_s: float = 2.0
     restart_etcd: bool = True
+    # Hang etcd this long once, two thirds of the way in (0: never).
+    hang_etcd_s: float = 8.0
+    # How soon after etcd resumes every replica must lead or follow again (5 election TTLs of
+    # the default 2 s).
+    rejoin_within_s: float = 10.0
     seed: int = 7
 
 
@@ -113,6 +126,9 @@ class Fleet:
             ready=[router_routing(self.router_url, MODEL)],
         )
         self.tally = Tally()
+        # Per etcd hang: seconds from its resumption until every replica served again.
+        self.rejoin_s: list[float] = []
+        self.stuck: list[str] = []
         # conversation -> (engine id, request id) of each retention, in the order made
         self.retentions: dict[str, list[tuple[str, str]]] = {}
         self.http = httpx.AsyncClient(timeout=10)
@@ -193,9 +209,12 @@ class Fleet:
         self, rng: random.Random, until: float, events: list[tuple[float, str]]
     ) -> None:
         """Kills a replica (mostly the leader) every so often and brings it back; restarts
-        etcd once, a third of the way in, if asked. Each goes into ``events`` with its time."""
+        etcd once, a third of the way in, and hangs it once, two thirds of the way in, if
+        asked. Each goes into ``events`` with its time."""
         config = self.config
-        etcd_due = time.monotonic() + (until - time.monotonic()) / 3 if config.restart_etcd else 0
+        now = time.monotonic()
+        etcd_due = now + (until - now) / 3 if config.restart_etcd else 0
+        hang_due = now + 2 * (until - now) / 3 if config.hang_etcd_s else 0
         # The last event leaves a quiet tail, so recovery from it is seen before the end.
         while time.monotonic() + 2 * config.kill_every_s < until:
             await asyncio.sleep(config.kill_every_s)
@@ -206,6 +225,10 @@ class Fleet:
                 await self.etcd.start()
                 events.append((time.monotonic(), "etcd"))
                 continue
+            if hang_due and time.monotonic() >= hang_due:
+                hang_due = 0
+                await self.hang_etcd(events)
+                continue
             leader = await self.etcd.leader()
             leading = [r for r in self.replicas if r.address == leader]
             hit_leader = bool(leading) and rng.random() < config.leader_kill_share
@@ -214,6 +237,37 @@ class Fleet:
             events.append((time.monotonic(), "leader" if victim in leading else "follower"))
             await asyncio.sleep(config.restart_after_s)
             await victim.start()
+
+    async def hang_etcd(self, events: list[tuple[float, str]]) -> None:
+        """etcd hung for ``hang_etcd_s``, then resumed; then every replica must serve again
+        within ``rejoin_within_s`` (a replica whose election ended stays NOT_SERVING)."""
+        await self.etcd.hang()
+        try:
+            await asyncio.sleep(self.config.hang_etcd_s)
+        finally:
+            self.etcd.resume()
+        resumed = time.monotonic()
+        events.append((resumed, "etcd-hang"))
+        waiting = [r.address for r in self.replicas]
+        with contextlib.suppress(TimeoutError):
+            await poll_until(
+                lambda: self._all_serving(waiting),
+                self.config.rejoin_within_s,
+                "every replica serving",
+                retrying=(),
+            )
+            self.rejoin_s.append(round(time.monotonic() - resumed, 3))
+            return
+        self.stuck.append(
+            f"after etcd hung, not serving within {self.config.rejoin_within_s:.0f} s: "
+            + ", ".join(waiting)
+        )
+
+    async def _all_serving(self, waiting: list[str]) -> bool:
+        """Leaves in ``waiting`` the replicas whose health does not say SERVING yet."""
+        serving = await asyncio.gather(*(_serves(address) for address in waiting))
+        waiting[:] = [a for a, ok in zip(waiting, serving, strict=True) if not ok]
+        return not waiting
 
     # ------------------------------------------------------------ the end check
 
@@ -324,8 +378,24 @@ async def _drive(fleet: Fleet, config: SoakConfig, say: Callable[[str], None]) -
         etcd_restarts=sum(1 for _, what in events if what == "etcd"),
         recovery_s=recovery("leader"),
         etcd_recovery_s=recovery("etcd"),
-        failures=tally.failed[:20] + lost[:20],
+        etcd_hangs=sum(1 for _, what in events if what == "etcd-hang"),
+        etcd_hang_rejoin_s=fleet.rejoin_s,
+        etcd_hang_recovery_s=recovery("etcd-hang"),
+        replicas_stuck=len(fleet.stuck),
+        failures=tally.failed[:20] + lost[:20] + fleet.stuck,
     )
+
+
+async def _serves(address: str) -> bool:
+    """Whether the replica at ``address`` says SERVING (unreachable: no)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1
+            )
+        except grpc.aio.AioRpcError:
+            return False
+    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 @contextlib.asynccontextmanager

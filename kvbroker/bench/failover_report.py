@@ -31,6 +31,12 @@ class SoakReport:
     etcd_restarts: int
     recovery_s: list[float]
     etcd_recovery_s: list[float]
+    etcd_hangs: int
+    # Seconds from etcd resuming after a hang until every replica served again.
+    etcd_hang_rejoin_s: list[float]
+    etcd_hang_recovery_s: list[float]
+    # Hangs after which some replica did not serve again in time.
+    replicas_stuck: int
     failures: list[str]
 
     def to_json(self) -> dict[str, Any]:
@@ -59,6 +65,10 @@ def summary_rows(report: SoakReport) -> list[tuple[str, str, str]]:
         ("etcd restarts", str(report.etcd_restarts), ""),
         ("reuse again after a leader kill, s", _spread(report.recovery_s), ""),
         ("reuse again after etcd restarted, s", _spread(report.etcd_recovery_s), ""),
+        ("etcd hangs", str(report.etcd_hangs), ""),
+        ("every replica serving after etcd resumed, s", _spread(report.etcd_hang_rejoin_s), ""),
+        ("reuse again after etcd resumed, s", _spread(report.etcd_hang_recovery_s), ""),
+        ("replicas stuck after a hang", str(report.replicas_stuck), "0"),
     ]
 
 

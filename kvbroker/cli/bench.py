@@ -222,10 +222,19 @@ def bench_failover(
     restart_etcd: Annotated[
         bool, typer.Option(help="Restart etcd once, a third of the way in.")
     ] = True,
+    hang_etcd: Annotated[
+        float,
+        typer.Option(
+            callback=seconds,
+            min=0,
+            help="Hang etcd (SIGSTOP) this long once, two thirds of the way in; 0: never.",
+        ),
+    ] = 8,
     seed: Annotated[int, typer.Option(help="Seed for think times and victims.")] = 7,
 ) -> None:
     """Soak: replicas on a real etcd killed under a steady load of turns through the router.
-    Exits 1 if any request failed, any lease was lost, or any hint or read was stale."""
+    Exits 1 if any request failed, any lease was lost, any hint or read was stale,
+    or a replica did not lead or follow again soon after etcd hung."""
     from kvbroker.bench.failover import SoakConfig, run_soak
     from kvbroker.bench.failover_report import summary_rows, write_report
 
@@ -236,6 +245,7 @@ def bench_failover(
         duration_s=seconds,
         kill_every_s=kill_every,
         restart_etcd=restart_etcd,
+        hang_etcd_s=hang_etcd,
         seed=seed,
     )
     try:
@@ -251,7 +261,13 @@ def bench_failover(
     for failure in report.failures:
         say(console, failure, "red")
     console.print(Text(f"written: {write_report(report, output)}"))
-    bad = report.failed_requests + report.leases_lost + report.stale_hints + report.stale_reads
+    bad = (
+        report.failed_requests
+        + report.leases_lost
+        + report.stale_hints
+        + report.stale_reads
+        + report.replicas_stuck
+    )
     raise typer.Exit(1 if bad else 0)
 
 

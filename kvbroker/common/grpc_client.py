@@ -2,10 +2,11 @@
 list to fail over between, optional TLS, optional bearer token, deadlines on every call; and
 how a failed call is read back (``from_grpc_error``).
 
-One address goes to gRPC as it is: gRPC resolves a name itself, and again after a failure. A
-list becomes one static target, and gRPC's static targets (``ipv4:``, ``ipv6:``) take literal
-addresses only, so the names in a list are resolved when the channel is opened; a name that
-does not resolve then (a replica gone, its DNS record with it) is left out of that channel.
+Each address goes to gRPC as it is: gRPC resolves a name itself, and again after a failure.
+A list (``--registry a,b,c``: registry replicas) becomes a ``FailoverChannel``, one gRPC
+channel per replica: a unary call goes to the replicas in the list's order, skipping those
+that failed lately (``ReplicaHealth``), until one serves it (``replica_away`` says which
+failures another replica may not share).
 
 A failed call says why in a machine-readable reason (``registry_pb2.ErrorReason``) carried
 as a serialised ``HintError`` in its trailing metadata, the record a batch of hints already
@@ -17,12 +18,14 @@ grpcio-status, and its reason is a free string).
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
-import socket
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -53,6 +56,11 @@ class RegistryEndpoint:
     # name says who the caller is (see controlplane/identity.py).
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Which replicas failed lately, for every channel opened from this endpoint.
+    health: ReplicaHealth = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "health", ReplicaHealth(self.addresses))
 
     @classmethod
     def parse(
@@ -84,46 +92,6 @@ class RegistryEndpoint:
 
     def __str__(self) -> str:
         return ",".join(self.addresses)
-
-    def target(self) -> str:
-        """The gRPC target of a channel opened now: one address as it is; several as a static
-        list (gRPC tries them in order), their names resolved now (blocking: a name that
-        takes the resolver long holds the caller as long)."""
-        if len(self.addresses) == 1:
-            return self.addresses[0]
-        found = {address: _resolve(address) for address in self.addresses}
-        # A static target holds one family: IPv4 whenever any entry has it (``localhost`` has
-        # both), so in a list that mixes them an entry with IPv6 only is left out.
-        family = socket.AF_INET
-        if not any(socket.AF_INET in literals for literals in found.values()):
-            family = socket.AF_INET6
-        target: list[str] = []
-        for address, by_family in found.items():
-            if by_family and family not in by_family:
-                log.warning("registry_address_left_out", address=address, reason="IPv6 only")
-            target.extend(x for x in by_family.get(family, ()) if x not in target)
-        if not target:
-            # Nothing resolves now: gRPC resolves the first again on each call, and says why not.
-            return self.addresses[0]
-        return ("ipv4:" if family == socket.AF_INET else "ipv6:") + ",".join(target)
-
-
-def _resolve(address: str) -> dict[int, list[str]]:
-    """The literal addresses (``IP:PORT``, ``[IPv6]:PORT``) a checked address stands for now,
-    by address family; none when its name does not resolve (said in a warning)."""
-    host, port = _split(address)
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as error:
-        log.warning("registry_address_unresolved", address=address, error=str(error))
-        return {}
-    by_family: dict[int, list[str]] = {}
-    for family, _, _, _, sockaddr in found:
-        if family == socket.AF_INET:
-            by_family.setdefault(family, []).append(f"{sockaddr[0]}:{port}")
-        elif family == socket.AF_INET6:
-            by_family.setdefault(family, []).append(f"[{sockaddr[0]}]:{port}")
-    return by_family
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -180,6 +148,14 @@ class _UnaryStreamToken(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):  #
 
 
 def open_channel(endpoint: RegistryEndpoint) -> grpc.aio.Channel:
+    """A channel to the registry: to its one address, or over its replicas (``FailoverChannel``)."""
+    if len(endpoint.addresses) == 1:
+        return _channel(endpoint, endpoint.addresses[0])
+    channels = {address: _channel(endpoint, address) for address in endpoint.addresses}
+    return FailoverChannel(channels, endpoint.health)
+
+
+def _channel(endpoint: RegistryEndpoint, address: str) -> grpc.aio.Channel:
     options = [
         ("grpc.enable_retries", 1),
         ("grpc.keepalive_time_ms", 10_000),
@@ -199,10 +175,167 @@ def open_channel(endpoint: RegistryEndpoint) -> grpc.aio.Channel:
             private_key=endpoint.tls_key.read_bytes() if endpoint.tls_key else None,
             certificate_chain=endpoint.tls_cert.read_bytes() if endpoint.tls_cert else None,
         )
-        return grpc.aio.secure_channel(
-            endpoint.target(), creds, options=options, interceptors=interceptors
+        return grpc.aio.secure_channel(address, creds, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+# Backoff of a replica that did not serve a call: tried again first after this long, doubled
+# after each further failure, up to the cap (one probe per cap, never one per call).
+REPLICA_BACKOFF_S = 1.0
+REPLICA_BACKOFF_MAX_S = 8.0
+_AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Reasons a replica gives when it answers but cannot serve anything now.
+_NOT_SERVING = (registry_pb2.ERROR_REASON_NO_LEADER, registry_pb2.ERROR_REASON_STORE_UNAVAILABLE)
+
+
+def replica_away(error: grpc.aio.AioRpcError) -> bool:
+    """The replica asked did not serve the call, and another may: no answer reached the client
+    (``UNAVAILABLE`` or ``DEADLINE_EXCEEDED`` without a reason: refused, reset, hung), or the
+    replica answered that it cannot serve now (``NO_LEADER``, ``STORE_UNAVAILABLE``). Not
+    ``NO_READY_NODE``: that is the registry's word on the nodes, the same from every replica."""
+    failure = from_grpc_error(error)
+    if failure.reason == registry_pb2.ERROR_REASON_UNSPECIFIED:
+        return failure.code() in _AWAY_CODES
+    return failure.reason in _NOT_SERVING
+
+
+class ReplicaHealth:
+    """Which replicas of a list failed lately, so that calls go to those that did not first.
+
+    A replica that did not serve a call is tried first again only after a backoff (doubling,
+    capped), so a replica that stays down costs one try per backoff, not one per call, and
+    one that is back is used again, in the list's order, at its next try. Kept by the
+    endpoint, so every channel opened from it (a sidecar opens one per session) knows it."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self._addresses = list(addresses)
+        self._failures = dict.fromkeys(self._addresses, 0)
+        self._down_until = dict.fromkeys(self._addresses, 0.0)
+
+    def order(self) -> list[str]:
+        """The replicas to try, in turn: those not backed off in the list's order, then the
+        others, soonest back first (a call still tries every replica before it fails)."""
+        now = time.monotonic()
+        up = [a for a in self._addresses if self._down_until[a] <= now]
+        down = [a for a in self._addresses if self._down_until[a] > now]
+        return up + sorted(down, key=self._down_until.__getitem__)
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        if self._down_until[address] > now:
+            return  # a call that was already on its way: one failure per try
+        self._failures[address] += 1
+        backoff = min(REPLICA_BACKOFF_S * 2 ** (self._failures[address] - 1), REPLICA_BACKOFF_MAX_S)
+        self._down_until[address] = now + backoff
+        log.warning("registry_replica_skipped", address=address, for_s=backoff)
+
+    def answered(self, address: str) -> None:
+        if self._failures[address]:
+            log.info("registry_replica_back", address=address)
+        self._failures[address] = 0
+        self._down_until[address] = 0.0
+
+
+class _FailoverUnaryUnary:
+    """A unary method over several replicas: the call goes to each in ``ReplicaHealth.order``
+    until one serves it or its deadline has passed, then fails as the last one failed. Every
+    retry is safe: a replica that answers "cannot serve" applied nothing; one that did not
+    answer may have (a reset mid-call), and the registry takes a repeat as the same call (a
+    grant is found by its engine request id, I14: duplicate reports are harmless). A call that
+    ran out its deadline on a hung replica is not repeated: no time is left."""
+
+    def __init__(self, methods: dict[str, Any], health: ReplicaHealth) -> None:
+        self._methods = methods
+        self._health = health
+
+    def __call__(self, request: Any, *, timeout: float | None = None, **options: Any) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._call(request, deadline, options)
+
+    async def _call(self, request: Any, deadline: float | None, options: dict[str, Any]) -> Any:
+        failure: grpc.aio.AioRpcError | None = None
+        for address in self._health.order():
+            left = None if deadline is None else deadline - time.monotonic()
+            if failure is not None and left is not None and left <= 0:
+                break
+            try:
+                response = await self._methods[address](request, timeout=left, **options)
+            except grpc.aio.AioRpcError as error:
+                if not replica_away(error):
+                    raise
+                self._health.failed(address)
+                failure = error
+                continue
+            self._health.answered(address)
+            return response
+        assert failure is not None
+        raise failure
+
+
+class _FirstReplica:
+    """A streaming method over several replicas: the stream goes to the first replica of
+    ``ReplicaHealth.order`` (a stream cannot be replayed elsewhere; its caller's next session
+    picks again, and the unary calls of that session mark a replica that fails)."""
+
+    def __init__(self, methods: dict[str, Any], health: ReplicaHealth) -> None:
+        self._methods = methods
+        self._health = health
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._methods[self._health.order()[0]](*args, **kwargs)
+
+
+class FailoverChannel(grpc.aio.Channel):  # type: ignore[misc]
+    """A channel over a list of replicas, one gRPC channel to each, that a generated stub
+    takes as it takes any channel: unary calls fail over (``_FailoverUnaryUnary``), streams go
+    to the replica to try first. gRPC's own address list (pick_first) is not enough: it moves
+    on only when a connection fails, never past a replica that is up and answers UNAVAILABLE
+    (no leader), nor past one that is hung."""
+
+    def __init__(self, channels: dict[str, grpc.aio.Channel], health: ReplicaHealth) -> None:
+        self._channels = channels
+        self._health = health
+
+    async def __aenter__(self) -> FailoverChannel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self, grace: float | None = None) -> None:
+        await asyncio.gather(*(channel.close(grace) for channel in self._channels.values()))
+
+    def _first(self) -> grpc.aio.Channel:
+        return self._channels[self._health.order()[0]]
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self._first().get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._first().wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self._first().channel_ready()
+
+    def _methods(self, kind: str, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {
+            address: getattr(channel, kind)(method, *args, **kwargs)
+            for address, channel in self._channels.items()
+        }
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _FailoverUnaryUnary(
+            self._methods("unary_unary", method, *args, **kwargs), self._health
         )
-    return grpc.aio.insecure_channel(endpoint.target(), options=options, interceptors=interceptors)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _FirstReplica(self._methods("unary_stream", method, *args, **kwargs), self._health)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _FirstReplica(self._methods("stream_unary", method, *args, **kwargs), self._health)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _FirstReplica(self._methods("stream_stream", method, *args, **kwargs), self._health)
 
 
 def registry_stub(channel: grpc.aio.Channel) -> registry_pb2_grpc.RegistryServiceStub:

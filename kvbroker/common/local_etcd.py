@@ -1,16 +1,20 @@
 """A single-member etcd on loopback, for the one-machine stack, the tests and the benchmarks
 (the binary from Debian's etcd-server), run as a child process: ready when it answers, and able
-to say which registry replica leads on it."""
+to say which registry replica leads on it, or to hang and resume it (SIGSTOP, SIGCONT: an etcd
+that keeps its connections open and answers nothing, the fault that a dead one does not show)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import signal
 from pathlib import Path
 
 import aetcd
 
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Answers, ChildProcess
+from kvbroker.common.tasks import poll_until
 
 LEADER_KEY = b"/kvbroker/leader"
 
@@ -38,6 +42,23 @@ class LocalEtcd:
 
     async def stop(self) -> None:
         await self.child.stop()
+
+    async def hang(self) -> None:
+        """Stops it (SIGSTOP) and returns once every thread of it has stopped, so that no call
+        made from then on is answered until ``resume``."""
+        self.child.kill(signal.SIGSTOP)
+        await poll_until(lambda: asyncio.to_thread(self._stopped), 5, "etcd stopped", every_s=0.01)
+
+    def resume(self) -> None:
+        self.child.kill(signal.SIGCONT)
+
+    def _stopped(self) -> bool:
+        threads = Path(f"/proc/{self.child.pid}/task")
+        # /proc/PID/task/TID/stat: "TID (comm) STATE ..."; T is stopped by a signal.
+        return all(
+            (thread / "stat").read_text().rpartition(")")[2].split()[0] == "T"
+            for thread in threads.iterdir()
+        )
 
     def _argv(self, data_dir: Path) -> list[str]:
         binary = shutil.which("etcd")

@@ -43,3 +43,14 @@ async def poll_until(
                 return result
         await asyncio.sleep(every_s)
     raise TimeoutError(f"{what} not reached within {within_s:.0f} s")
+
+
+def own_cancellation() -> bool:
+    """Whether the ``CancelledError`` being handled is this task's own cancellation (someone
+    called ``cancel()`` on it: it must end) rather than one raised from below. grpc.aio ends a
+    call with ``CancelledError`` when its channel is closed under it, as a shared etcd client
+    is when another task's call on it fails and reconnects: that is a failed call, to be
+    handled like any other failure, and a loop that took it for its own end would stop for
+    good without a word."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
