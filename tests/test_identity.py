@@ -642,3 +642,18 @@ async def test_a_sidecar_serves_its_metrics_over_tls_when_asked(pki: Pki, tmp_pa
         "--metrics-tls-cert", str(cert),
     )  # fmt: skip
     assert lone.code == 2 and "--metrics-tls-cert and --metrics-tls-key go together" in lone.stderr
+
+
+async def test_a_replica_with_credentials_and_no_way_to_forward_does_not_start(
+    tmp_path: Path,
+) -> None:
+    """Its leader would refuse every call it forwards: neither the shared token nor a client
+    certificate. It says what to add instead of starting."""
+    (tmp_path / "credentials").write_text(f"router {DIGEST}\n")
+    refused = await serve_refused(
+        "--credentials", str(tmp_path / "credentials"),
+        "--store", f"etcd://127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    assert refused.code == 2, refused.stderr
+    assert "--token" in refused.stderr and "--tls-client-ca" in refused.stderr
+    assert "Traceback" not in refused.stderr
