@@ -171,6 +171,12 @@ def authorize(principal: Principal, method: str, request: Any) -> None:
             raise PermissionDenied(
                 f"node {principal.node_id!r} may not call {method} as node {acting_as(request)!r}"
             )
+        # The role a node registers as decides which traffic and which KV it is sent.
+        if method == "RegisterNode" and not principal.may_register_as(request.spec.role):
+            raise PermissionDenied(
+                f"node {principal.node_id!r} may register only as its credential's role "
+                f"({principal.node_role_word})"
+            )
         return
     raise PermissionDenied(f"a {principal.role.value} credential may not call {method}")
 

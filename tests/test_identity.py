@@ -206,7 +206,8 @@ class Fleet:
 
 @pytest.fixture
 async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
-    tokens = {who: f"token-of-{who}" for who in ("admin", "router", "node:decode-0:decode")}
+    holders = ("admin", "router", "node:decode-0:decode", "node:both-0:both")
+    tokens = {who: f"token-of-{who}" for who in holders}
     lines = [f"{who} {token_digest(token)}" for who, token in tokens.items()]
     (tmp_path / "credentials").write_text("\n".join(lines) + "\n")
     registry = RegistryProcess("--credentials", str(tmp_path / "credentials"))
@@ -251,6 +252,29 @@ async def test_a_node_token_speaks_for_its_node_only(fleet: Fleet) -> None:
         # It sees its own incarnation: its calls carry it.
         seen = (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"))).node
         assert seen.spec.incarnation == own.incarnation
+
+
+async def test_a_node_token_registers_only_as_its_role(fleet: Fleet) -> None:
+    """A node's registration says which traffic and which KV it is sent: a decode node's
+    stolen token cannot register that node as a prefill node (or as both), while a node
+    whose credential says both may register as any role."""
+    async with open_channel(fleet.endpoint("node:decode-0:decode")) as channel:
+        stub = registry_stub(channel)
+        for role in (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH):
+            spec = node_spec("decode-0", role)
+            call = stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=5)
+            assert await refusal(call) == DENIED
+        await stub.RegisterNode(
+            registry_pb2.RegisterNodeRequest(spec=node_spec("decode-0")), timeout=5
+        )
+    async with open_channel(fleet.endpoint("node:both-0:both")) as channel:
+        stub = registry_stub(channel)
+        for role in (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH):
+            spec = node_spec("both-0", role, port=5700)
+            await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=5)
+            await stub.DeregisterNode(
+                registry_pb2.DeregisterNodeRequest(node_id="both-0", incarnation=spec.incarnation)
+            )
 
 
 async def test_a_node_token_reaches_its_command_stream(fleet: Fleet) -> None:
