@@ -323,6 +323,62 @@ async def test_a_router_token_routes_but_cannot_act_as_a_node(fleet: Fleet) -> N
             assert all(n.spec.incarnation for n in admin_view)
 
 
+async def test_hints_and_leases_show_incarnations_to_their_node_and_operators_only(
+    fleet: Fleet,
+) -> None:
+    """A hint's node specs and lease, and every lease read, carried the holder's incarnation
+    to routers and other nodes: what a node's calls carry to prove their session."""
+    async with (
+        open_channel(fleet.endpoint("admin")) as admin_channel,
+        open_channel(fleet.endpoint("router")) as router_channel,
+        open_channel(fleet.endpoint("node:decode-0:decode")) as own_channel,
+        open_channel(fleet.endpoint("node:both-0:both")) as other_channel,
+    ):
+        admin, router = registry_stub(admin_channel), registry_stub(router_channel)
+        own, other = registry_stub(own_channel), registry_stub(other_channel)
+        decode = node_spec("decode-0")
+        prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+        async with Heartbeats(admin, decode, prefill):
+            lease = await grant(admin, decode, "conv-1", "req-1")
+            assert lease.node_incarnation == decode.incarnation
+            hint = (
+                await router.GetRoutingHint(
+                    registry_pb2.GetRoutingHintRequest(conversation_id="conv-1"), timeout=5
+                )
+            ).hint
+            assert hint.decision == registry_pb2.HINT_DECISION_REUSE
+            assert hint.decode.node_id == "decode-0" and hint.prefill.node_id == "prefill-0"
+            assert hint.lease.lease_id == lease.lease_id
+            assert not (hint.decode.incarnation or hint.prefill.incarnation)
+            assert not hint.lease.node_incarnation
+            batch = await router.BatchGetRoutingHints(
+                registry_pb2.BatchGetRoutingHintsRequest(
+                    requests=[registry_pb2.GetRoutingHintRequest(conversation_id="conv-2")]
+                ),
+                timeout=5,
+            )
+            (result,) = batch.results
+            assert result.hint.decode.node_id and not result.hint.decode.incarnation
+            assert not result.hint.prefill.incarnation
+            get = registry_pb2.GetLeaseRequest(lease_id=lease.lease_id)
+            for reader in (router, other):
+                assert not (await reader.GetLease(get, timeout=5)).lease.node_incarnation
+            listed = await router.ListLeases(registry_pb2.ListLeasesRequest(), timeout=5)
+            assert listed.leases and not any(x.node_incarnation for x in listed.leases)
+            renewed = await router.RenewLease(
+                registry_pb2.RenewLeaseRequest(lease_id=lease.lease_id), timeout=5
+            )
+            assert not renewed.lease.node_incarnation
+            # The node itself and operators still see it.
+            for reader in (own, admin):
+                seen = (await reader.GetLease(get, timeout=5)).lease
+                assert seen.node_incarnation == decode.incarnation
+            admin_hint = await admin.GetRoutingHint(
+                registry_pb2.GetRoutingHintRequest(conversation_id="conv-3", dry_run=True)
+            )
+            assert admin_hint.hint.decode.incarnation == decode.incarnation
+
+
 async def test_unknown_tokens_and_no_token_are_unauthenticated(fleet: Fleet) -> None:
     for token in ("guess", None):
         endpoint = RegistryEndpoint.parse(fleet.registry.address, token=token)
