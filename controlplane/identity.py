@@ -112,7 +112,7 @@ class Principal:
     def __str__(self) -> str:
         """The holder as a credential writes it (``parse`` reads it back)."""
         if self.role is not Role.NODE:
-            return self.role.value
+            return str(self.role.value)
         return f"node:{self.node_id}:{self.node_role_word}"
 
     @property
@@ -122,7 +122,7 @@ class Principal:
 
     def may_register_as(self, node_role: int) -> bool:
         """A node's credential allows its own role, and ``both`` every role."""
-        return self.node_role in (node_role, node_pb2.NODE_ROLE_BOTH)
+        return bool(self.node_role in (node_role, node_pb2.NODE_ROLE_BOTH))
 
 
 OPEN = Principal(Role.ADMIN)
