@@ -69,6 +69,14 @@ class NodeDown(FailedPrecondition):
     reason = registry_pb2.ERROR_REASON_NODE_DOWN
 
 
+class NodeInUse(RegistryError):
+    """A live session holds the node id under another incarnation: a second sidecar for one
+    node, or a restarted one whose predecessor's session has not ended yet. Its own status
+    code, ALREADY_EXISTS, which no other error uses: the schema has no reason for it yet."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class NotHolder(RegistryError):
     code = grpc.StatusCode.PERMISSION_DENIED
     reason = registry_pb2.ERROR_REASON_NOT_HOLDER

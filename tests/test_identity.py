@@ -38,13 +38,13 @@ from kvbroker.controlplane.identity import (
     sees_incarnation,
 )
 from kvbroker.controlplane.server import RunningRegistry
-from kvbroker.stack import router_command, router_routing, sidecar_command
+from kvbroker.stack import KVBROKER, router_command, router_routing, sidecar_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.conftest import KVBROKER, CliResult, run_cli
+from tests.conftest import CliResult, run_cli
 
 DENIED = registry_pb2.ERROR_REASON_PERMISSION_DENIED
 UNAUTHENTICATED = registry_pb2.ERROR_REASON_UNAUTHENTICATED
@@ -556,6 +556,9 @@ async def test_replicas_forward_to_each_other_over_mtls(
     ]
     for replica in replicas:
         await replica.start()
+    # One session, registered again through the other replica (another incarnation would be
+    # refused while this one's session is live).
+    spec = node_spec("decode-0")
     try:
         for replica in replicas:
             async with open_channel(_mtls(pki, replica.address, "node:decode-0:decode")) as channel:
@@ -563,7 +566,7 @@ async def test_replicas_forward_to_each_other_over_mtls(
                 for _ in range(50):  # an election may still be pending
                     try:
                         await stub.RegisterNode(
-                            registry_pb2.RegisterNodeRequest(spec=node_spec("decode-0")),
+                            registry_pb2.RegisterNodeRequest(spec=spec),
                             timeout=5,
                         )
                         break
