@@ -1,11 +1,11 @@
 """Files of credentials that hold no secret: one line per token, ``HOLDER SHA256_HEX`` (the
-token's SHA-256 in lower-case hex, as ``token_digest`` writes it); lines that are blank or
-start with ``#`` are skipped. The registry's ``--credentials`` (holders ``ROLE[:NODE_ID:
+token's SHA-256 in lower-case hex, as ``token_digest`` writes it), ``#`` comments and blank
+lines skipped. The registry's ``--credentials`` (holders ``ROLE[:NODE_ID:
 NODE_ROLE]``) and the router's ``--api-keys`` (holders tenants) are both read here, and a
 presented token is looked up by ``token_digest``, the one digest both use.
 
 The reader is strict because it guards a door: a file it half-reads (a byte-order mark, CRLF
-line ends, an upper-case digest, a trailing comment) would otherwise drop or mangle a
+line ends, an upper-case digest) would otherwise drop or mangle a
 credential, and a file it reads as empty would leave the door open. Every such file is
 refused whole with a sentence naming the file and the line, so that it is fixed before the
 process serves anyone."""
@@ -57,12 +57,12 @@ def read_digest_file(path: Path, holder: Callable[[str], H], form: str) -> dict[
     holders, and naming the file when it holds no line at all."""
     held: dict[str, H] = {}
     for number, line in _lines(path):
-        text = line.strip(" \t")
-        if not text or text.startswith("#"):
+        # A holder never holds '#' (nor whitespace), so a comment can end any line.
+        fields = line.split("#", 1)[0].split()
+        if not fields:
             continue
-        fields = text.split(" ")
-        if len(fields) != 2 or not all(fields):
-            raise ValueError(f"{path}:{number}: expected '{form}' (one space between)")
+        if len(fields) != 2:
+            raise ValueError(f"{path}:{number}: expected '{form}'")
         who, digest = fields
         if len(digest) != DIGEST_LENGTH or not _LOWER_HEX.issuperset(digest):
             raise ValueError(
