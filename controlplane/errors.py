@@ -69,6 +69,14 @@ class NodeDown(FailedPrecondition):
     reason = registry_pb2.ERROR_REASON_NODE_DOWN
 
 
+class NodeInUse(RegistryError):
+    """A live session holds the node id under another incarnation: a second sidecar for one
+    node, or a restarted one whose predecessor's session has not ended yet."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    reason = registry_pb2.ERROR_REASON_NODE_IN_USE
+
+
 class NotHolder(RegistryError):
     code = grpc.StatusCode.PERMISSION_DENIED
     reason = registry_pb2.ERROR_REASON_NOT_HOLDER

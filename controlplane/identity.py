@@ -10,11 +10,17 @@ leases as that node id and no other, and reads what the lease check before a rea
 Credentials:
 
 - a shared token (``--token``): its holder is ``admin``, as before per-role credentials;
-- a credentials file (``--credentials``): one line per credential, ``ROLE[:NODE_ID]
-  SHA256_HEX`` (the token's SHA-256, so the file holds no secret); ``kvbroker registry
-  credential`` prints a fresh token and its line;
-- a client certificate, when the registry requires one (mTLS): its common name is
-  ``admin``, ``replica``, ``router`` or ``node:NODE_ID``.
+- a credentials file (``--credentials``): one line per credential, ``HOLDER SHA256_HEX``
+  (the token's SHA-256, so the file holds no secret); ``kvbroker registry credential``
+  prints a fresh token and its line;
+- a client certificate, when the registry requires one (mTLS): its common name is the holder.
+
+A holder is ``admin``, ``replica``, ``router`` or ``node:NODE_ID:NODE_ROLE``. A node's
+credential binds both what it may claim in its registration that others trust: its node id
+and its role (``prefill``, ``decode``, or ``both``, which may register as any of the three),
+so a stolen prefill token cannot attract decode traffic and the KV retained for it. A node
+holder without its role (the format before roles) is refused with a sentence saying what to
+add, never read as "any role".
 
 With none configured the registry is open (loopback development); then every caller is
 ``admin``.
@@ -31,9 +37,11 @@ from typing import Any
 
 import grpc
 
+from kvbroker.common import ids
 from kvbroker.common.credentials import read_digest_file, token_digest
 from kvbroker.common.grpc_client import AUTH_METADATA_KEY
 from kvbroker.controlplane.errors import PermissionDenied, Unauthenticated
+from kvbroker.v1 import node_pb2
 
 
 class Role(enum.Enum):
@@ -43,28 +51,78 @@ class Role(enum.Enum):
     NODE = "node"
 
 
+# The node roles a node credential may name: BOTH may register as any of them.
+NODE_ROLES: Mapping[str, int] = {
+    "prefill": node_pb2.NODE_ROLE_PREFILL,
+    "decode": node_pb2.NODE_ROLE_DECODE,
+    "both": node_pb2.NODE_ROLE_BOTH,
+}
+HOLDER_FORM = "admin, replica, router or node:NODE_ID:NODE_ROLE (prefill, decode or both)"
+
+
+def _check_node_id(node_id: str) -> None:
+    """A node id a holder can carry and a credentials file reads back as written: a usable id
+    (the registry's rule), without the separators of either (``:``, whitespace, ``#``)."""
+    try:
+        ids.check_id(node_id, "the node id")
+    except ids.InvalidId as error:
+        raise ValueError(str(error)) from None
+    if not node_id.isprintable() or any(c.isspace() or c in ":#" for c in node_id):
+        raise ValueError(
+            f"node id {node_id!r} cannot be written in a credential: it may not hold spaces, "
+            "':', '#' or unprintable characters"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     role: Role
-    # For a node: the node id it speaks for.
+    # For a node: the node id it speaks for, and the NodeRole it may register as.
     node_id: str = ""
+    node_role: int = node_pb2.NODE_ROLE_UNSPECIFIED
 
     @classmethod
     def parse(cls, text: str) -> Principal:
-        """``admin``, ``replica``, ``router`` or ``node:NODE_ID``; ValueError otherwise."""
-        role, _, node_id = text.partition(":")
+        """A holder (``HOLDER_FORM``); ValueError with a sentence otherwise."""
+        role, _, rest = text.partition(":")
         try:
             parsed = Role(role)
         except ValueError:
-            raise ValueError(f"unknown role {role!r} in {text!r}") from None
-        if (parsed is Role.NODE) != bool(node_id):
-            raise ValueError(f"{text!r}: a node credential names its node (node:ID), no other")
-        return cls(parsed, node_id)
+            raise ValueError(f"unknown role {role!r} in {text!r}: expected {HOLDER_FORM}") from None
+        if parsed is not Role.NODE:
+            if rest:
+                raise ValueError(f"{text!r}: only a node credential names a node")
+            return cls(parsed)
+        node_id, colon, node_role = rest.rpartition(":")
+        if not colon:
+            raise ValueError(
+                f"{text!r}: a node credential names its node and the role it registers as, "
+                f"e.g. 'node:{rest or 'NODE_ID'}:decode' (prefill, decode or both)"
+            )
+        _check_node_id(node_id)
+        if node_role not in NODE_ROLES:
+            raise ValueError(f"{text!r}: node role {node_role!r} is not prefill, decode or both")
+        return cls(parsed, node_id, NODE_ROLES[node_role])
+
+    @property
+    def node_role_word(self) -> str:
+        """A node's role as its credential names it."""
+        return next(w for w, r in NODE_ROLES.items() if r == self.node_role)
+
+    def __str__(self) -> str:
+        """The holder as a credential writes it (``parse`` reads it back)."""
+        if self.role is not Role.NODE:
+            return str(self.role.value)
+        return f"node:{self.node_id}:{self.node_role_word}"
 
     @property
     def trusted(self) -> bool:
         """May do anything (an operator, or a replica relaying an authorized call)."""
         return self.role in (Role.ADMIN, Role.REPLICA)
+
+    def may_register_as(self, node_role: int) -> bool:
+        """A node's credential allows its own role, and ``both`` every role."""
+        return bool(self.node_role in (node_role, node_pb2.NODE_ROLE_BOTH))
 
 
 OPEN = Principal(Role.ADMIN)
@@ -109,11 +167,17 @@ def authorize(principal: Principal, method: str, request: Any) -> None:
         return
     if principal.role is Role.NODE and method in _NODE_METHODS:
         acting_as = _NODE_METHODS[method]
-        if acting_as is None or acting_as(request) == principal.node_id:
-            return
-        raise PermissionDenied(
-            f"node {principal.node_id!r} may not call {method} as node {acting_as(request)!r}"
-        )
+        if acting_as is not None and acting_as(request) != principal.node_id:
+            raise PermissionDenied(
+                f"node {principal.node_id!r} may not call {method} as node {acting_as(request)!r}"
+            )
+        # The role a node registers as decides which traffic and which KV it is sent.
+        if method == "RegisterNode" and not principal.may_register_as(request.spec.role):
+            raise PermissionDenied(
+                f"node {principal.node_id!r} may register only as its credential's role "
+                f"({principal.node_role_word})"
+            )
+        return
     raise PermissionDenied(f"a {principal.role.value} credential may not call {method}")
 
 
@@ -141,13 +205,14 @@ class Credentials:
     def load(
         cls, shared_token: str | None, path: Path | None, client_certificates: bool
     ) -> Credentials:
-        """Raises ValueError naming the line of a malformed credentials file."""
+        """Raises ValueError naming the line of a malformed credentials file, or the file
+        when it holds no credential (read as none, it would leave the registry open)."""
         tokens = (
-            read_digest_file(path, Principal.parse, "ROLE[:NODE_ID] SHA256_HEX")
+            read_digest_file(path, Principal.parse, "HOLDER SHA256_HEX")
             if path is not None
-            else {}
+            else None
         )
-        return cls(shared_token or None, tokens or None, client_certificates)
+        return cls(shared_token or None, tokens, client_certificates)
 
     def principal(self, context: grpc.aio.ServicerContext) -> Principal:
         """Who made the call; raises ``Unauthenticated`` when no credential names anyone."""
@@ -171,7 +236,6 @@ class Credentials:
                 except ValueError:
                     continue
             raise Unauthenticated(
-                "the client certificate's common name names no role "
-                "(admin, replica, router or node:NODE_ID)"
+                f"the client certificate's common name names no holder ({HOLDER_FORM})"
             )
         raise Unauthenticated("missing bearer token (pass --token, or a --token-file)")

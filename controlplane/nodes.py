@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import structlog
 
@@ -28,6 +29,7 @@ from kvbroker.controlplane.cost_correction import CostCorrection, planned_costs
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from kvbroker.controlplane.errors import (
     NodeDown,
+    NodeInUse,
     NodeNotRegistered,
     NotADecodeNode,
     SessionLost,
@@ -225,6 +227,25 @@ class NodeSessions:
                 runtime.busy_at = self._now()
 
     # ----------------------------------------------------------------- transitions
+
+    def refuse_rival(self, spec: node_pb2.NodeSpec, old: Node | None) -> None:
+        """Raises ``NodeInUse`` while another incarnation's session of the node is live (not
+        yet DOWN: it heartbeats within the session TTL, or has not been deregistered). One
+        node id is one engine: two sidecars with it would withdraw each other's leases at
+        every registration. A sidecar that replaces its own session ends it first (it
+        deregisters); one started after a crash waits for the old session to lapse."""
+        if old is None or old.spec.incarnation == spec.incarnation or old.state == DOWN:
+            return
+        started = old.registered_time or 0.0
+        heard = old.last_heartbeat_time or started
+        raise NodeInUse(
+            f"node {spec.node_id!r} is already registered by a live session (another "
+            f"incarnation, started at "
+            f"{datetime.fromtimestamp(started, UTC).isoformat(timespec='seconds')}, last heard "
+            f"{max(0.0, self._now() - heard):.1f} s ago); stop the other sidecar or wait for "
+            f"its session to end (it ends {self._ttl():g} s after its last heartbeat, or when "
+            "it deregisters)"
+        )
 
     async def register(self, spec: node_pb2.NodeSpec, old: Node | None) -> Node:
         """Starts the session of ``spec`` (``old``: the node's record before, if any); the same

@@ -226,6 +226,7 @@ class Registry:
         self._validate.node_spec(spec)
         async with self._mutation():
             old = await self.store.get_node(spec.node_id)
+            self.nodes.refuse_rival(spec, old)
             if old is None or old.spec.incarnation != spec.incarnation:
                 if old is not None:
                     await self.leases.withdraw(

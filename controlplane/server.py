@@ -111,10 +111,19 @@ def _bind(server: grpc.aio.Server, listen: str, tls: TlsFiles | None) -> int:
     return int(server.add_secure_port(listen, credentials))
 
 
-def _peers(options: ServerOptions) -> RegistryEndpoint:
+def _peers(options: ServerOptions, credentials: Credentials) -> RegistryEndpoint:
     """How this replica reaches its leader: the shared token if there is one, and over TLS its
     own certificate as client certificate (issue replica certificates with the common name
-    "replica" and the replicas' host names as subject alternative names)."""
+    "replica" and the replicas' host names as subject alternative names). A leader that
+    authenticates would refuse every forwarded call of a replica with neither, so such a
+    replica is refused at start rather than serve failures."""
+    if not (credentials.open or options.token or credentials.client_certificates):
+        raise ValueError(
+            "a replica forwards calls to its leader, which with --credentials accepts them "
+            "only with the shared token or a client certificate: add --token (or "
+            "--token-file, the same on every replica), or mTLS (--tls-client-ca, each "
+            "replica's certificate with the common name 'replica')"
+        )
     tls = options.tls
     if tls is None:
         return RegistryEndpoint(["peers"], options.token)
@@ -134,7 +143,7 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         options.credentials_file,
         client_certificates=options.tls is not None and options.tls.client_ca is not None,
     )
-    peers = _peers(options) if etcd is not None else None
+    peers = _peers(options, credentials) if etcd is not None else None
     if options.tls is not None:
         options.tls.check()
     # Health and reflection need no credential, as load balancers and grpcurl expect; the

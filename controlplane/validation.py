@@ -10,9 +10,11 @@ record written to etcd) would fail on.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from collections.abc import Iterable, Sequence
+from urllib.parse import urlsplit
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
@@ -32,6 +34,13 @@ MAX_PORT = 65_535
 MAX_BLOCK_HASH_BYTES = 64
 # A lease record's times, numbers and field tags, beyond its ids, reason and retention.
 LEASE_RECORD_FIXED_BYTES = 512
+# A host name (DNS labels, as Kubernetes and /etc/hosts write them) where an address is not
+# given; checked before anyone connects to it, so a node cannot point routers elsewhere.
+HOST_NAME = re.compile(
+    r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?"
+)
+MAX_HOST_NAME = 253
+URL_SCHEMES = frozenset({"http", "https"})
 RECLAIM_CAUSES = frozenset({lease_pb2.LEASE_END_CAUSE_PRESSURE, lease_pb2.LEASE_END_CAUSE_BUDGET})
 ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_DECODE, node_pb2.NODE_ROLE_BOTH})
 
@@ -88,6 +97,48 @@ class Validation:
             raise InvalidArgument(f"{what} {value} is not a port")
 
     @staticmethod
+    def host(value: str, what: str) -> None:
+        """An address or a host name that others will connect to."""
+        if not value:
+            raise InvalidArgument(f"{what} is required")
+        try:
+            ipaddress.ip_address(value)
+            return
+        except ValueError:
+            pass
+        if len(value) > MAX_HOST_NAME or not HOST_NAME.fullmatch(value):
+            raise InvalidArgument(f"{what} {value[:64]!r} is not a host name or an IP address")
+
+    @classmethod
+    def endpoint_port(cls, value: int, what: str) -> None:
+        """A port others will connect to: in range, and not 0."""
+        cls.port(value, what)
+        if value == 0:
+            raise InvalidArgument(f"{what} is required (1 to {MAX_PORT})")
+
+    @classmethod
+    def url(cls, value: str, what: str) -> None:
+        """An engine's HTTP base URL, which routers send clients' requests to: http or https,
+        a host, a port in range (or the scheme's own), at most a path after it. Nothing that
+        URL parsing would quietly drop or rewrite (whitespace, control characters)."""
+        if not value.isprintable() or any(c.isspace() for c in value):
+            raise InvalidArgument(f"{what} holds whitespace or unprintable characters")
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError as error:
+            raise InvalidArgument(f"{what} {value[:64]!r} is not a URL: {error}") from None
+        if parts.scheme not in URL_SCHEMES:
+            raise InvalidArgument(f"{what} {value[:64]!r} is not an http:// or https:// URL")
+        if parts.username is not None or parts.query or parts.fragment:
+            raise InvalidArgument(
+                f"{what} {value[:64]!r} may hold a scheme, a host, a port and a path, no more"
+            )
+        cls.host(parts.hostname or "", f"the host of {what}")
+        if port is not None:
+            cls.endpoint_port(port, f"the port of {what}")
+
+    @staticmethod
     def duration(value: Duration, what: str) -> float:
         """A non-negative, well-formed duration, in seconds."""
         if value.seconds < 0 or value.nanos < 0 or value.nanos >= 1_000_000_000:
@@ -122,9 +173,10 @@ class Validation:
             raise InvalidArgument("spec.model is required")
         self.text(spec.model, "spec.model")
         self.text(spec.engine_id, "spec.engine_id")
-        self.text(spec.side_channel_host, "spec.side_channel_host")
         self.text(spec.http_base_url, "spec.http_base_url")
-        self.port(spec.side_channel_port, "spec.side_channel_port")
+        self.url(spec.http_base_url, "spec.http_base_url")
+        self.host(spec.side_channel_host, "spec.side_channel_host")
+        self.endpoint_port(spec.side_channel_port, "spec.side_channel_port")
         if spec.block_size == 0:
             raise InvalidArgument("spec.block_size must be positive")
         self.duration(spec.retention_hard_cap, "spec.retention_hard_cap")

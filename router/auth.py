@@ -85,10 +85,7 @@ class ApiKeys:
     def load(cls, path: Path) -> ApiKeys:
         """Raises ValueError naming the line of a malformed file, or a file with no key (which
         would refuse every client)."""
-        tenants = read_digest_file(path, parse_tenant, "TENANT SHA256_HEX")
-        if not tenants:
-            raise ValueError(f"{path} holds no API key (lines 'TENANT SHA256_HEX')")
-        return cls(tenants)
+        return cls(read_digest_file(path, parse_tenant, "TENANT SHA256_HEX"))
 
     def tenant(self, authorization: str | None) -> Tenant:
         """The tenant whose key the ``Authorization`` header carries; else a 401."""

@@ -46,6 +46,12 @@ _SESSION_LOST = frozenset(
 )
 
 
+def _node_in_use(error: grpc.aio.AioRpcError) -> bool:
+    """The registry refused the registration: another incarnation's session of this node id
+    is live."""
+    return bool(from_grpc_error(error).reason == registry_pb2.ERROR_REASON_NODE_IN_USE)
+
+
 class Agent:
     def __init__(
         self,
@@ -57,6 +63,9 @@ class Agent:
         self.registry = registry
         self.metrics = metrics or SidecarMetrics()
         self.incarnation = uuid.uuid4().hex
+        # An incarnation this sidecar replaced whose session may still be live: ended before
+        # the new one registers, as the registry refuses a rival of a live session.
+        self._replaced: str | None = None
         self.engine: sidecar_pb2.EngineInfo | None = None
         self.connected = asyncio.Event()
         self._engine_attached = asyncio.Event()
@@ -76,6 +85,7 @@ class Agent:
         if another_process:
             # Another engine process: the old one's blocks are gone with it, and its metrics
             # began again.
+            self._replaced = self.incarnation
             self.incarnation = uuid.uuid4().hex
         self._probe.attach(info, another_process)
         self.engine = info
@@ -156,7 +166,16 @@ class Agent:
                 self.connected.clear()
                 self.metrics.reconnects.inc()
                 detail = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
-                log.warning("registry_session_lost", error=detail, retry_in_s=round(backoff, 2))
+                retry_in_s = round(backoff, 2)
+                if isinstance(error, grpc.aio.AioRpcError) and _node_in_use(error):
+                    # Another sidecar's session holds this node id, or this one's predecessor's
+                    # after a crash: said loudly, and tried again until that session ends.
+                    self.metrics.node_in_use.set(1)
+                    log.warning(
+                        "node_in_use", node=self.config.node_id, error=detail, retry_in_s=retry_in_s
+                    )
+                else:
+                    log.warning("registry_session_lost", error=detail, retry_in_s=retry_in_s)
                 await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, self.config.backoff_max_s)
 
@@ -182,10 +201,13 @@ class Agent:
             model = self.config.model or (self.engine.model if self.engine else "")
             if not model:
                 model = await self._probe.served_model()
+            if self._replaced is not None:
+                await self._end_replaced(stub, self._replaced)
             response = await stub.RegisterNode(
                 registry_pb2.RegisterNodeRequest(spec=self.node_spec(model)),
                 timeout=RPC_TIMEOUT_S,
             )
+            self.metrics.node_in_use.set(0)
             self._heartbeat_interval_s = from_duration(response.heartbeat_interval)
             await self._relay.replay(stub, self.incarnation)
             session.replayed = True
@@ -199,6 +221,23 @@ class Agent:
         finally:
             self._relay.end(session, SessionLostError("the session ended"))
             self._current = None
+
+    async def _end_replaced(self, stub: RegistryServiceStub, incarnation: str) -> None:
+        """Ends the session of the incarnation this sidecar replaced (its engine was
+        replaced): deregistered, as a clean stop does, so the new one is no rival of it. A
+        session already gone is as good."""
+        try:
+            await stub.DeregisterNode(
+                registry_pb2.DeregisterNodeRequest(
+                    node_id=self.config.node_id, incarnation=incarnation
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as error:
+            if from_grpc_error(error).reason not in _SESSION_LOST:
+                raise
+        if self._replaced == incarnation:
+            self._replaced = None
 
     async def _watch(self, stub: RegistryServiceStub) -> None:
         stream = stub.WatchLeaseCommands(

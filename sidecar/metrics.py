@@ -24,6 +24,12 @@ class SidecarMetrics:
             "Registry sessions re-established after a failure.",
             registry=self.registry,
         )
+        self.node_in_use = Gauge(
+            "kvbroker_sidecar_node_in_use",
+            "1 while the registry refuses this sidecar's registration because another live "
+            "session holds its node id (another sidecar, or its predecessor's until it lapses).",
+            registry=self.registry,
+        )
         self.replay_size = Gauge(
             "kvbroker_sidecar_replay_size",
             "Retained requests in the last snapshot replayed to the registry.",

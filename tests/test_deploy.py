@@ -132,7 +132,8 @@ def test_make_secrets_issues_a_credential_per_engine_pod() -> None:
     }
     assert set(secrets["kvbroker-node-tokens"]) == pods
     lines = secrets["kvbroker-registry"]["credentials"].splitlines()
-    assert {line.split()[0] for line in lines} == {"admin", "router"} | {f"node:{p}" for p in pods}
+    holders = {f"node:{p}:{p.split('-')[1]}" for p in pods}  # kvbroker-ROLE-N
+    assert {line.split()[0] for line in lines} == {"admin", "router"} | holders
     assert secrets["kvbroker-router"]["token"]
 
 

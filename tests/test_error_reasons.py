@@ -21,7 +21,9 @@ from kvbroker.common.grpc_client import (
     registry_stub,
 )
 from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.common.tasks import poll_until
 from kvbroker.controlplane.cached_store import MemoryStore
+from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.hints import cached_hint
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.registry import Registry
@@ -29,8 +31,8 @@ from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.controlplane.service import RegistryServicer
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.proxy import Router
-from kvbroker.testing.factories import Heartbeats, hint, node_spec, register
-from kvbroker.v1 import node_pb2, registry_pb2, registry_pb2_grpc
+from kvbroker.testing.factories import Heartbeats, grant, hint, node_spec, register
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL
@@ -52,7 +54,10 @@ async def test_unary_errors_carry_their_reason(stub: RegistryServiceStub) -> Non
 
     spec = node_spec("decode-0")
     await register(stub, spec)
-    replaced = node_spec("decode-0")  # a new incarnation of the same node
+    await stub.DeregisterNode(
+        registry_pb2.DeregisterNodeRequest(node_id="decode-0", incarnation=spec.incarnation)
+    )
+    replaced = node_spec("decode-0")  # a new incarnation of the same node, once it is gone
     await register(stub, replaced)
     lost = await failure(
         stub.Heartbeat(
@@ -67,6 +72,47 @@ async def test_unary_errors_carry_their_reason(stub: RegistryServiceStub) -> Non
     assert no_route.code() == grpc.StatusCode.UNAVAILABLE
     assert no_route.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
     assert no_route.message == "no ready prefill node serves any model"
+
+
+async def test_a_live_session_of_a_node_is_not_replaced_by_another_incarnation(
+    stub: RegistryServiceStub, registry_config: RegistryConfig
+) -> None:
+    """Two sidecars with one node id withdrew each other's leases at every registration. While
+    a session is live, another incarnation is refused (ALREADY_EXISTS, saying why and what to
+    do); once it ends, deregistered or silent past the session TTL, the other registers."""
+    first = node_spec("decode-0")
+    async with Heartbeats(stub, first):
+        lease = await grant(stub, first, "conv-1", "req-1")
+        rival = node_spec("decode-0")
+        refused = await failure(register(stub, rival))
+        assert refused.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "'decode-0' is already registered by a live session" in refused.message
+        assert "started at" in refused.message and "stop the other sidecar" in refused.message
+        assert first.incarnation not in refused.message
+        # The live session is untouched: its node, its incarnation, its lease.
+        node = (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"))).node
+        assert node.spec.incarnation == first.incarnation
+        assert node.state == node_pb2.NODE_STATE_READY
+        got = await stub.GetLease(registry_pb2.GetLeaseRequest(lease_id=lease.lease_id))
+        assert got.lease.state == lease_pb2.LEASE_STATE_ACTIVE
+        # Its own incarnation registering again is no rival.
+        await register(stub, first)
+    # Heartbeats stopped (a crash): refused until the session lapses, then registered.
+    started = asyncio.get_running_loop().time()
+
+    async def registered() -> bool:
+        try:
+            await register(stub, rival)
+        except grpc.aio.AioRpcError as error:
+            assert from_grpc_error(error).code() == grpc.StatusCode.ALREADY_EXISTS
+            return False
+        return True
+
+    await poll_until(registered, 10, "the rival's registration", every_s=0.05, retrying=())
+    waited = asyncio.get_running_loop().time() - started
+    assert waited >= registry_config.session_ttl_s * 0.5, waited
+    node = (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"))).node
+    assert node.spec.incarnation == rival.incarnation
 
 
 async def test_refused_hints_of_a_batch_carry_their_reason(stub: RegistryServiceStub) -> None:

@@ -6,6 +6,7 @@ sidecar, real certificates (openssl)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 import subprocess
 from collections.abc import AsyncIterator
@@ -37,13 +38,13 @@ from kvbroker.controlplane.identity import (
     sees_incarnation,
 )
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, TlsFiles, start_registry
-from kvbroker.stack import router_command, router_routing, sidecar_command
+from kvbroker.stack import KVBROKER, router_command, router_routing, sidecar_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.conftest import run_cli
+from tests.conftest import CliResult, run_cli
 
 DENIED = registry_pb2.ERROR_REASON_PERMISSION_DENIED
 UNAUTHENTICATED = registry_pb2.ERROR_REASON_UNAUTHENTICATED
@@ -87,28 +88,108 @@ def test_incarnations_are_seen_by_their_node_and_operators_only() -> None:
 
 
 def test_principals_and_credential_files_are_checked(tmp_path: Path) -> None:
-    assert Principal.parse("node:decode-0") == Principal(Role.NODE, "decode-0")
-    for bad in ("node", "router:x", "root", "admin:"):
-        if bad == "admin:":
-            assert Principal.parse(bad) == Principal(Role.ADMIN)
-            continue
+    decode = node_pb2.NODE_ROLE_DECODE
+    assert Principal.parse("node:decode-0:decode") == Principal(Role.NODE, "decode-0", decode)
+    assert str(Principal.parse("node:decode-0:both")) == "node:decode-0:both"
+    assert Principal.parse("admin:") == Principal(Role.ADMIN)
+    for bad in ("node", "node:d-0", "node::decode", "node:d-0:router", "router:x", "root"):
         with pytest.raises(ValueError):
             Principal.parse(bad)
     good = tmp_path / "ok"
-    good.write_text(f"# fleet\nrouter {token_digest('r')}\nnode:d-0 {token_digest('n')}\n")
+    good.write_text(f"# fleet\n\nrouter {token_digest('r')}\nnode:d-0:decode {token_digest('n')}\n")
     loaded = Credentials.load(None, good, False)
     assert loaded.tokens == {
         token_digest("r"): Principal(Role.ROUTER),
-        token_digest("n"): Principal(Role.NODE, "d-0"),
+        token_digest("n"): Principal(Role.NODE, "d-0", decode),
     }
     malformed = tmp_path / "bad"
     malformed.write_text("router not-a-digest\n")
     with pytest.raises(ValueError, match=r"bad:1"):
         Credentials.load(None, malformed, False)
     twice = tmp_path / "twice"
-    twice.write_text(f"router {token_digest('r')}\nnode:d-0 {token_digest('r')}\n")
+    twice.write_text(f"router {token_digest('r')}\nnode:d-0:decode {token_digest('r')}\n")
     with pytest.raises(ValueError, match=r"twice:2: .*another holder"):
         Credentials.load(None, twice, False)
+
+
+DIGEST = token_digest("t")
+
+
+async def serve_refused(*flags: str) -> CliResult:
+    """``kvbroker registry serve`` with ``flags``, expected to refuse to start: its result,
+    or a failure as soon as it announces its address instead (it started)."""
+    process = await asyncio.create_subprocess_exec(
+        KVBROKER, "registry", "serve", "--listen", "127.0.0.1:0", *flags,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "400"},
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    announced = await asyncio.wait_for(process.stdout.readline(), 30)
+    if announced:
+        process.kill()
+        await process.wait()
+        pytest.fail(f"the registry started: {announced.decode().strip()}")
+    err = await asyncio.wait_for(process.stderr.read(), 30)
+    await process.wait()
+    assert process.returncode is not None
+    return CliResult(process.returncode, "", err.decode())
+
+
+@pytest.mark.parametrize(
+    ("content", "line", "why"),
+    [
+        (b"", None, "holds no credential"),
+        (b"# nobody yet\n\n   \n", None, "holds no credential"),
+        (b"\xef\xbb\xbfrouter " + DIGEST.encode() + b"\n", 1, "byte-order mark"),
+        (b"# fleet\r\nrouter " + DIGEST.encode() + b"\r\n", 1, "CRLF"),
+        (b"router " + DIGEST.upper().encode() + b"\n", 1, "lower-case hex"),
+        (b"# x\nrouter " + DIGEST.encode() + b" extra # the router\n", 2, "expected"),
+        (b"router" + DIGEST.encode() + b"\n", 1, "expected"),
+        (b"router " + DIGEST.encode() + b"\nnode:d-0 " + DIGEST[::-1].encode(), 2, "role"),
+        (b"router \xff" + DIGEST.encode()[1:] + b"\n", 1, "not UTF-8"),
+    ],
+    ids=["empty", "comments", "bom", "crlf", "upper", "three", "one", "no-role", "latin1"],
+)
+async def test_a_credentials_file_it_cannot_read_stops_the_registry(
+    tmp_path: Path, content: bytes, line: int | None, why: str
+) -> None:
+    """A file read as no credential left the registry open to everyone as an operator; a
+    line it half-read dropped or mangled a credential. Either stops it, in one sentence."""
+    path = tmp_path / "credentials"
+    path.write_bytes(content)
+    refused = await serve_refused("--credentials", str(path))
+    assert refused.code == 2, refused.stderr
+    where = f"{path}:{line}:" if line else str(path)
+    assert where in refused.stderr and why in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+async def test_a_credentials_file_that_is_missing_stops_the_registry(tmp_path: Path) -> None:
+    refused = await serve_refused("--credentials", str(tmp_path / "nowhere"))
+    assert refused.code == 2 and f"cannot read {tmp_path / 'nowhere'}" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+async def test_credential_lines_are_only_made_for_holders_the_file_reads_back(
+    tmp_path: Path,
+) -> None:
+    made = await run_cli("registry", "credential", "node:decode-0:decode")
+    assert made.code == 0, made.stderr
+    line = made.stdout.split("line:", 1)[1].strip()
+    (tmp_path / "credentials").write_text(line + "\n")
+    token = made.stdout.split("token:", 1)[1].split()[0]
+    loaded = Credentials.load(None, tmp_path / "credentials", False)
+    assert loaded.tokens == {
+        token_digest(token): Principal(Role.NODE, "decode-0", node_pb2.NODE_ROLE_DECODE)
+    }
+    for who in (
+        "node:decode 0:decode", "node:decode#0:decode", "node:a:b:decode", "node:decode-0",
+        "node:decode-0:router", "node:\tx:decode", "node:" + "x" * 300 + ":decode",
+    ):  # fmt: skip
+        refused = await run_cli("registry", "credential", who)
+        assert refused.code == 2, (who, refused.stdout)
+        assert "token:" not in refused.stdout and "Traceback" not in refused.stderr
+        assert refused.stderr.startswith("error:"), refused.stderr
 
 
 # ---------------------------------------------------------------------- per-node tokens
@@ -125,7 +206,8 @@ class Fleet:
 
 @pytest.fixture
 async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
-    tokens = {who: f"token-of-{who}" for who in ("admin", "router", "node:decode-0")}
+    holders = ("admin", "router", "node:decode-0:decode", "node:both-0:both")
+    tokens = {who: f"token-of-{who}" for who in holders}
     lines = [f"{who} {token_digest(token)}" for who, token in tokens.items()]
     (tmp_path / "credentials").write_text("\n".join(lines) + "\n")
     registry = RegistryProcess("--credentials", str(tmp_path / "credentials"))
@@ -143,7 +225,7 @@ async def refusal(call: asyncio.Future[object] | object) -> registry_pb2.ErrorRe
 
 
 async def test_a_node_token_speaks_for_its_node_only(fleet: Fleet) -> None:
-    async with open_channel(fleet.endpoint("node:decode-0")) as channel:
+    async with open_channel(fleet.endpoint("node:decode-0:decode")) as channel:
         stub = registry_stub(channel)
         own, other = node_spec("decode-0"), node_spec("decode-1")
         await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=own), timeout=5)
@@ -172,10 +254,33 @@ async def test_a_node_token_speaks_for_its_node_only(fleet: Fleet) -> None:
         assert seen.spec.incarnation == own.incarnation
 
 
+async def test_a_node_token_registers_only_as_its_role(fleet: Fleet) -> None:
+    """A node's registration says which traffic and which KV it is sent: a decode node's
+    stolen token cannot register that node as a prefill node (or as both), while a node
+    whose credential says both may register as any role."""
+    async with open_channel(fleet.endpoint("node:decode-0:decode")) as channel:
+        stub = registry_stub(channel)
+        for role in (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH):
+            spec = node_spec("decode-0", role)
+            call = stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=5)
+            assert await refusal(call) == DENIED
+        await stub.RegisterNode(
+            registry_pb2.RegisterNodeRequest(spec=node_spec("decode-0")), timeout=5
+        )
+    async with open_channel(fleet.endpoint("node:both-0:both")) as channel:
+        stub = registry_stub(channel)
+        for role in (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH):
+            spec = node_spec("both-0", role, port=5700)
+            await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=5)
+            await stub.DeregisterNode(
+                registry_pb2.DeregisterNodeRequest(node_id="both-0", incarnation=spec.incarnation)
+            )
+
+
 async def test_a_node_token_reaches_its_command_stream(fleet: Fleet) -> None:
     """The token goes on streams too: a sidecar's WatchLeaseCommands was sent without it and
     refused as UNAUTHENTICATED, ending the node's session again and again."""
-    async with open_channel(fleet.endpoint("node:decode-0")) as channel:
+    async with open_channel(fleet.endpoint("node:decode-0:decode")) as channel:
         stub = registry_stub(channel)
         spec = node_spec("decode-0")
         await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=5)
@@ -218,6 +323,62 @@ async def test_a_router_token_routes_but_cannot_act_as_a_node(fleet: Fleet) -> N
             assert all(n.spec.incarnation for n in admin_view)
 
 
+async def test_hints_and_leases_show_incarnations_to_their_node_and_operators_only(
+    fleet: Fleet,
+) -> None:
+    """A hint's node specs and lease, and every lease read, carried the holder's incarnation
+    to routers and other nodes: what a node's calls carry to prove their session."""
+    async with (
+        open_channel(fleet.endpoint("admin")) as admin_channel,
+        open_channel(fleet.endpoint("router")) as router_channel,
+        open_channel(fleet.endpoint("node:decode-0:decode")) as own_channel,
+        open_channel(fleet.endpoint("node:both-0:both")) as other_channel,
+    ):
+        admin, router = registry_stub(admin_channel), registry_stub(router_channel)
+        own, other = registry_stub(own_channel), registry_stub(other_channel)
+        decode = node_spec("decode-0")
+        prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+        async with Heartbeats(admin, decode, prefill):
+            lease = await grant(admin, decode, "conv-1", "req-1")
+            assert lease.node_incarnation == decode.incarnation
+            hint = (
+                await router.GetRoutingHint(
+                    registry_pb2.GetRoutingHintRequest(conversation_id="conv-1"), timeout=5
+                )
+            ).hint
+            assert hint.decision == registry_pb2.HINT_DECISION_REUSE
+            assert hint.decode.node_id == "decode-0" and hint.prefill.node_id == "prefill-0"
+            assert hint.lease.lease_id == lease.lease_id
+            assert not (hint.decode.incarnation or hint.prefill.incarnation)
+            assert not hint.lease.node_incarnation
+            batch = await router.BatchGetRoutingHints(
+                registry_pb2.BatchGetRoutingHintsRequest(
+                    requests=[registry_pb2.GetRoutingHintRequest(conversation_id="conv-2")]
+                ),
+                timeout=5,
+            )
+            (result,) = batch.results
+            assert result.hint.decode.node_id and not result.hint.decode.incarnation
+            assert not result.hint.prefill.incarnation
+            get = registry_pb2.GetLeaseRequest(lease_id=lease.lease_id)
+            for reader in (router, other):
+                assert not (await reader.GetLease(get, timeout=5)).lease.node_incarnation
+            listed = await router.ListLeases(registry_pb2.ListLeasesRequest(), timeout=5)
+            assert listed.leases and not any(x.node_incarnation for x in listed.leases)
+            renewed = await router.RenewLease(
+                registry_pb2.RenewLeaseRequest(lease_id=lease.lease_id), timeout=5
+            )
+            assert not renewed.lease.node_incarnation
+            # The node itself and operators still see it.
+            for reader in (own, admin):
+                seen = (await reader.GetLease(get, timeout=5)).lease
+                assert seen.node_incarnation == decode.incarnation
+            admin_hint = await admin.GetRoutingHint(
+                registry_pb2.GetRoutingHintRequest(conversation_id="conv-3", dry_run=True)
+            )
+            assert admin_hint.hint.decode.incarnation == decode.incarnation
+
+
 async def test_unknown_tokens_and_no_token_are_unauthenticated(fleet: Fleet) -> None:
     for token in ("guess", None):
         endpoint = RegistryEndpoint.parse(fleet.registry.address, token=token)
@@ -237,7 +398,7 @@ async def test_a_real_sidecar_with_its_node_token_registers(fleet: Fleet, tmp_pa
             ),
             tmp_path / "sidecar.log",
             ready=[Announces()],
-            env={"KVBROKER_TOKEN": fleet.tokens["node:decode-0"]},
+            env={"KVBROKER_TOKEN": fleet.tokens["node:decode-0:decode"]},
         )
         await sidecar.start()
         link = EngineLink(
@@ -328,7 +489,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=ca",
              "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
     files = {}
-    for who in ("replica", "router", "node:decode-0"):
+    for who in ("replica", "router", "node:decode-0:decode"):
         name = who.replace(":", "-")
         key, csr, cert = root / f"{name}.key", root / f"{name}.csr", root / f"{name}.pem"
         ext = root / f"{name}.ext"
@@ -354,7 +515,7 @@ async def test_mtls_names_the_caller_by_its_certificate(pki: Pki) -> None:
     )
     await registry.start()
     try:
-        async with open_channel(_mtls(pki, registry.address, "node:decode-0")) as channel:
+        async with open_channel(_mtls(pki, registry.address, "node:decode-0:decode")) as channel:
             stub = registry_stub(channel)
             await stub.RegisterNode(
                 registry_pb2.RegisterNodeRequest(spec=node_spec("decode-0")), timeout=5
@@ -395,14 +556,17 @@ async def test_replicas_forward_to_each_other_over_mtls(
     ]
     for replica in replicas:
         await replica.start()
+    # One session, registered again through the other replica (another incarnation would be
+    # refused while this one's session is live).
+    spec = node_spec("decode-0")
     try:
         for replica in replicas:
-            async with open_channel(_mtls(pki, replica.address, "node:decode-0")) as channel:
+            async with open_channel(_mtls(pki, replica.address, "node:decode-0:decode")) as channel:
                 stub = registry_stub(channel)
                 for _ in range(50):  # an election may still be pending
                     try:
                         await stub.RegisterNode(
-                            registry_pb2.RegisterNodeRequest(spec=node_spec("decode-0")),
+                            registry_pb2.RegisterNodeRequest(spec=spec),
                             timeout=5,
                         )
                         break
@@ -436,7 +600,7 @@ async def test_the_cli_sidecar_and_router_present_their_client_certificates(
         "--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(pki.ca)
     )
     await registry.start()
-    node_cert, node_key = pki.files["node:decode-0"]
+    node_cert, node_key = pki.files["node:decode-0:decode"]
     router_cert, router_key = pki.files["router"]
     as_router = [
         "--registry", registry.address, "--tls-ca", str(pki.ca),
@@ -532,7 +696,7 @@ async def test_metrics_are_served_over_mtls_with_the_registry_s_certificate(pki:
 
 
 async def test_a_sidecar_serves_its_metrics_over_tls_when_asked(pki: Pki, tmp_path: Path) -> None:
-    cert, key = pki.files["node:decode-0"]
+    cert, key = pki.files["node:decode-0:decode"]
     port = free_port()
     engine = FakeEngine("decode-0")
     sidecar = ChildProcess(
@@ -600,3 +764,18 @@ async def test_a_silent_or_garbled_client_does_not_stop_tls_scrapes(pki: Pki) ->
         for writer in idle:
             writer.close()
         await running.stop(grace=0.1)
+
+
+async def test_a_replica_with_credentials_and_no_way_to_forward_does_not_start(
+    tmp_path: Path,
+) -> None:
+    """Its leader would refuse every call it forwards: neither the shared token nor a client
+    certificate. It says what to add instead of starting."""
+    (tmp_path / "credentials").write_text(f"router {DIGEST}\n")
+    refused = await serve_refused(
+        "--credentials", str(tmp_path / "credentials"),
+        "--store", f"etcd://127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    assert refused.code == 2, refused.stderr
+    assert "--token" in refused.stderr and "--tls-client-ca" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -354,5 +354,7 @@ async def test_the_registry_remembers_which_prefill_node_computed_each_prompt() 
     assert cached() is None  # not READY
     restarted = node_spec(caching.node_id, node_pb2.NODE_ROLE_PREFILL, port=5704)
     restarted.prefix_caching = True
+    # Its sidecar ends the old engine's session, then registers the new one.
+    await h.registry.deregister_node(caching.node_id, caching.incarnation)
     await h.registry.register_node(restarted)
     assert cached() is None  # a new engine: its cache is empty

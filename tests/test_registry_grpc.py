@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from kvbroker.common.clock import from_duration, from_timestamp
+from kvbroker.common.grpc_client import from_grpc_error
 from kvbroker.common.hint_batcher import HintBatcher
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.testing.factories import (
@@ -456,3 +457,54 @@ async def test_a_conversation_s_next_turn_goes_to_the_prefill_node_that_caches_i
     else:
         assert second.prefill.node_id == other
         assert cached == {"": 0, other: 0}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "phrase"),
+    [
+        ("http_base_url", "", "not an http:// or https:// URL"),
+        ("http_base_url", "file:///etc/passwd", "not an http:// or https:// URL"),
+        ("http_base_url", "gopher://127.0.0.1:70", "not an http:// or https:// URL"),
+        ("http_base_url", "http://:8000", "host of spec.http_base_url is required"),
+        ("http_base_url", "http://127.0.0.1:0", "port of spec.http_base_url is required"),
+        ("http_base_url", "http://127.0.0.1:70000", "is not a URL"),
+        ("http_base_url", "http://127.0.0.1:80x", "is not a URL"),
+        ("http_base_url", "http://evil host:8000", "whitespace"),
+        ("http_base_url", "http://exa\tmple.com", "whitespace"),
+        ("http_base_url", "http://user:pw@127.0.0.1:8000", "no more"),
+        ("http_base_url", "http://127.0.0.1:8000/?next=x", "no more"),
+        ("http_base_url", "http://ex%41mple.com", "not a host name"),
+        ("side_channel_host", "", "side_channel_host is required"),
+        ("side_channel_host", "-bad-", "not a host name"),
+        ("side_channel_host", "a b", "not a host name"),
+        ("side_channel_port", 0, "side_channel_port is required"),
+        ("side_channel_port", 70_000, "not a port"),
+    ],
+)
+async def test_registrations_with_unusable_addresses_are_refused(
+    stub: RegistryServiceStub, field: str, value: object, phrase: str
+) -> None:
+    """Routers send clients' requests to a node's URL and engines read from its side channel:
+    an address no one can (or should) connect to is refused at registration."""
+    spec = node_spec("decode-0")
+    setattr(spec, field, value)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await register(stub, spec)
+    refusal = from_grpc_error(error.value)
+    assert refusal.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refusal.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT
+    assert phrase in refusal.message, refusal.message
+    assert not (await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=5)).nodes
+
+
+async def test_usable_addresses_are_registered(stub: RegistryServiceStub) -> None:
+    for index, (url, host) in enumerate(
+        [
+            ("https://decode-0.kvbroker.svc.cluster.local", "10.0.0.7"),
+            ("http://[::1]:8000/engine", "::1"),
+            ("http://LOCALHOST:8000/", "decode-0.decode.default.svc."),
+        ]
+    ):
+        spec = node_spec(f"decode-{index}", port=5600 + index)
+        spec.http_base_url, spec.side_channel_host = url, host
+        await register(stub, spec)

@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -21,6 +21,7 @@ from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Announces, ChildProcess
 from kvbroker.common.tasks import poll_until
+from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.stack import sidecar_command
@@ -29,7 +30,7 @@ from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, n
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.conftest import run_cli, spawn_registry
+from tests.conftest import FAST, run_cli, spawn_registry
 from tests.test_engine_work import vllm_metrics
 
 SESSION_FLAGS = ("--heartbeat-interval", "0.2", "--session-ttl", "1.0", "--revoke-grace", "0.5")
@@ -687,3 +688,86 @@ async def test_a_refused_event_is_dropped_not_the_session() -> None:
         await asyncio.gather(running, return_exceptions=True)
         await agent.close()
         await server.stop(0)
+
+
+async def test_a_second_sidecar_for_a_live_node_waits_and_says_why(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Two sidecars with one node id fought: each registration withdrew the other's leases.
+    The second is refused while the first's session is live, says so in its log, and keeps
+    trying: once the first is gone (a crash: its session lapses), it
+    registers. A sidecar restarted after a crash is this second sidecar."""
+    stack.link.retained(retained_blocks("decode-0", "conv-a", "req-a"))
+    [lease] = await eventually(lambda: live_leases(stack.stub))
+    first = stack.sidecar.announced["incarnation"]
+    log = tmp_path / "second.log"
+    socket_path = tmp_path / "second.sock"
+    second = sidecar_process(
+        stack.registry.address, stack.engine.url, "decode-0", socket_path, log=log
+    )
+    await second.start()
+    link = EngineLink(f"unix:{socket_path}", engine_info("decode-0"))
+    link.start()
+    try:
+
+        async def refused_twice() -> bool:
+            text = log.read_text() if log.exists() else ""
+            return text.count("node_in_use") >= 2  # said, and tried again
+
+        await eventually(refused_twice, within=10)
+        assert "already registered by a live session" in log.read_text()
+        node = (await stack.stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"))).node
+        assert node.spec.incarnation == first and node.state == node_pb2.NODE_STATE_READY
+        assert [x.lease_id for x in await live_leases(stack.stub)] == [lease.lease_id]
+
+        stack.sidecar.kill()  # the first crashes: the second takes over once its session ends
+        stack.sidecar = second  # stopped by the fixture
+
+        async def second_registered() -> bool:
+            got = await stack.stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"))
+            return (
+                got.node.spec.incarnation == second.announced["incarnation"]
+                and got.node.state == node_pb2.NODE_STATE_READY
+            )
+
+        await eventually(second_registered, within=10)
+    finally:
+        link.close()
+
+
+async def test_a_replaced_engine_s_new_incarnation_ends_the_old_session_first() -> None:
+    """Another engine process behind the sidecar means a new incarnation, and the registry
+    refuses a new incarnation while the old one's session is live: the sidecar deregisters
+    its old incarnation first, so it registers at once rather than after the session TTL
+    (here far longer than the test waits)."""
+    config = replace(FAST, session_ttl_s=60.0)
+    registry = await start_registry(ServerOptions(listen="127.0.0.1:0", config=config))
+    async with (
+        FakeEngine("decode-0") as engine,
+        open_channel(RegistryEndpoint.parse(registry.address)) as channel,
+    ):
+        stub = registry_stub(channel)
+        sidecar = SidecarConfig("decode-0", node_pb2.NODE_ROLE_DECODE, engine.url)
+        agent = Agent(sidecar, RegistryEndpoint.parse(registry.address))
+        agent.attach_engine(engine_info("decode-0"), [])
+        running = asyncio.create_task(agent.run())
+        try:
+            await asyncio.wait_for(agent.connected.wait(), 10)
+            first = agent.incarnation
+            replacement = engine_info("decode-0")
+            replacement.engine_id = "engine-decode-0-restarted"
+            agent.attach_engine(replacement, [])
+            assert agent.incarnation != first
+
+            async def registered_anew() -> bool:
+                got = await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"))
+                return got.node.spec.incarnation == agent.incarnation and agent.connected.is_set()
+
+            await eventually(registered_anew, within=10)
+            in_use = agent.metrics.registry.get_sample_value("kvbroker_sidecar_node_in_use")
+            assert in_use == 0  # never refused meanwhile
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await agent.close()
+            await registry.stop(grace=0.1)

@@ -3,7 +3,8 @@
 #   kvbroker-registry     token (the shared admin token; the replicas forward with it),
 #                         credentials (the registry's --credentials file: digests only)
 #   kvbroker-router       token (role router)
-#   kvbroker-node-tokens  one token per node id, role node:NODE_ID
+#   kvbroker-node-tokens  one token per node id, holder node:NODE_ID:ROLE (the role it
+#                         may register as: prefill or decode)
 # Node ids are the engine pods' names: kvbroker-prefill-0.. and kvbroker-decode-0...
 # Issue as many as the StatefulSets may ever scale to: a node without a credential cannot
 # register, and the registry reads its credentials file when it starts.
@@ -30,12 +31,12 @@ issue admin "$dir/admin"
 issue router "$dir/router"
 i=0
 while [ "$i" -lt "$prefill" ]; do
-    issue "node:kvbroker-prefill-$i" "$dir/nodes/kvbroker-prefill-$i"
+    issue "node:kvbroker-prefill-$i:prefill" "$dir/nodes/kvbroker-prefill-$i"
     i=$((i + 1))
 done
 i=0
 while [ "$i" -lt "$decode" ]; do
-    issue "node:kvbroker-decode-$i" "$dir/nodes/kvbroker-decode-$i"
+    issue "node:kvbroker-decode-$i:decode" "$dir/nodes/kvbroker-decode-$i"
     i=$((i + 1))
 done
 

@@ -53,7 +53,7 @@ def registry_serve(
         typer.Option(
             envvar="KVBROKER_TLS_CLIENT_CA",
             help="Require client certs signed by this CA (mTLS); their common name is the "
-            "caller's role: admin, replica, router or node:NODE_ID.",
+            "caller: admin, replica, router or node:NODE_ID:NODE_ROLE.",
         ),
     ] = None,
     tls_peer_ca: Annotated[
@@ -67,8 +67,9 @@ def registry_serve(
         Path | None,
         typer.Option(
             envvar="KVBROKER_CREDENTIALS",
-            help="Per-role and per-node tokens: lines 'ROLE[:NODE_ID] SHA256_HEX' "
-            "(see 'kvbroker registry credential').",
+            help="Per-role and per-node tokens: lines 'HOLDER SHA256_HEX', HOLDER one of "
+            "admin, replica, router, node:NODE_ID:NODE_ROLE (see 'kvbroker registry "
+            "credential'). A file it cannot read, or with no credential, stops the registry.",
         ),
     ] = None,
     lease_ttl: Annotated[
@@ -250,7 +251,11 @@ def registry_serve(
 @registry_app.command("credential")
 def registry_credential(
     who: Annotated[
-        str, typer.Argument(help="The holder's role: admin, replica, router or node:NODE_ID.")
+        str,
+        typer.Argument(
+            help="The holder: admin, replica, router or node:NODE_ID:NODE_ROLE (NODE_ROLE: "
+            "prefill, decode or both; what the node may register as)."
+        ),
     ],
 ) -> None:
     """Print a fresh token (give it to its holder) and the line for --credentials (which
@@ -260,10 +265,11 @@ def registry_credential(
     from kvbroker.common.credentials import token_digest
     from kvbroker.controlplane.identity import Principal
 
+    # The holder as the registry will read it back from the file, or refused here.
     try:
-        Principal.parse(who)
+        holder = Principal.parse(who)
     except ValueError as error:
         fail(str(error), 2)
     token = secrets.token_urlsafe(32)
     typer.echo(f"token: {token}")
-    typer.echo(f"line:  {who} {token_digest(token)}")
+    typer.echo(f"line:  {holder} {token_digest(token)}")

@@ -1,16 +1,28 @@
 """Files of credentials that hold no secret: one line per token, ``HOLDER SHA256_HEX`` (the
-token's SHA-256), ``#`` comments and blank lines skipped. The registry's ``--credentials``
-(holders ``ROLE[:NODE_ID]``) and the router's ``--api-keys`` (holders tenants) are both read
-here, and a presented token is looked up by ``token_digest``, the one digest both use."""
+token's SHA-256 in lower-case hex, as ``token_digest`` writes it), ``#`` comments and blank
+lines skipped. The registry's ``--credentials`` (holders ``ROLE[:NODE_ID:
+NODE_ROLE]``) and the router's ``--api-keys`` (holders tenants) are both read here, and a
+presented token is looked up by ``token_digest``, the one digest both use.
+
+The reader is strict because it guards a door: a file it half-reads (a byte-order mark, CRLF
+line ends, an upper-case digest) would otherwise drop or mangle a
+credential, and a file it reads as empty would leave the door open. Every such file is
+refused whole with a sentence naming the file and the line, so that it is fixed before the
+process serves anyone."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 H = TypeVar("H")
+
+DIGEST_LENGTH = 64
+_LOWER_HEX = frozenset(string.hexdigits.lower())
 
 
 def token_digest(token: str) -> str:
@@ -18,19 +30,45 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def _lines(path: Path) -> list[tuple[int, str]]:
+    """``path``'s numbered lines as text; raises ValueError for a file that cannot be read or
+    whose bytes are not plain UTF-8 lines ended by LF."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"cannot read {path}: {error.strerror or error}") from None
+    if data.startswith(codecs.BOM_UTF8):
+        raise ValueError(f"{path}:1: the file starts with a UTF-8 byte-order mark; save it without")
+    lines = []
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        if raw.endswith(b"\r"):
+            raise ValueError(f"{path}:{number}: the line ends in CRLF; save the file with LF ends")
+        try:
+            lines.append((number, raw.decode()))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}:{number}: the line is not UTF-8 text") from None
+    return lines
+
+
 def read_digest_file(path: Path, holder: Callable[[str], H], form: str) -> dict[str, H]:
     """``path``'s lines as digest -> holder, each holder read by ``holder`` (which raises
-    ValueError for one it refuses). Raises ValueError naming the line of a malformed one
-    (``form`` says what a line should look like), and of a digest given to two holders."""
+    ValueError for one it refuses). Raises ValueError naming the file and line of anything it
+    cannot read (``form`` says what a line should look like), of a digest given to two
+    holders, and naming the file when it holds no line at all."""
     held: dict[str, H] = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
+    for number, line in _lines(path):
+        # A holder never holds '#' (nor whitespace), so a comment can end any line.
+        fields = line.split("#", 1)[0].split()
+        if not fields:
             continue
-        who, _, digest = text.partition(" ")
-        digest = digest.strip().lower()
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        if len(fields) != 2:
             raise ValueError(f"{path}:{number}: expected '{form}'")
+        who, digest = fields
+        if len(digest) != DIGEST_LENGTH or not _LOWER_HEX.issuperset(digest):
+            raise ValueError(
+                f"{path}:{number}: the digest is not {DIGEST_LENGTH} lower-case hex digits "
+                "(a token's SHA-256 as 'kvbroker registry credential' prints it)"
+            )
         try:
             parsed = holder(who)
         except ValueError as error:
@@ -38,4 +76,6 @@ def read_digest_file(path: Path, holder: Callable[[str], H], form: str) -> dict[
         if held.get(digest, parsed) != parsed:
             raise ValueError(f"{path}:{number}: this token is already given to another holder")
         held[digest] = parsed
+    if not held:
+        raise ValueError(f"{path} holds no credential (expected lines '{form}')")
     return held

@@ -60,6 +60,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
     ERROR_REASON_PERMISSION_DENIED: _ClassVar[ErrorReason]
     ERROR_REASON_NOT_ROUTED_HERE: _ClassVar[ErrorReason]
+    ERROR_REASON_NODE_IN_USE: _ClassVar[ErrorReason]
 NOT_RETAINED_REASON_UNSPECIFIED: NotRetainedReason
 NOT_RETAINED_REASON_RETENTION_OFF: NotRetainedReason
 NOT_RETAINED_REASON_ABORTED: NotRetainedReason
@@ -94,6 +95,7 @@ ERROR_REASON_BATCH_FULL: ErrorReason
 ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_PERMISSION_DENIED: ErrorReason
 ERROR_REASON_NOT_ROUTED_HERE: ErrorReason
+ERROR_REASON_NODE_IN_USE: ErrorReason
 
 class SetCostProfileRequest(_message.Message):
     __slots__ = ("node_id", "cost")
