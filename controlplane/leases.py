@@ -194,17 +194,18 @@ class Leases:
     def require_routed(
         self, conversation_id: str, conversation: Conversation | None, node_id: str
     ) -> None:
-        """Who may lease a conversation: the decode node its turn in flight was routed to,
-        or, with none in flight, the node that held it last (a turn it served without a hint)
+        """Who may lease a conversation: a decode node one of its turns in flight was routed
+        to, or, with none in flight, the node that held it last (a turn it served without a hint)
         or any node for a conversation the registry does not know (a registry rebuilding from
         its holders' replays). Anything else would let one node's credential pull another's
         conversation, prompt and all, to itself."""
         routed = self._turns.routed_to(conversation_id)
         holder = conversation.decode_node_id if conversation is not None else ""
-        if routed == node_id or (not routed and holder in ("", node_id)):
+        if node_id in routed or (not routed and holder in ("", node_id)):
             return
+        elsewhere = ", ".join(sorted(routed)) if routed else holder
         raise NotRoutedHere(
-            f"conversation {conversation_id!r} was routed to node {routed or holder!r}, not "
+            f"conversation {conversation_id!r} was routed to node {elsewhere!r}, not "
             f"{node_id!r}: only that node may lease it"
         )
 

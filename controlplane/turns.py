@@ -16,7 +16,8 @@ What hangs on that:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from kvbroker.common.labels import label
@@ -70,6 +71,9 @@ class Turns:
         self._nodes = nodes
         self._now = now
         self._turns: dict[str, Turn] = {}
+        # The decode nodes of each conversation's turns in flight, with how many turns each:
+        # its newest turn's, and those of parallel turns it replaced in ``_turns``.
+        self._routed: dict[str, Counter[str]] = {}
         self._sweep_at = 1024
 
     def __bool__(self) -> bool:
@@ -86,6 +90,7 @@ class Turns:
         previous = self._turns.get(conversation_id)
         if previous is not None:
             previous.ended.set()  # nobody waits on a turn a newer one replaced
+        self._routed.setdefault(conversation_id, Counter())[decode.node_id] += 1
         self._turns[conversation_id] = Turn(
             started=self._now(),
             decode_node_id=decode.node_id,
@@ -94,15 +99,21 @@ class Turns:
             awaited=decode.retains,
         )
 
-    def routed_to(self, conversation_id: str) -> str:
-        """The decode node the conversation's turn in flight was routed to ("" if none)."""
-        turn = self._turns.get(conversation_id)
-        return turn.decode_node_id if turn is not None else ""
+    def routed_to(self, conversation_id: str) -> Collection[str]:
+        """The decode nodes the conversation's turns in flight were routed to (empty: none)."""
+        return self._routed.get(conversation_id, ())
 
     def finished(self, conversation_id: str, node_id: str) -> None:
         """``node_id`` reported the end of a turn of the conversation (its retention, or that
         it retained nothing): waiters go on, and the turn's load leaves its nodes."""
         self._nodes.turn_finished(node_id)
+        routed = self._routed.get(conversation_id)
+        if routed is not None and node_id in routed:
+            routed[node_id] -= 1
+            if routed[node_id] <= 0:
+                del routed[node_id]
+            if not routed:
+                del self._routed[conversation_id]
         turn = self._turns.get(conversation_id)
         if turn is None or turn.decode_node_id != node_id:
             return  # an older turn's late report: the turn in flight is another's
@@ -126,6 +137,8 @@ class Turns:
             if turn.started < horizon:
                 turn.ended.set()
                 del self._turns[conversation_id]
+        for conversation_id in self._routed.keys() - self._turns.keys():
+            del self._routed[conversation_id]
         self._sweep_at = max(2 * len(self._turns), 1024)
 
     async def settled(self, conversation_ids: Iterable[str], budget_s: float) -> None:

@@ -131,13 +131,12 @@ def _printable(output: str) -> str:
 async def test_stored_control_characters_print_as_escapes(
     registry_process: RegistryProcess,
 ) -> None:
-    """Ids, models, URLs and reasons are the clients' text and the registry stores them as
-    given: the tables show their control characters as escapes (never raw, where a terminal
-    would act on them), and JSON keeps them exact."""
+    """Ids, models and reasons are the clients' text and the registry stores them as given
+    (URLs it refuses with control characters): the tables show their control characters as
+    escapes (never raw, where a terminal would act on them), and JSON keeps them exact."""
     address = registry_process.address
     decode = node_spec(f"d{_CSI}")
     decode.model = f"m{_C1_CSI}"
-    decode.http_base_url = f"http://h{_OSC}"
     conversation = f"c{_OSC}"
     async with open_channel(RegistryEndpoint.parse(address)) as channel:
         stub = registry_stub(channel)
@@ -159,7 +158,7 @@ async def test_stored_control_characters_print_as_escapes(
     assert missing.code == 1 and "gone\\x1b[2J" in _printable(missing.stderr)
     [node] = as_json.json()
     assert node["spec"]["node_id"] == decode.node_id
-    assert node["spec"]["http_base_url"] == decode.http_base_url
+    assert node["spec"]["model"] == decode.model
 
 
 async def test_clear_errors_and_exit_codes(registry_process: RegistryProcess) -> None:

@@ -173,7 +173,10 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
         for spec in decodes:
             await old_leader.register_node(spec)
         older = await grant(old_leader, decodes[0], "r1")
-        newer = await grant(old_leader, decodes[1], "r2")  # supersedes ``older``
+        # The conversation's next turn went to decode-1 (only a node a turn was routed to may
+        # lease it), whose retention supersedes ``older``.
+        old_leader.turns.started("c", old_leader.nodes.runtime["decode-1"], None)
+        newer = await grant(old_leader, decodes[1], "r2")
         assert stores[0].fence is not None
         old_term = stores[0].fence
 
@@ -191,6 +194,7 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
         conversation = await successor.get_conversation("c")
         assert (conversation.lease_id, conversation.epoch) == (newer.lease_id, newer.epoch)
 
+        successor.turns.started("c", successor.nodes.runtime["decode-0"], None)
         latest = await grant(successor, decodes[0], "r3")
         assert latest.epoch >= stores[1].fence << TERM_SHIFT > newer.epoch > older.epoch
         superseded = await successor.get_lease(newer.lease_id)

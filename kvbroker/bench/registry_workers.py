@@ -98,7 +98,11 @@ async def _fixed_rate(
                 registry_pb2.GetRoutingHintRequest(conversation_id=conversation)
             )
             latencies[HINT_RPC].append(time.perf_counter() - started)
-            node = by_id.get(hint.decode.node_id, nodes[0])
+            node = by_id.get(hint.decode.node_id)
+            if node is None:
+                # Another worker's decode node: only the node a turn was routed to may lease
+                # its conversation, and that worker alone reports for it.
+                return
             retained = retained_blocks(conversation, uuid.uuid4().hex, node, 32)
             started = time.perf_counter()
             await reports[node.node_id].submit(retained)
