@@ -202,3 +202,31 @@ async def test_a_turn_s_load_leaves_its_prefill_node_when_the_turn_ends(
     assert second.prefill.node_id == first.prefill.node_id
     cached = {e.prefill_node_id: e.prefill_cached_tokens for e in second.estimates}
     assert cached[first.prefill.node_id] == 3000 // 16 * 16
+
+
+async def test_a_fleet_with_a_retaining_and_a_non_retaining_decode_node(
+    slow_settle: tuple[RunningRegistry, RegistryServiceStub],
+) -> None:
+    """Mid-rollout: one decode node retains, the other does not. Conversations on either get
+    every next turn's hint at once; those on the retaining node are waited for only while
+    their retention is due, and reuse it once reported."""
+    running, stub = slow_settle
+    retaining, not_retaining = node_spec("decode-on"), node_spec("decode-off", port=5602)
+    not_retaining.kv_retention = node_pb2.KV_RETENTION_OFF
+    await up(stub, retaining, not_retaining, node_spec("prefill-0", PREFILL, port=5700))
+    placed: dict[str, str] = {}
+    for index in range(6):
+        conversation = f"conv-mixed-{index}"
+        placed[conversation] = (await turn(stub, conversation, deadline_s=1.0)).decode.node_id
+    assert set(placed.values()) == {"decode-on", "decode-off"}
+    for conversation, node in placed.items():
+        if node == "decode-on":
+            await grant(stub, retaining, conversation, f"req-{conversation}")
+    for conversation, node in placed.items():
+        hint = await turn(stub, conversation, deadline_s=1.0)
+        if node == "decode-on":
+            assert hint.decision == registry_pb2.HINT_DECISION_REUSE
+            assert hint.lease.node_id == "decode-on"
+        else:
+            assert hint.decision == registry_pb2.HINT_DECISION_MISS
+    assert settle_waits(running) == {}
