@@ -27,6 +27,7 @@ from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Announces, ChildProcess, http_ok
 from kvbroker.engine_ext.testmodel import corpus
 from kvbroker.stack import KVBROKER, Stack, StackConfig, router_command
+from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 pytestmark = [
@@ -117,13 +118,15 @@ async def conversation(
     """A growing conversation; returns each answer and P's read count after each turn."""
     messages = [{"role": "system", "content": user_message(99, lines=10)}]
     answers, reads = [], []
+    epoch = 0
     for turn in range(turns):
         messages.append({"role": "user", "content": user_message(turn)})
         answer, _ = await chat(stack, client, messages, session, stream=stream)
         messages.append({"role": "assistant", "content": answer})
         answers.append(answer)
         reads.append(await reads_by_prefill(stack, client))
-        await asyncio.sleep(0.3)  # let D's retention report reach the registry
+        if session is not None:  # D's retention report has reached the registry
+            epoch = await retained_after(stack.registry_address, session, epoch)
     return answers, reads
 
 
@@ -172,6 +175,7 @@ async def test_two_router_replicas_serve_alternate_turns_with_reuse(
         await replica.start()
         messages = [{"role": "system", "content": user_message(60, lines=10)}]
         reads = [await reads_by_prefill(stack, http)]
+        epoch = 0
         for turn in range(4):
             messages.append({"role": "user", "content": user_message(61 + turn)})
             router = (stack.router_url, second)[turn % 2]
@@ -179,7 +183,7 @@ async def test_two_router_replicas_serve_alternate_turns_with_reuse(
             assert headers["x-kvbroker-decision"] == ("MISS" if turn == 0 else "REUSE")
             messages.append({"role": "assistant", "content": answer})
             reads.append(await reads_by_prefill(stack, http))
-            await asyncio.sleep(0.3)
+            epoch = await retained_after(stack.registry_address, "conv-replicas", epoch)
         assert [b - a for a, b in itertools.pairwise(reads)] == [0, 1, 1, 1]
     finally:
         await replica.stop()
@@ -201,7 +205,7 @@ async def test_stripped_reasoning_gets_partial_reuse_and_same_output(
     system = {"role": "system", "content": user_message(50, lines=20)}
     first = [system, {"role": "user", "content": user_message(51)}]
     answer, _ = await chat(stack, http, first, "conv-strip", max_tokens=24)
-    await asyncio.sleep(0.3)
+    await retained_after(stack.registry_address, "conv-strip", 0)
     held = await current_lease(stack, "conv-strip")
     # The client drops the first half of the answer (as clients drop reasoning traces).
     edited = [*first, {"role": "assistant", "content": answer[len(answer) // 2 :]},
@@ -242,7 +246,7 @@ async def test_closing_a_session_frees_decode_blocks_within_seconds(
     baseline = await kv_usage(stack, http)  # other tests' conversations are still retained
     messages = [{"role": "user", "content": user_message(70, lines=40)}]
     await chat(stack, http, messages, "conv-close")
-    await asyncio.sleep(0.5)
+    await retained_after(stack.registry_address, "conv-close", 0)
     assert await kv_usage(stack, http) > baseline  # D retains the turn
     closed = await http.delete(f"{stack.router_url}/v1/sessions/conv-close")
     assert closed.status_code == 200 and closed.json()["state"] == "REVOKED"
@@ -258,12 +262,12 @@ async def test_stale_handles_are_declined_and_the_turn_recomputes(
 ) -> None:
     messages = [{"role": "user", "content": user_message(80, lines=30)}]
     first_answer, _ = await chat(stack, http, messages, "conv-stale")
-    await asyncio.sleep(0.3)
+    await retained_after(stack.registry_address, "conv-stale", 0)
     turn1 = await current_lease(stack, "conv-stale")
     messages += [{"role": "assistant", "content": first_answer},
                  {"role": "user", "content": user_message(81)}]  # fmt: skip
     await chat(stack, http, messages, "conv-stale")
-    await asyncio.sleep(0.3)
+    await retained_after(stack.registry_address, "conv-stale", turn1.epoch)
     turn2 = await current_lease(stack, "conv-stale")
     assert turn2.epoch == turn1.epoch + 1
 
@@ -365,7 +369,7 @@ async def test_a_decode_node_vanishing_before_the_read_means_recompute(
     """Runs last: it kills the module's decode server."""
     messages = [{"role": "user", "content": user_message(95, lines=30)}]
     answer, _ = await chat(stack, http, messages, "conv-vanish")
-    await asyncio.sleep(0.3)
+    await retained_after(stack.registry_address, "conv-vanish", 0)
     held = await current_lease(stack, "conv-vanish")
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "so?"}]
     await stack.kill_engine(stack.decode)

@@ -62,7 +62,7 @@ async def first_turn(
     messages = opening(seed)
     answer = await checked_turn(stack, http, messages, session)
     assert (answer.decision, answer.consistency) == ("MISS", "EXACT")
-    epoch = await retained_after(stack, session, 0)
+    epoch = await retained_after(stack.registry_address, session, 0)
     follow_up(messages, answer.text, "and what follows from that?")
     return messages, epoch
 
@@ -124,7 +124,7 @@ async def test_the_registry_restarted_between_two_turns(
     again and replay what their engines retain, and the next turn reuses it."""
     messages, epoch = await first_turn(stack, http, "conv-restart", seed=60)
     await stack.restart_registry()
-    replayed = await current_lease(stack, "conv-restart")
+    replayed = await current_lease(stack.registry_address, "conv-restart")
     assert replayed is not None and replayed.epoch == epoch
     await routed_by_the_registry(stack, http)
     answer = await checked_turn(stack, http, messages, "conv-restart")
@@ -162,7 +162,7 @@ async def test_the_decode_engine_restarted_between_two_turns(
     await stack.restart_engine(stack.decode)
 
     async def lease_ended() -> bool:
-        lease = await current_lease(stack, "conv-d-restart")
+        lease = await current_lease(stack.registry_address, "conv-d-restart")
         assert lease is not None and lease.epoch == epoch
         return lease.state not in (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 

@@ -10,7 +10,6 @@ their path.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +23,8 @@ from kvbroker.bench.multiturn import ARMS, FIXED_PATHS, MultiturnConfig, run_mul
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.tasks import poll_until
 from kvbroker.stack import Stack, StackConfig
+from kvbroker.testing.turns import current_lease as newest_lease
+from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.conftest import run_cli
 from tests.test_e2e import MODEL, current_lease, metric, reads_by_prefill, user_message
@@ -56,7 +57,24 @@ async def turn(
     path: str | None = None,
     stream: bool = False,
 ) -> tuple[str, str]:
-    """One turn through the router; returns the answer and the path it took."""
+    """One turn through the router, and with a session id, until D's retention report of it
+    has reached the registry; returns the answer and the path it took."""
+    if session is None:
+        return await _ask(stack, http, messages, session, path, stream)
+    before = await newest_lease(stack.registry_address, session)
+    answered = await _ask(stack, http, messages, session, path, stream)
+    await retained_after(stack.registry_address, session, before.epoch if before else 0)
+    return answered
+
+
+async def _ask(
+    stack: Stack,
+    http: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    session: str | None,
+    path: str | None,
+    stream: bool,
+) -> tuple[str, str]:
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
@@ -91,10 +109,6 @@ async def tail_tokens_reused(stack: Stack, http: httpx.AsyncClient) -> float:
     return await metric(http, stack.url(stack.decode), "vllm:external_prefix_cache_hits_total")
 
 
-async def settle() -> None:
-    await asyncio.sleep(0.5)  # D's retention report reaches the registry
-
-
 def opening(seed: int) -> list[dict[str, str]]:
     return [
         {"role": "system", "content": user_message(seed, lines=20)},
@@ -112,7 +126,6 @@ async def test_every_path_gives_the_same_tokens(stack: Stack, http: httpx.AsyncC
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "and what follows from that?"},
     ]
-    await settle()
     answers: dict[tuple[str, bool], str] = {}
     for stream in (False, True):
         for path in ("DECODE_LOCAL", "READ", "RECOMPUTE"):
@@ -128,7 +141,6 @@ async def test_every_path_gives_the_same_tokens(stack: Stack, http: httpx.AsyncC
             if path == "DECODE_LOCAL":
                 # The unfinished last block of the previous turn came from its retained KV.
                 assert await tail_tokens_reused(stack, http) > before_tail
-            await settle()
             after = await current_lease(stack, "conv-paths")
             assert after.state == lease_pb2.LEASE_STATE_ACTIVE  # retained for the next turn
             assert after.epoch > before.epoch
@@ -150,7 +162,6 @@ async def test_every_path_gives_the_same_tokens_after_the_client_strips_the_answ
         # A conversation per path, each the same text: each path starts from the same state.
         answer, _ = await turn(stack, http, first, f"conv-strip-{path}")
         openings.add(answer)
-        await settle()
         stripped = [*first, {"role": "assistant", "content": answer[len(answer) // 2 :]},
                     {"role": "user", "content": "and then?"}]  # fmt: skip
         answers[path], taken = await turn(stack, http, stripped, f"conv-strip-{path}", path)
@@ -187,12 +198,10 @@ async def test_the_planner_moves_off_the_decode_node_as_the_suffix_grows(
 ) -> None:
     messages = opening(30)
     answer, _ = await turn(stack, http, messages, "conv-grow")
-    await settle()
     short = [*messages, {"role": "assistant", "content": answer},
              {"role": "user", "content": "why?"}]  # fmt: skip
     answer_short, taken = await turn(stack, http, short, "conv-grow")
     assert taken == "DECODE_LOCAL"
-    await settle()
     # A bulk tool result (about 3,000 tokens): over the decode node's local limit.
     bulk = [*short, {"role": "assistant", "content": answer_short},
             {"role": "tool", "content": user_message(50, lines=150)}]  # fmt: skip
@@ -207,7 +216,6 @@ async def test_decode_local_after_the_lease_ended_or_the_prefix_changed_is_still
 ) -> None:
     messages = opening(70)
     answer, _ = await turn(stack, http, messages, "conv-gone")
-    await settle()
     follow = [*messages, {"role": "assistant", "content": answer},
               {"role": "user", "content": "go on"}]  # fmt: skip
     async with open_channel(RegistryEndpoint.parse(stack.registry_address)) as channel:
@@ -218,7 +226,6 @@ async def test_decode_local_after_the_lease_ended_or_the_prefix_changed_is_still
     gone, taken = await turn(stack, http, follow, "conv-gone", "DECODE_LOCAL")
     assert taken == "RECOMPUTE"  # nothing usable is retained: the ask cannot be honoured
     assert gone == (await turn(stack, http, follow, None))[0]
-    await settle()
     # An earlier turn edited: the registry cannot know, the decode node's cache matches less.
     edited = [dict(m) for m in follow]
     edited[1]["content"] = user_message(71, lines=19) + " (edited)"
@@ -233,7 +240,6 @@ async def test_calibrate_measures_the_real_engines(stack: Stack, http: httpx.Asy
     own."""
     messages = opening(90)
     answer, _ = await turn(stack, http, messages, "conv-calibrate")
-    await settle()
     follow = [*messages, {"role": "assistant", "content": answer},
               {"role": "user", "content": "more"}]  # fmt: skip
     assert (await turn(stack, http, follow, "conv-calibrate", "READ"))[1] == "READ"

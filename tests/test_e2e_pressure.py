@@ -20,6 +20,7 @@ import pytest_asyncio
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.stack import Stack, StackConfig
+from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, registry_pb2
 from tests.test_e2e import chat, metric, user_message
 
@@ -96,7 +97,7 @@ async def test_more_idle_conversations_than_the_cache_holds_never_stall(
         assert decision == "MISS"
         # The issue measured 468 s here: D full of idle retention, waiting for the hard cap.
         assert took < 3 * baseline + 1.0, (index, took, baseline)
-        await asyncio.sleep(0.3)
+        await retained_after(stack.registry_address, f"p-{index}", 0)
 
     released = await leases(stack, [lease_pb2.LEASE_STATE_RELEASED])
     under_pressure = [
@@ -138,7 +139,7 @@ async def test_idle_leases_end_and_the_cache_returns_to_baseline(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:
     await timed_chat(stack, http, opening(30), "p-idle")
-    await asyncio.sleep(0.5)
+    await retained_after(stack.registry_address, "p-idle", 0)
     assert "p-idle" in {lease.conversation_id for lease in await leases(stack, [])}
     assert await decode_usage(stack, http) > 0
     deadline = time.monotonic() + IDLE_TTL_S + 30

@@ -106,11 +106,11 @@ async def checked_turn(
     return on
 
 
-async def current_lease(stack: Stack, session: str) -> lease_pb2.Lease | None:
+async def current_lease(registry: str, session: str) -> lease_pb2.Lease | None:
     """The conversation's newest lease as the registry has it, ended or not (None: it knows
     none)."""
     every_state = [lease_pb2.LeaseState.Name(state) for state in lease_pb2.LeaseState.values()]
-    async with open_channel(RegistryEndpoint.parse(stack.registry_address)) as channel:
+    async with open_channel(RegistryEndpoint.parse(registry)) as channel:
         stub = registry_stub(channel)
         found = await stub.ListLeases(
             registry_pb2.ListLeasesRequest(conversation_id=session, states=every_state),
@@ -120,12 +120,13 @@ async def current_lease(stack: Stack, session: str) -> lease_pb2.Lease | None:
     return max(leases, key=lambda lease: lease.epoch) if leases else None
 
 
-async def retained_after(stack: Stack, session: str, epoch: int, within_s: float = 30) -> int:
-    """Waits until the decode node has reported the retention of the conversation's turn that
-    followed ``epoch`` (a lease of a higher epoch is live); returns that epoch."""
+async def retained_after(registry: str, session: str, epoch: int, within_s: float = 30) -> int:
+    """Waits until the decode node has reported to ``registry`` the retention of the
+    conversation's turn that followed ``epoch`` (a lease of a higher epoch is live); returns
+    that epoch."""
 
     async def newer() -> int:
-        lease = await current_lease(stack, session)
+        lease = await current_lease(registry, session)
         live = lease is not None and lease.state in (
             lease_pb2.LEASE_STATE_ACTIVE,
             lease_pb2.LEASE_STATE_CLAIMED,
