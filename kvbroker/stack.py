@@ -96,6 +96,19 @@ class EngineSpec:
     cpus: str  # VLLM_CPU_OMP_THREADS_BIND
     http_port: int = field(default_factory=free_port)
     side_channel_port: int = field(default_factory=free_port)
+    # Its place among the engines of its role, and whether it keeps finished turns' KV
+    # (vLLM's bidirectional_kv_xfer; a decode engine's only).
+    index: int = 0
+    reuse: bool = True
+
+    @property
+    def name(self) -> str:
+        """The name of its files and processes: the role for the first of a role."""
+        return self.role if self.index == 0 else f"{self.role}-{self.index}"
+
+    @property
+    def node_id(self) -> str:
+        return f"{self.role}-{self.index}"
 
 
 @dataclass
@@ -103,6 +116,9 @@ class StackConfig:
     workdir: Path
     model_dir: Path | None = None
     reuse: bool = True
+    # More decode engines beside the first, each retaining or not (a fleet mid-rollout, or an
+    # A/B of reuse): one entry per extra engine, its reuse setting.
+    extra_decodes: tuple[bool, ...] = ()
     served_model: str = SERVED_MODEL
     kv_cache_gib: int = 1
     max_model_len: int = 8192
@@ -151,14 +167,23 @@ class Stack:
         self.registry_address = ",".join(self.registry_addresses)
         self.etcd = LocalEtcd(self.config.workdir) if replicas > 1 else None
         self.router_url = f"http://127.0.0.1:{free_port()}"
-        self.prefill = EngineSpec("prefill", self.config.prefill_cpus)
-        self.decode = EngineSpec("decode", self.config.decode_cpus)
+        self.prefill = EngineSpec("prefill", self.config.prefill_cpus, reuse=self.config.reuse)
+        reuses = (self.config.reuse, *self.config.extra_decodes)
+        self.decodes = [
+            EngineSpec("decode", self.config.decode_cpus, index=index, reuse=reuse)
+            for index, reuse in enumerate(reuses)
+        ]
+        self.decode = self.decodes[0]
+
+    @property
+    def engines(self) -> list[EngineSpec]:
+        return [self.prefill, *self.decodes]
 
     def url(self, engine: EngineSpec) -> str:
         return f"http://127.0.0.1:{engine.http_port}"
 
     def socket_path(self, engine: EngineSpec) -> Path:
-        return self.config.workdir / f"{engine.role}.sock"
+        return self.config.workdir / f"{engine.name}.sock"
 
     def _child(self, child: ChildProcess) -> ChildProcess:
         self.children.append(child)
@@ -180,9 +205,9 @@ class Stack:
         )
 
     def sidecar_child(self, engine: EngineSpec) -> ChildProcess:
-        name = f"sidecar-{engine.role}"
+        name = f"sidecar-{engine.name}"
         argv = sidecar_command(
-            self.registry_address, self.url(engine), engine.role, f"{engine.role}-0",
+            self.registry_address, self.url(engine), engine.role, engine.node_id,
             self.socket_path(engine), self.prefix_caching(engine),
         )  # fmt: skip
         return ChildProcess(
@@ -201,7 +226,7 @@ class Stack:
     def _kv_transfer_config(self, engine: EngineSpec) -> str:
         extra: dict[str, object] = {
             "backends": ["UCX"],
-            "bidirectional_kv_xfer": self.config.reuse,
+            "bidirectional_kv_xfer": engine.reuse,
             "kv_recompute_threshold": self.config.recompute_threshold,
             "decoder_kv_blocks_ttl": self.config.hard_cap_s,
             "kvbroker_sidecar": f"unix:{self.socket_path(engine)}",
@@ -298,18 +323,18 @@ class Stack:
             registry = self.registry_child(name, address, store)
             self._registries[address] = registry
             await self._child(registry).start()
-        for engine in (self.prefill, self.decode):
+        for engine in self.engines:
             await self._child(self.sidecar_child(engine)).start()
         self.progress("starting the prefill and decode vLLM servers (about a minute)")
         engines = [
             ChildProcess(
-                f"vllm-{e.role}",
+                f"vllm-{e.name}",
                 self.engine_argv(e),
-                self._log(f"vllm-{e.role}"),
+                self._log(f"vllm-{e.name}"),
                 ready=[http_ok(f"{self.url(e)}/health")],
                 env=self.engine_env(e),
             )
-            for e in (self.prefill, self.decode)
+            for e in self.engines
         ]
         self._engines = {child.name: child for child in engines}
         router = self.router_child()
@@ -331,12 +356,13 @@ class Stack:
         async with open_channel(endpoint) as channel:
             stub = registry_stub(channel)
 
-            async def both_ready() -> bool:
+            async def all_ready() -> bool:
                 listed: ListNodesResponse = await stub.ListNodes(ListNodesRequest(), timeout=2)
-                return sum(n.state == NODE_STATE_READY for n in listed.nodes) >= 2
+                ready = sum(n.state == NODE_STATE_READY for n in listed.nodes)
+                return ready >= len(self.engines)
 
             await poll_until(
-                both_ready, timeout_s, "both engines' sidecars registered", every_s=0.25
+                all_ready, timeout_s, "every engine's sidecar registered", every_s=0.25
             )
 
     async def kill_registry_leader(self) -> str:
@@ -351,7 +377,7 @@ class Stack:
 
     async def kill_engine(self, engine: EngineSpec) -> None:
         """SIGKILLs a vLLM server and its engine core (failure tests)."""
-        child = self._engines[f"vllm-{engine.role}"]
+        child = self._engines[f"vllm-{engine.name}"]
         child.kill()
         await child.wait()
 
@@ -359,7 +385,7 @@ class Stack:
         """SIGKILLs a vLLM server, starts it again, and returns once its sidecar has it
         registered again (failure tests): it comes back with nothing retained."""
         await self.kill_engine(engine)
-        await self._engines[f"vllm-{engine.role}"].start()
+        await self._engines[f"vllm-{engine.name}"].start()
         await self._wait_registered()
 
     async def restart_registry(self) -> None:

@@ -99,6 +99,7 @@ LAYERS = {
     "test_e2e": "e2e",
     "test_e2e_deploy": "e2e",
     "test_e2e_faults": "e2e",
+    "test_e2e_faults_mixed": "e2e",
     "test_e2e_faults_reuse_off": "e2e",
     "test_e2e_paths": "e2e",
     "test_e2e_pressure": "e2e",
