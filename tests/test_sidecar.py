@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import httpx
@@ -20,7 +19,6 @@ from kvbroker.common.engine_link import Deadline, EngineLink
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Announces, ChildProcess
-from kvbroker.common.tasks import poll_until
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.stack import sidecar_command
@@ -29,7 +27,7 @@ from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, n
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.conftest import run_cli, spawn_registry
+from tests.conftest import eventually, run_cli, spawn_registry
 from tests.test_engine_work import vllm_metrics
 
 SESSION_FLAGS = ("--heartbeat-interval", "0.2", "--session-ttl", "1.0", "--revoke-grace", "0.5")
@@ -66,15 +64,6 @@ def retained_blocks(
         block_hashes=block_hashes(tokens),
         token_count=tokens,
     )
-
-
-T = TypeVar("T")
-
-
-async def eventually(check: Callable[[], Awaitable[T]], within: float = 10.0) -> T:
-    """Polls an async check until it returns something truthy; returns that. An error of the
-    check (a failed assertion in it) fails the test at once."""
-    return await poll_until(check, within, "the condition", every_s=0.05, retrying=())
 
 
 async def live_leases(stub: RegistryServiceStub, node_id: str = "") -> list[lease_pb2.Lease]:
