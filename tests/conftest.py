@@ -120,23 +120,25 @@ T = TypeVar("T")
 
 @overload
 async def eventually(
-    check: Callable[[], Awaitable[T]], within: float = ..., what: str = ...
+    check: Callable[[], Awaitable[T]], within: float = ..., what: str = ..., every: float = ...
 ) -> T: ...
 @overload
-async def eventually(check: Callable[[], T], within: float = ..., what: str = ...) -> T: ...
 async def eventually(
-    check: Callable[[], Any], within: float = 10.0, what: str = "the condition"
+    check: Callable[[], T], within: float = ..., what: str = ..., every: float = ...
+) -> T: ...
+async def eventually(
+    check: Callable[[], Any], within: float = 10.0, what: str = "the condition", every: float = 0.02
 ) -> Any:
     """Waits for something to have happened, never for a fixed time: calls ``check`` (plain or
-    async) until it returns something truthy, and returns that. An error of the check (a
-    failed assertion in it) fails the test at once; TimeoutError naming ``what`` when
-    ``within`` seconds pass first."""
+    async) every ``every`` seconds until it returns something truthy, and returns that. An
+    error of the check (a failed assertion in it) fails the test at once; TimeoutError naming
+    ``what`` when ``within`` seconds pass first."""
 
     async def checked() -> Any:
         result = check()
         return await result if inspect.isawaitable(result) else result
 
-    return await poll_until(checked, within, what, every_s=0.02, retrying=())
+    return await poll_until(checked, within, what, every_s=every, retrying=())
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
