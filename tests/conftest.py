@@ -5,12 +5,13 @@ servers as processes) is kvbroker.testing, which the benchmarks use too."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import grpc
 import httpx
@@ -19,6 +20,7 @@ import pytest_asyncio
 
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.common.tasks import poll_until
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.stack import KVBROKER
@@ -117,6 +119,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 f"{item.path.name} has no layer: add it to LAYERS in tests/conftest.py"
             )
         item.add_marker(layer)
+
+
+T = TypeVar("T")
+
+
+@overload
+async def eventually(
+    check: Callable[[], Awaitable[T]], within: float = ..., what: str = ..., every: float = ...
+) -> T: ...
+@overload
+async def eventually(
+    check: Callable[[], T], within: float = ..., what: str = ..., every: float = ...
+) -> T: ...
+async def eventually(
+    check: Callable[[], Any], within: float = 10.0, what: str = "the condition", every: float = 0.02
+) -> Any:
+    """Waits for something to have happened, never for a fixed time: calls ``check`` (plain or
+    async) every ``every`` seconds until it returns something truthy, and returns that. An
+    error of the check (a failed assertion in it) fails the test at once; TimeoutError naming
+    ``what`` when ``within`` seconds pass first."""
+
+    async def checked() -> Any:
+        result = check()
+        return await result if inspect.isawaitable(result) else result
+
+    return await poll_until(checked, within, what, every_s=every, retrying=())
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

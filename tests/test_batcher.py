@@ -7,23 +7,28 @@ import asyncio
 import pytest
 
 from kvbroker.common.batcher import Batcher
+from tests.conftest import eventually
 
 
 async def test_concurrent_items_share_calls_and_get_their_own_results() -> None:
     calls: list[list[int]] = []
+    answer = asyncio.Event()  # a call in flight answers once this is set
+    answer.set()
 
     async def send(items: list[int]) -> list[int | BaseException]:
         calls.append(items)
-        await asyncio.sleep(0.01)
+        await answer.wait()
         return [ValueError(f"odd {i}") if i % 2 else i * 10 for i in items]
 
     batcher: Batcher[int, int] = Batcher(send, max_batch=4, name="test")
     assert await batcher.submit(2) == 20 and calls == [[2]]  # alone: sent at once
+    answer.clear()
     first = asyncio.ensure_future(batcher.submit(0))
-    await asyncio.sleep(0.001)  # its call is in flight
-    results = await asyncio.gather(
-        first, *(batcher.submit(i) for i in range(1, 10)), return_exceptions=True
-    )
+    await eventually(lambda: calls == [[2], [0]])  # its call is in flight
+    rest = [asyncio.ensure_future(batcher.submit(i)) for i in range(1, 10)]
+    await asyncio.sleep(0)  # each of the rest is submitted, behind the call in flight
+    answer.set()
+    results = await asyncio.gather(first, *rest, return_exceptions=True)
     assert [r for r in results if not isinstance(r, BaseException)] == [0, 20, 40, 60, 80]
     assert [str(r) for r in results if isinstance(r, BaseException)] == [
         f"odd {i}" for i in (1, 3, 5, 7, 9)
@@ -61,13 +66,16 @@ async def test_a_wrong_number_of_results_is_an_error_for_every_item() -> None:
 
 
 async def test_callers_are_not_left_waiting_when_the_sender_is_cancelled() -> None:
+    sending = asyncio.Event()
+
     async def send(items: list[int]) -> list[int | BaseException]:
+        sending.set()
         await asyncio.sleep(3600)
         return list[int | BaseException](items)
 
     batcher: Batcher[int, int] = Batcher(send, max_batch=10, name="test")
     waiting = asyncio.ensure_future(batcher.submit(1))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(sending.wait(), 5)
     for task in asyncio.all_tasks():
         if task.get_name() == "test":
             task.cancel()

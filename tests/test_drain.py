@@ -18,7 +18,7 @@ from kvbroker.bench.failover_engine import SimEngine
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.handles import LEASE_ID_KEY
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-from tests.conftest import run_cli
+from tests.conftest import eventually, run_cli
 
 pytestmark = pytest.mark.etcd
 
@@ -158,7 +158,8 @@ async def test_drain_waits_for_the_read_in_flight_and_loses_no_turn(
                 read_may_end.set()
 
             ender = asyncio.create_task(end_the_read())
-            await asyncio.sleep(0.3)
+            # The load is on: as many turns served as there are talkers.
+            await eventually(lambda: len(load.served) >= len(others))
             drain_started = time.monotonic()
             drained = await run_cli(
                 *("node", "drain", decode0.node_id, "--wait", "--timeout", "40"),

@@ -16,6 +16,7 @@ from kvbroker.controlplane.etcd_store import EtcdConnection, EtcdEndpoints, Etcd
 from kvbroker.controlplane.model import Node
 from kvbroker.controlplane.store import Deposed
 from kvbroker.testing.factories import node_spec
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.etcd
 
@@ -32,13 +33,10 @@ async def candidates(etcd: LocalEtcd) -> AsyncIterator[list[Election]]:
 
 
 async def win_within(election: Election, value: str, within_s: float) -> Term:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while True:
-        term = await election.campaign(value)
-        if term is not None:
-            return term
-        assert asyncio.get_running_loop().time() < deadline, "never won"
-        await asyncio.sleep(0.1)
+    # Each campaign grants (and, lost, revokes) an etcd lease: not too often.
+    term = await eventually(lambda: election.campaign(value), within_s, "a won campaign", 0.1)
+    assert term is not None
+    return term
 
 
 async def test_of_two_candidates_one_leads(candidates: list[Election]) -> None:
@@ -59,7 +57,7 @@ async def test_a_lost_keep_alive_hands_over(candidates: list[Election], etcd: Lo
     term = await first.campaign("a:1")
     assert term is not None
     keeping = asyncio.create_task(first.keep_alive(term, asyncio.Event()))
-    await asyncio.sleep(TTL_S)
+    await asyncio.sleep(TTL_S)  # the term's TTL passes: what keep_alive is for
     assert not keeping.done()  # kept: nobody else wins meanwhile
     assert await second.campaign("b:1") is None
 

@@ -34,6 +34,7 @@ from kvbroker.router.proxy import Router
 from kvbroker.testing.factories import Heartbeats, grant, hint, node_spec, register
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from tests.conftest import eventually
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL
 
@@ -199,11 +200,16 @@ async def test_the_router_falls_back_only_when_no_leader_answers(
     follower: tuple[Follower, str], stub: RegistryServiceStub
 ) -> None:
     replica, address = follower
-    router = Router(RegistryEndpoint.parse(address), RouterConfig(node_refresh_s=3600))
+    # One hint per plan (no waiting for a ready node) and a generous hint deadline: the
+    # outcome must follow from the reason alone. With the defaults a plan made ~30 round trips
+    # under a 0.5 s deadline, and one slow trip on a loaded machine was served as a fallback.
+    config = RouterConfig(node_refresh_s=3600, ready_node_wait_s=0, hint_timeout_s=10)
+    router = Router(RegistryEndpoint.parse(address), config)
+    await register(stub, node_spec("decode-0"))
     await router.start()
     try:
-        await register(stub, node_spec("decode-0"))
-        await asyncio.sleep(0.3)  # the router's first (and, here, only) node refresh
+        # The router's first (and, here, only) node refresh, before its list is replaced.
+        await eventually(lambda: [n.spec.node_id for n in router.known_nodes] == ["decode-0"])
         router.known_nodes = [
             node_pb2.Node(spec=node_spec("decode-1"), state=node_pb2.NODE_STATE_READY),
             node_pb2.Node(

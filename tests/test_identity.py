@@ -11,6 +11,7 @@ import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -44,7 +45,7 @@ from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.conftest import CliResult, run_cli
+from tests.conftest import CliResult, eventually, run_cli
 
 DENIED = registry_pb2.ERROR_REASON_PERMISSION_DENIED
 UNAUTHENTICATED = registry_pb2.ERROR_REASON_UNAUTHENTICATED
@@ -441,14 +442,22 @@ async def test_a_second_command_stream_for_a_node_replaces_the_first(
         watch = registry_pb2.WatchLeaseCommandsRequest(
             node_id="decode-0", incarnation=spec.incarnation
         )
+        renew = registry_pb2.RenewLeaseRequest(lease_id=lease.lease_id)
         first = stub.WatchLeaseCommands(watch)
-        await asyncio.sleep(0.2)
+        await stub.RenewLease(renew, timeout=5)
+        # A command reached it: the first stream is the node's watcher.
+        assert (await asyncio.wait_for(first.read(), 5)).command.lease_id == lease.lease_id
         second = stub.WatchLeaseCommands(watch)
-        await asyncio.sleep(0.2)
+
+        async def rest_of_first() -> list[registry_pb2.LeaseCommand]:
+            commands = []
+            while (response := await first.read()) != grpc.aio.EOF:
+                commands.append(response.command)
+            return commands
+
+        leftover = await asyncio.wait_for(rest_of_first(), 5)  # the second took over: it ended
         for _ in range(3):
-            await stub.RenewLease(
-                registry_pb2.RenewLeaseRequest(lease_id=lease.lease_id), timeout=5
-            )
+            await stub.RenewLease(renew, timeout=5)
         await stub.RevokeLease(
             registry_pb2.RevokeLeaseRequest(lease_id=lease.lease_id, reason="closed"), timeout=5
         )
@@ -458,11 +467,6 @@ async def test_a_second_command_stream_for_a_node_replaces_the_first(
             if response.command.state == lease_pb2.LEASE_STATE_REVOKED:
                 break
         assert received and received[-1].reason == "closed"
-
-        async def rest_of_first() -> list[registry_pb2.LeaseCommand]:
-            return [response.command async for response in first]
-
-        leftover = await asyncio.wait_for(rest_of_first(), 5)  # it ended
         assert all(c.reason != "closed" for c in leftover)
         second.cancel()
 
@@ -542,6 +546,17 @@ async def test_mtls_names_the_caller_by_its_certificate(pki: Pki) -> None:
         await registry.stop()
 
 
+async def _registered(stub: RegistryServiceStub, spec: node_pb2.NodeSpec) -> bool:
+    """Registers ``spec``; False while no replica leads (an election still pending)."""
+    try:
+        await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=5)
+    except grpc.aio.AioRpcError as error:
+        if from_grpc_error(error).reason != registry_pb2.ERROR_REASON_NO_LEADER:
+            raise
+        return False
+    return True
+
+
 @pytest.mark.etcd
 async def test_replicas_forward_to_each_other_over_mtls(
     pki: Pki, etcd: LocalEtcd, tmp_path: Path
@@ -563,17 +578,7 @@ async def test_replicas_forward_to_each_other_over_mtls(
         for replica in replicas:
             async with open_channel(_mtls(pki, replica.address, "node:decode-0:decode")) as channel:
                 stub = registry_stub(channel)
-                for _ in range(50):  # an election may still be pending
-                    try:
-                        await stub.RegisterNode(
-                            registry_pb2.RegisterNodeRequest(spec=spec),
-                            timeout=5,
-                        )
-                        break
-                    except grpc.aio.AioRpcError as error:
-                        if from_grpc_error(error).reason != registry_pb2.ERROR_REASON_NO_LEADER:
-                            raise
-                        await asyncio.sleep(0.2)
+                await eventually(partial(_registered, stub, spec), within=15, every=0.2)
                 assert (
                     await refusal(
                         stub.RegisterNode(

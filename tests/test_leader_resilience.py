@@ -23,6 +23,7 @@ from kvbroker.controlplane.replica import Replica, ReplicaOptions
 from kvbroker.controlplane.store import WriteLimits
 from kvbroker.testing.factories import block_hashes, handle, node_spec, replayed
 from kvbroker.v1 import lease_pb2, node_pb2
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.etcd
 
@@ -36,12 +37,10 @@ class SmallRequestsEtcd(LocalEtcd):
         return [*super()._argv(data_dir), "--max-request-bytes=65536"]
 
 
-async def leading(replica: Replica, within_s: float = 10.0) -> Registry:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while replica.registry is None:
-        assert asyncio.get_running_loop().time() < deadline, "never led"
-        await asyncio.sleep(0.05)
-    return replica.registry
+async def leading(replica: Replica) -> Registry:
+    registry = await eventually(lambda: replica.registry, what="leading")
+    assert registry is not None
+    return registry
 
 
 @pytest.fixture
@@ -125,7 +124,8 @@ async def test_the_election_loop_outlives_a_failure_in_it(etcd: LocalEtcd) -> No
         await client.put(store.leader_key, b"not an address")
         running = asyncio.create_task(replica.run())
         try:
-            await asyncio.sleep(1.5)
+            # The loop met the key: following it is what failed.
+            await eventually(lambda: replica.leader_address == "not an address")
             assert not running.done()
             await client.delete(store.leader_key)
             await leading(replica)
@@ -181,7 +181,7 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
         old_term = stores[0].fence
 
         second = asyncio.create_task(replicas[1].run())
-        await asyncio.sleep(0.5)  # following
+        await eventually(lambda: replicas[1].leader_address == replicas[0].options.advertise)
         first.cancel()  # steps down and resigns: the follower takes over
         await asyncio.gather(first, return_exceptions=True)
         successor = await leading(replicas[1])

@@ -9,6 +9,7 @@ import asyncio
 import grpc
 
 from kvbroker.common.clock import from_duration
+from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.testing.factories import Heartbeats, hint, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
@@ -111,8 +112,13 @@ async def test_a_reclaim_needs_a_reclaim_cause(stub: RegistryServiceStub) -> Non
         assert answer.refused[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
+def settle_waits(registry: RunningRegistry, outcome: str) -> float:
+    samples = registry.leadership.metrics.registry
+    return samples.get_sample_value("kvbroker_hint_settle_waits_total", {"outcome": outcome}) or 0
+
+
 async def test_a_hint_waits_for_the_retention_of_a_turn_still_finishing(
-    stub: RegistryServiceStub,
+    stub: RegistryServiceStub, registry_server: RunningRegistry
 ) -> None:
     decode = node_spec("decode-0")
     async with Heartbeats(stub, decode, node_spec("prefill-0", PREFILL, port=5700)):
@@ -135,6 +141,7 @@ async def test_a_hint_waits_for_the_retention_of_a_turn_still_finishing(
         third = await hint(stub, "c-fast")  # sent before D's report arrived
         await finishing
         assert third.decision == registry_pb2.HINT_DECISION_REUSE, third.reason
+        assert settle_waits(registry_server, "settled") == 1  # it waited for the report
         assert third.lease.handle.remote_request_id == "req-2"
 
         # The third turn never reports (aborted): the next hint waits the settle timeout (0.2 s
@@ -145,6 +152,9 @@ async def test_a_hint_waits_for_the_retention_of_a_turn_still_finishing(
         assert waited.decision == registry_pb2.HINT_DECISION_RECOMPUTE
         assert "claimed" in waited.reason
         assert 0.2 <= loop.time() - started < 1.0
-        started = loop.time()
+        assert settle_waits(registry_server, "timeout") == 1
         await hint(stub, "c-fast", dry_run=True)
-        assert loop.time() - started < 0.15
+        assert (
+            settle_waits(registry_server, "settled"),
+            settle_waits(registry_server, "timeout"),
+        ) == (1, 1)

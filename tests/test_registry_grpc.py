@@ -23,16 +23,10 @@ from kvbroker.testing.factories import (
 )
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from tests.conftest import eventually
 
 DECODE = node_pb2.NODE_ROLE_DECODE
 PREFILL = node_pb2.NODE_ROLE_PREFILL
-
-
-async def wait_for(predicate, within: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + within
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 async def get_node(stub: RegistryServiceStub, node_id: str) -> node_pb2.Node:
@@ -61,7 +55,7 @@ async def test_node_joins_heartbeats_and_expires(stub: RegistryServiceStub) -> N
     async def is_down() -> bool:
         return (await get_node(stub, "decode-0")).state == node_pb2.NODE_STATE_DOWN
 
-    await wait_for(is_down)
+    await eventually(is_down, within=5)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await stub.Heartbeat(beat, timeout=5)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -93,7 +87,7 @@ async def test_lease_grant_renew_expire_revoke_with_rising_epochs(
             lease = await get_lease(stub, first.lease_id)
             return lease.state == lease_pb2.LEASE_STATE_EXPIRED
 
-        await wait_for(expired, within=3)
+        await eventually(expired, within=3)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await stub.RenewLease(
                 registry_pb2.RenewLeaseRequest(lease_id=first.lease_id), timeout=5
@@ -151,7 +145,7 @@ async def test_hint_names_holder_then_not_after_expiry(stub: RegistryServiceStub
                 registry_pb2.HINT_DECISION_RECOMPUTE
             ) and "claimed" not in (await hint(stub, "conv-h", dry_run=True)).reason
 
-        await wait_for(not_offered, within=4)
+        await eventually(not_offered, within=4)
         final = await hint(stub, "conv-h")
         assert not final.HasField("lease")
         assert "(IDLE)" in final.reason
@@ -321,7 +315,7 @@ async def test_node_down_withdraws_its_leases(stub: RegistryServiceStub) -> None
         async def withdrawn() -> bool:
             return (await get_lease(stub, lease.lease_id)).state == lease_pb2.LEASE_STATE_REVOKED
 
-        await wait_for(withdrawn, within=3)
+        await eventually(withdrawn, within=3)
         result = await hint(stub, "conv-d")
         assert result.decision == registry_pb2.HINT_DECISION_RECOMPUTE
         assert "(NODE_LOST)" in result.reason

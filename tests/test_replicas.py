@@ -25,6 +25,7 @@ from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.model import Node
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.etcd
 
@@ -124,18 +125,27 @@ async def test_expiry_happens_once_across_replicas(etcd: LocalEtcd, tmp_path: Pa
                 granted = [
                     await grant(stub, spec, f"conv-{i}", f"req-{i}", ttl_s=0.5) for i in range(10)
                 ]
-                await asyncio.sleep(1.5)
-                for lease in granted:
-                    request = registry_pb2.GetLeaseRequest(lease_id=lease.lease_id)
-                    seen = (await stub.GetLease(request, timeout=5)).lease
-                    assert seen.state == lease_pb2.LEASE_STATE_EXPIRED
-                expired = 0.0
-                for port in metrics:
-                    text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
-                    for line in text.splitlines():
-                        if line.startswith('kvbroker_lease_events_total{event="expired"}'):
-                            expired += float(line.split()[-1])
-                assert expired == len(granted)
+
+                async def all_expired() -> bool:
+                    for lease in granted:
+                        request = registry_pb2.GetLeaseRequest(lease_id=lease.lease_id)
+                        seen = (await stub.GetLease(request, timeout=5)).lease
+                        if seen.state != lease_pb2.LEASE_STATE_EXPIRED:
+                            return False
+                    return True
+
+                async def expiries() -> float:
+                    counted = 0.0
+                    for port in metrics:
+                        text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+                        for line in text.splitlines():
+                            if line.startswith('kvbroker_lease_events_total{event="expired"}'):
+                                counted += float(line.split()[-1])
+                    return counted
+
+                await eventually(all_expired)
+                # Counted where they expired; a second count (a follower's) would come with it.
+                assert await expiries() == len(granted)
     finally:
         for replica in replicas:
             await replica.stop()
@@ -157,10 +167,12 @@ async def test_a_partitioned_sidecars_leases_expire_and_are_not_offered(tmp_path
             sidecar.kill(signal.SIGSTOP)
             try:
                 node = registry_pb2.GetNodeRequest(node_id=holder.node_id)
-                deadline = asyncio.get_running_loop().time() + 10
-                while (await stub.GetNode(node, timeout=5)).node.state != node_pb2.NODE_STATE_DOWN:
-                    assert asyncio.get_running_loop().time() < deadline, "session never ended"
-                    await asyncio.sleep(0.2)
+
+                async def down() -> bool:
+                    state = (await stub.GetNode(node, timeout=5)).node.state
+                    return state == node_pb2.NODE_STATE_DOWN
+
+                await eventually(down, what="the session's end")
                 hint = (await stub.GetRoutingHint(dry, timeout=5)).hint
                 assert hint.decision != registry_pb2.HINT_DECISION_REUSE
                 assert hint.decode.node_id != holder.node_id
@@ -175,13 +187,12 @@ async def test_a_partitioned_sidecars_leases_expire_and_are_not_offered(tmp_path
             finally:
                 sidecar.kill(signal.SIGCONT)
 
-            deadline = asyncio.get_running_loop().time() + 15
-            while True:
+            async def offered() -> registry_pb2.RoutingHint | None:
                 hint = (await stub.GetRoutingHint(dry, timeout=5)).hint
-                if hint.decision == registry_pb2.HINT_DECISION_REUSE:
-                    break
-                assert asyncio.get_running_loop().time() < deadline, hint.reason
-                await asyncio.sleep(0.2)
+                return hint if hint.decision == registry_pb2.HINT_DECISION_REUSE else None
+
+            hint = await eventually(offered, within=15, what="the replayed lease offered")
+            assert hint is not None
         assert hint.consistency == registry_pb2.HINT_CONSISTENCY_EXACT
         assert hint.lease.node_id == holder.node_id
         assert hint.lease.handle.remote_request_id in holder.held

@@ -39,6 +39,7 @@ from kvbroker.testing.engine import FakeEngine, serving
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from tests.conftest import eventually
 
 MODEL = "tiny-qwen3"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -52,6 +53,25 @@ class Fleet:
     router_url: str
     router: Router
     heartbeats: Heartbeats
+
+
+def lists_ready(router: Router, *node_ids: str) -> bool:
+    """Whether the router's last node list has these nodes, READY: it refreshed since they
+    became ready."""
+    ready = {n.spec.node_id for n in router.known_nodes if n.state == node_pb2.NODE_STATE_READY}
+    return ready >= set(node_ids)
+
+
+async def steered(stub: RegistryServiceStub, fleet: Fleet, *idle: str) -> bool:
+    """Whether the registry has ``idle`` READY and the fleet's nodes at the load their
+    heartbeats now report: its next hints pick ``idle`` over the loaded nodes."""
+    nodes = (await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=5)).nodes
+    by_id = {node.spec.node_id: node for node in nodes}
+    load = fleet.heartbeats.load.running_requests
+    fleet_ids = [engine.name for engine in (*fleet.prefills, fleet.decode)]
+    return all(by_id[i].load.running_requests == load for i in fleet_ids) and all(
+        i in by_id and by_id[i].state == node_pb2.NODE_STATE_READY for i in idle
+    )
 
 
 @pytest.fixture
@@ -94,7 +114,7 @@ async def fleet(
         serving(decode.app(), decode.port),
         serving(build_app(router), port),
     ):
-        await asyncio.sleep(0.3)  # the router's first node refresh
+        await eventually(lambda: lists_ready(router, *(spec.node_id for spec in specs)))
         yield Fleet(prefills, decode, specs[2], f"http://127.0.0.1:{port}", router, heartbeats)
 
 
@@ -209,7 +229,7 @@ async def test_a_dead_prefill_node_is_routed_around(
     dead = node_spec("prefill-dead", node_pb2.NODE_ROLE_PREFILL, port=free_port())
     dead.http_base_url = f"http://127.0.0.1:{dead.side_channel_port}"
     async with Heartbeats(stub, dead), httpx.AsyncClient() as client:
-        await asyncio.sleep(0.3)
+        await eventually(lambda: steered(stub, fleet, dead.node_id))
         for _ in range(4):
             response = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
             assert response.status_code == 200
@@ -263,7 +283,9 @@ async def test_a_request_waits_out_a_gap_with_no_ready_node(
         request = asyncio.create_task(
             client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
         )
-        await asyncio.sleep(0.5)
+        # The registry said no prefill node is ready, and the request waits for one.
+        waits = "kvbroker_router_ready_node_waits_total"
+        await eventually(lambda: router.metrics.registry.get_sample_value(waits))
         assert not request.done()
         async with Heartbeats(stub, specs[0]):
             response = await request
@@ -531,13 +553,14 @@ class Misbehaving:
         return Response(b"<html>502 Bad Gateway</html>", 200, media_type="text/html")
 
     @contextlib.asynccontextmanager
-    async def serving(self, stub: RegistryServiceStub) -> AsyncIterator[None]:
+    async def serving(self, fleet: Fleet, stub: RegistryServiceStub) -> AsyncIterator[None]:
+        """Serves and heartbeats until the registry's hints pick it over the fleet's nodes."""
         routes = [
             Route(path, self._completions, methods=["POST"])
             for path in ("/v1/chat/completions", "/v1/completions")
         ]
         async with serving(Starlette(routes=routes), self.port), Heartbeats(stub, self.spec):
-            await asyncio.sleep(0.3)  # the router's node refresh
+            await eventually(lambda: steered(stub, fleet, self.spec.node_id))
             try:
                 yield
             finally:
@@ -551,7 +574,7 @@ async def test_an_engine_answering_garbage_is_502(fleet: Fleet, stub: RegistrySe
     async with httpx.AsyncClient() as client:
         for role in (node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_DECODE):
             garbage = Misbehaving(f"garbage-{role}", role, hang=False)
-            async with garbage.serving(stub):
+            async with garbage.serving(fleet, stub):
                 for body in (CHAT, {**CHAT, "stream": True}):
                     response = await client.post(url, json=body)
                     assert_openai_error(response, 502, "upstream_invalid_response")
@@ -564,7 +587,7 @@ async def test_a_hung_prefill_node_fails_over_after_the_prefill_timeout(
 ) -> None:
     fleet.heartbeats.load = node_pb2.NodeLoad(running_requests=50)
     hung = Misbehaving("prefill-hung", node_pb2.NODE_ROLE_PREFILL, hang=True)
-    async with hung.serving(stub), httpx.AsyncClient() as client:
+    async with hung.serving(fleet, stub), httpx.AsyncClient() as client:
         started = time.monotonic()
         response = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
         took = time.monotonic() - started
@@ -580,7 +603,7 @@ async def test_a_hung_decode_node_is_504(fleet: Fleet, stub: RegistryServiceStub
     fleet.heartbeats.load = node_pb2.NodeLoad(running_requests=50)
     hung = Misbehaving("decode-hung", node_pb2.NODE_ROLE_DECODE, hang=True)
     url = f"{fleet.router_url}/v1/chat/completions"
-    async with hung.serving(stub), httpx.AsyncClient() as client:
+    async with hung.serving(fleet, stub), httpx.AsyncClient() as client:
         for body in (CHAT, {**CHAT, "stream": True}):
             started = time.monotonic()
             response = await client.post(url, json=body)
@@ -596,8 +619,13 @@ async def test_health_says_degraded_while_the_registry_is_away(
         healthy = await client.get(f"{fleet.router_url}/health")
         assert (healthy.status_code, healthy.json()["status"]) == (200, "ok")
         await registry_server.server.stop(0)
-        await asyncio.sleep(0.5)  # the next node refresh fails
-        degraded = await client.get(f"{fleet.router_url}/health")
+
+        async def not_ok() -> httpx.Response | None:
+            health = await client.get(f"{fleet.router_url}/health")
+            return health if health.json()["status"] != "ok" else None
+
+        degraded = await eventually(not_ok)  # the next node refresh failed
+        assert degraded is not None
         # Still serving plain P/D from its node list: a load balancer should keep it.
         assert (degraded.status_code, degraded.json()["status"]) == (200, "degraded")
         served = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
@@ -666,7 +694,7 @@ async def test_a_registry_that_fails_hints_gets_the_turn_served_plain_pd(
             serving(build_app(router), port),
             httpx.AsyncClient() as client,
         ):
-            await asyncio.sleep(0.3)  # the router's first node refresh
+            await eventually(lambda: lists_ready(router, "prefill-0", "decode-0"))
             response = await client.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions", json={**CHAT, "session_id": "c"}
             )
@@ -684,7 +712,7 @@ async def test_health_is_503_when_the_router_can_serve_nothing() -> None:
     router = Router(RegistryEndpoint.parse(f"127.0.0.1:{free_port()}"))  # nothing listens
     port = free_port()
     async with serving(build_app(router), port), httpx.AsyncClient() as client:
-        await asyncio.sleep(0.3)
+        await router.refresh_nodes()  # fails, as the router's own refreshes do
         response = await client.get(f"http://127.0.0.1:{port}/health")
         served = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
     assert (response.status_code, response.json()["status"]) == (503, "unavailable")

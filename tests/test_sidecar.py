@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import httpx
@@ -20,7 +20,6 @@ from kvbroker.common.engine_link import Deadline, EngineLink
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.ports import free_port
 from kvbroker.common.supervisor import Announces, ChildProcess
-from kvbroker.common.tasks import poll_until
 from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.config import SidecarConfig
@@ -30,7 +29,7 @@ from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, n
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.conftest import FAST, run_cli, spawn_registry
+from tests.conftest import FAST, eventually, run_cli, spawn_registry
 from tests.test_engine_work import vllm_metrics
 
 SESSION_FLAGS = ("--heartbeat-interval", "0.2", "--session-ttl", "1.0", "--revoke-grace", "0.5")
@@ -67,15 +66,6 @@ def retained_blocks(
         block_hashes=block_hashes(tokens),
         token_count=tokens,
     )
-
-
-T = TypeVar("T")
-
-
-async def eventually(check: Callable[[], Awaitable[T]], within: float = 10.0) -> T:
-    """Polls an async check until it returns something truthy; returns that. An error of the
-    check (a failed assertion in it) fails the test at once."""
-    return await poll_until(check, within, "the condition", every_s=0.05, retrying=())
 
 
 async def live_leases(stub: RegistryServiceStub, node_id: str = "") -> list[lease_pb2.Lease]:
@@ -179,12 +169,19 @@ async def test_registry_restart_loses_nothing(stack: Stack) -> None:
         stack.link.released(f"req-{i}", "read completed", lease_pb2.LEASE_END_CAUSE_READ)
     for i in range(40, 45):
         stack.link.retained(retained_blocks("decode-0", f"conv-{i}", f"req-{i}"))
-    await asyncio.sleep(0.5)
+    now_retained = {f"req-{i}" for i in range(5, 45)}
+
+    async def rebuilt() -> list[lease_pb2.Lease] | None:
+        # The sidecar's replay, and its reports of what reached it after the replay if any:
+        # what the engine retains now, never more.
+        leases = await _when_count(stack.stub, 40, exact=True)
+        ids = {lease.handle.remote_request_id for lease in leases or []}
+        return leases if ids == now_retained else None
 
     stack.registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{stack.port}")
-    after = await eventually(lambda: _when_count(stack.stub, 40, exact=True), within=15)
+    after = await eventually(rebuilt, within=15)
+    assert after is not None
     ids_after = {lease.handle.remote_request_id: lease for lease in after}
-    assert set(ids_after) == {f"req-{i}" for i in range(5, 45)}
     # Leases that existed before keep their ids and epochs.
     for lease in before:
         if lease.handle.remote_request_id in ids_after:
@@ -207,7 +204,15 @@ async def test_a_closed_session_stays_closed_across_a_registry_restart(stack: St
     )
     before = {lease.conversation_id: lease for lease in await live_leases(stack.stub)}
     assert set(before) == {"conv-open"}
-    await asyncio.sleep(0.3)  # the revoke's command reaches the sidecar
+    seen: list[Deadline] = []
+
+    async def revoke_reached_the_engine() -> bool:
+        # The sidecar notes a command (its replay will not revive the lease) before it hands
+        # the command on to the engine.
+        seen.extend(stack.link.poll_deadlines())
+        return any(d.remote_request_id == "req-closed" and not d.lease_live for d in seen)
+
+    await eventually(revoke_reached_the_engine)
     stack.registry.kill()
     await stack.registry.wait()
     stack.registry = await spawn_registry(*SESSION_FLAGS, listen=f"127.0.0.1:{stack.port}")
@@ -538,9 +543,12 @@ async def test_an_engine_answering_garbage_metrics_keeps_its_session_and_readine
     stack.engine.metrics_body = metrics
     await eventually(lambda: _running_requests(stack.stub, 0))  # the figures are ignored
     probes = stack.engine.health_probes
-    await asyncio.sleep(3.0)
-    assert stack.engine.health_probes >= probes + 5  # the probe loop goes on
+    since = await _node(stack.stub)
+    # Heartbeats go on past one session TTL (1 s) since the garbage was first reported.
+    await eventually(lambda: _heartbeat_since(stack.stub, since, 1.5))
+    await eventually(lambda: stack.engine.health_probes >= probes + 5)  # the probe loop goes on
     assert stack.sidecar.running
+    assert (await _node(stack.stub)).registered_time == since.registered_time  # same session
     assert await node_state(stack.stub, "decode-0") == node_pb2.NODE_STATE_READY
     assert [x.lease_id for x in await live_leases(stack.stub)] == [lease.lease_id]
     stack.engine.metrics_body = None
@@ -553,7 +561,7 @@ async def test_the_engine_s_work_corrects_its_node_s_costs_live(stack: Stack) ->
     the CLI and the registry's metric show the correction; a calibration resets it."""
     # Work the engine did before the sidecar looked: a baseline, not work of an interval.
     stack.engine.metrics_body = vllm_metrics(50, 100.0, computed=5000, prompt=5000)
-    await asyncio.sleep(0.6)  # a few probes (0.2 s apart) read it
+    await _probes_read_metrics(stack.engine)
     view = await _node(stack.stub)
     assert view.cost_correction.prefill == 1.0 and view.cost_correction.prefill_samples == 0
 
@@ -570,7 +578,10 @@ async def test_the_engine_s_work_corrects_its_node_s_costs_live(stack: Stack) ->
     assert node is not None
     assert node.cost_correction.prefill == pytest.approx(4**0.2)  # one sample: a fifth of the way
     assert (node.cost_correction.read, node.cost_correction.read_samples) == (1.0, 0)
-    await asyncio.sleep(0.6)  # the counters stand still: no more work, no more samples
+    # The counters stand still: probes read them again, heartbeats carry what they took (no
+    # work), and no sample is added.
+    await _probes_read_metrics(stack.engine)
+    await _heartbeats(stack.stub, 2)
     assert (await _node(stack.stub)).cost_correction.prefill_samples == 1
 
     shown = await run_cli("node", "get", "decode-0", "--registry", stack.registry.address)
@@ -591,6 +602,28 @@ async def test_the_engine_s_work_corrects_its_node_s_costs_live(stack: Stack) ->
 
 async def _node(stub: RegistryServiceStub) -> node_pb2.Node:
     return (await stub.GetNode(registry_pb2.GetNodeRequest(node_id="decode-0"), timeout=5)).node
+
+
+async def _probes_read_metrics(engine: FakeEngine) -> None:
+    """Returns once the sidecar's probes have read the engine's /metrics as it is now: two
+    more scrapes, the second only after the first was read (one probe at a time)."""
+    scrapes = engine.metrics_scrapes
+    await eventually(lambda: engine.metrics_scrapes >= scrapes + 2)
+
+
+async def _heartbeat_since(stub: RegistryServiceStub, since: node_pb2.Node, after_s: float) -> bool:
+    """Whether decode-0 heartbeated more than ``after_s`` after ``since`` was read (both on
+    the registry's clock)."""
+    last = (await _node(stub)).last_heartbeat_time.ToNanoseconds()
+    return last > since.last_heartbeat_time.ToNanoseconds() + after_s * 1e9
+
+
+async def _heartbeats(stub: RegistryServiceStub, n: int) -> None:
+    """Returns after ``n`` more heartbeats of decode-0 reached the registry: all but the first
+    were sent after this call began (a sidecar sends one heartbeat at a time)."""
+    for _ in range(n):
+        since = await _node(stub)
+        await eventually(partial(_heartbeat_since, stub, since, 0))
 
 
 async def _running_requests(stub: RegistryServiceStub, n: int) -> bool:

@@ -48,8 +48,10 @@ class FakeEngine:
         # How long /health takes to answer, and how many times it was asked.
         self.health_delay_s = 0.0
         self.health_probes = 0
-        # When set, /metrics answers this body (200, as text) instead of the two gauges.
+        # When set, /metrics answers this body (200, as text) instead of the two gauges; how
+        # many times /metrics was asked (a test waits for the sidecar's probes to read it).
         self.metrics_body: str | None = None
+        self.metrics_scrapes = 0
         self._serving: contextlib.AsyncExitStack | None = None
 
     @property
@@ -135,6 +137,7 @@ class FakeEngine:
         return JSONResponse({}, 200 if self.healthy else 503)
 
     async def _metrics(self, request: Request) -> Response:
+        self.metrics_scrapes += 1
         if self.metrics_body is not None:
             return PlainTextResponse(self.metrics_body)
         labels = f'{{model_name="{self.model}"}}'
