@@ -766,6 +766,8 @@ async def test_a_second_sidecar_for_a_live_node_waits_and_says_why(
         await eventually(second_registered, within=10)
     finally:
         link.close()
+        if stack.sidecar is not second:
+            await second.stop()  # the test failed before handing it to the fixture
 
 
 async def test_a_replaced_engine_s_new_incarnation_ends_the_old_session_first() -> None:
