@@ -53,6 +53,55 @@ async def prefill_totals(client: httpx.AsyncClient, prefill_url: str) -> Totals:
     return totals
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed chat completion as the client saw it."""
+
+    status: int
+    text: str
+    # From the request to its first event with a choice (vLLM sends its first chunk with the
+    # first generated token), and to its end.
+    ttft_s: float
+    e2e_s: float
+    headers: httpx.Headers
+    usage: dict[str, int]
+    # The answer's body when it is not a 200 (an error object).
+    error: str = ""
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> Streamed:
+    """Streams one chat completion (``body`` asks for a stream) and times it. An error event
+    mid-stream raises RuntimeError: the stream's 200 status was sent before it failed."""
+    started = time.perf_counter()
+    ttft: float | None = None
+    parts: list[str] = []
+    usage: dict[str, int] = {}
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200:
+            error = (await response.aread()).decode(errors="replace")
+            elapsed = time.perf_counter() - started
+            return Streamed(response.status_code, "", elapsed, elapsed, response.headers, {}, error)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream failed: {event['error']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            choices = event.get("choices") or []
+            if choices and ttft is None:
+                ttft = time.perf_counter() - started
+            for choice in choices:
+                parts.append(choice.get("delta", {}).get("content") or "")
+    done = time.perf_counter() - started
+    text = "".join(parts)
+    return Streamed(response.status_code, text, ttft if ttft is not None else done, done,
+                    response.headers, usage)  # fmt: skip
+
+
 async def measured_turn(
     client: httpx.AsyncClient,
     stack: Stack,
@@ -75,39 +124,17 @@ async def measured_turn(
     if session is not None:
         body["session_id"] = session
     before = await prefill_totals(client, prefill_url)
-    started = time.perf_counter()
-    ttft = None
-    parts: list[str] = []
-    usage: dict[str, int] = {}
     asked = {"x-kvbroker-path": path} if path else {}
-    url = f"{router_url}/v1/chat/completions"
-    async with client.stream("POST", url, json=body, headers=asked) as response:
-        if response.status_code != 200:
-            raise RuntimeError(
-                f"router answered {response.status_code}: {await response.aread()!r}"
-            )
-        headers = response.headers
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream failed: {event['error']}")
-            if event.get("usage"):
-                usage = event["usage"]
-            choices = event.get("choices") or []
-            if choices and ttft is None:
-                # vLLM sends its first chunk with the first generated token.
-                ttft = time.perf_counter() - started
-            for choice in choices:
-                parts.append(choice.get("delta", {}).get("content") or "")
-    done = time.perf_counter()
+    turn = await stream_chat(client, f"{router_url}/v1/chat/completions", body, asked)
+    if turn.status != 200:
+        raise RuntimeError(f"router answered {turn.status}: {turn.error!r}")
     after = await prefill_totals(client, prefill_url)
-    return "".join(parts), {
-        "input_num_tokens": int(usage.get("prompt_tokens", 0)),
-        "output_num_tokens": int(usage.get("completion_tokens", 0)),
-        "ttft_ms": 1000 * (ttft if ttft is not None else done - started),
-        "e2e_ms": 1000 * (done - started),
+    headers = turn.headers
+    return turn.text, {
+        "input_num_tokens": int(turn.usage.get("prompt_tokens", 0)),
+        "output_num_tokens": int(turn.usage.get("completion_tokens", 0)),
+        "ttft_ms": 1000 * turn.ttft_s,
+        "e2e_ms": 1000 * turn.e2e_s,
         "prefill_leg_ms": float(headers.get("x-kvbroker-prefill-ms", "nan")),
         "kv_read_ms": 1000 * (after.read_seconds - before.read_seconds),
         "kv_read_bytes": after.read_bytes - before.read_bytes,

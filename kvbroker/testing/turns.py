@@ -10,13 +10,12 @@ refresh of the node list) fails that bound.
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from kvbroker.bench.turns import stream_chat
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.tasks import poll_until
 from kvbroker.stack import Stack
@@ -57,30 +56,16 @@ async def ask(
     if session is not None:
         body["session_id"] = session
         headers["x-session-id"] = session
-    parts: list[str] = []
-    started = time.perf_counter()
-    first: float | None = None
-    url = f"{stack.router_url}/v1/chat/completions"
-    async with http.stream("POST", url, json=body, headers=headers) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return Answer(response.text, response.status_code, 0.0, "", "", "")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            if first is None:
-                first = time.perf_counter()
-            parts.append(event["choices"][0]["delta"].get("content") or "")
-    assert first is not None, "the stream carried no event"
+    turn = await stream_chat(http, f"{stack.router_url}/v1/chat/completions", body, headers)
+    if turn.status != 200:
+        return Answer(turn.error, turn.status, 0.0, "", "", "")
     return Answer(
-        "".join(parts),
-        response.status_code,
-        first - started,
-        response.headers.get("x-kvbroker-decision", ""),
-        response.headers.get("x-kvbroker-consistency", ""),
-        response.headers.get("x-kvbroker-path", ""),
+        turn.text,
+        turn.status,
+        turn.ttft_s,
+        turn.headers.get("x-kvbroker-decision", ""),
+        turn.headers.get("x-kvbroker-consistency", ""),
+        turn.headers.get("x-kvbroker-path", ""),
     )
 
 
