@@ -94,7 +94,9 @@ async def checked_turn(
 async def current_lease(registry: str, session: str) -> lease_pb2.Lease | None:
     """The conversation's newest lease as the registry has it, ended or not (None: it knows
     none)."""
-    every_state = [lease_pb2.LeaseState.Name(state) for state in lease_pb2.LeaseState.values()]
+    every_state = [
+        lease_pb2.LeaseState.Name(state) for state in lease_pb2.LeaseState.values() if state
+    ]
     async with open_channel(RegistryEndpoint.parse(registry)) as channel:
         stub = registry_stub(channel)
         found = await stub.ListLeases(
