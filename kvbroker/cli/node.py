@@ -25,11 +25,10 @@ from kvbroker.cli.output import (
     render,
     say,
     to_dict,
-    unreachable,
     when,
 )
 from kvbroker.common.costs import DEFAULT_COSTS, Costs
-from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.grpc_client import RegistryEndpoint, replica_away
 from kvbroker.common.labels import by_lower_label, label
 from kvbroker.v1 import node_pb2, registry_pb2
 
@@ -216,7 +215,7 @@ async def _wait_drained(
             get = registry_pb2.GetNodeRequest(node_id=node_id)
             node = (await stub.GetNode(get, timeout=min(call_timeout, left + 0.1))).node
         except grpc.aio.AioRpcError as error:
-            if not unreachable(error) or time.monotonic() >= deadline:
+            if not replica_away(error) or time.monotonic() >= deadline:
                 raise
 
 

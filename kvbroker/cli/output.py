@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvbroker.common.clock import from_duration, from_timestamp
-from kvbroker.common.grpc_client import from_grpc_error
+from kvbroker.common.grpc_client import AWAY_CODES, NOT_SERVING, from_grpc_error
 from kvbroker.common.labels import label
 from kvbroker.v1 import registry_pb2
 
@@ -35,12 +35,6 @@ from kvbroker.v1 import registry_pb2
 EXIT_REJECTED = 1
 EXIT_UNREACHABLE = 3
 EXIT_TIMED_OUT = 4
-
-# Transport failures: no registry answered (a registry's own UNAVAILABLE carries a reason).
-_UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# The registry answered but cannot serve anything now; the same call may work later.
-_NOT_SERVING = (registry_pb2.ERROR_REASON_NO_LEADER, registry_pb2.ERROR_REASON_STORE_UNAVAILABLE)
-
 
 # C0 controls (U+0000-U+001F), DEL and C1 controls (U+0080-U+009F): Unicode's Cc category,
 # everything a terminal may act on rather than print.
@@ -72,20 +66,11 @@ def say(console: Console, message: str, mark: str = "dim") -> None:
     console.print(Text.assemble(("·", mark), " ", shown(message)), highlight=False)
 
 
-def unreachable(error: grpc.aio.AioRpcError) -> bool:
-    """No registry answered the call, or the one that did cannot serve now: worth asking
-    again (exit 3 when it is the answer)."""
-    failure = from_grpc_error(error)
-    if failure.reason == registry_pb2.ERROR_REASON_UNSPECIFIED:
-        return failure.code() in _UNREACHED
-    return failure.reason in _NOT_SERVING
-
-
 def fail_rpc(error: grpc.aio.AioRpcError, registry: str) -> NoReturn:
     """Exits on a failed registry call, deciding on its status and reason, never the text."""
     failure = from_grpc_error(error)
     code = failure.code()
-    if failure.reason == registry_pb2.ERROR_REASON_UNSPECIFIED and code in _UNREACHED:
+    if failure.reason == registry_pb2.ERROR_REASON_UNSPECIFIED and code in AWAY_CODES:
         fail(
             f"cannot reach the registry at {registry} ({code.name}): {failure.message}",
             EXIT_UNREACHABLE,
@@ -93,7 +78,7 @@ def fail_rpc(error: grpc.aio.AioRpcError, registry: str) -> NoReturn:
     why = code.name
     if failure.reason != registry_pb2.ERROR_REASON_UNSPECIFIED:
         why += f", {label(registry_pb2.ErrorReason, failure.reason)}"
-    if failure.reason in _NOT_SERVING:
+    if failure.reason in NOT_SERVING:
         fail(
             f"the registry at {registry} cannot serve now: {failure.message} ({why})",
             EXIT_UNREACHABLE,

@@ -183,9 +183,9 @@ def _channel(endpoint: RegistryEndpoint, address: str) -> grpc.aio.Channel:
 # after each further failure, up to the cap (one probe per cap, never one per call).
 REPLICA_BACKOFF_S = 1.0
 REPLICA_BACKOFF_MAX_S = 8.0
-_AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+AWAY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Reasons a replica gives when it answers but cannot serve anything now.
-_NOT_SERVING = (registry_pb2.ERROR_REASON_NO_LEADER, registry_pb2.ERROR_REASON_STORE_UNAVAILABLE)
+NOT_SERVING = (registry_pb2.ERROR_REASON_NO_LEADER, registry_pb2.ERROR_REASON_STORE_UNAVAILABLE)
 
 
 def replica_away(error: grpc.aio.AioRpcError) -> bool:
@@ -195,8 +195,8 @@ def replica_away(error: grpc.aio.AioRpcError) -> bool:
     ``NO_READY_NODE``: that is the registry's word on the nodes, the same from every replica."""
     failure = from_grpc_error(error)
     if failure.reason == registry_pb2.ERROR_REASON_UNSPECIFIED:
-        return failure.code() in _AWAY_CODES
-    return failure.reason in _NOT_SERVING
+        return failure.code() in AWAY_CODES
+    return failure.reason in NOT_SERVING
 
 
 class ReplicaHealth:
