@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvbroker.stack import Stack, StackConfig
-from kvbroker.testing.turns import current_lease, retained_after
+from kvbroker.testing.turns import retained_after
 from tests.test_e2e import chat, reads_by_prefill, user_message
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -44,10 +44,11 @@ async def test_killing_the_leading_replica_loses_no_turn_and_reuse_comes_back(
         async with httpx.AsyncClient(timeout=300) as http:
             messages = [{"role": "system", "content": user_message(98, lines=10)}]
             seen: list[tuple[str, str, float]] = []
+            # The epoch of the conversation's newest retention the registry has reported.
+            retained = [0]
 
             async def turn(index: int) -> None:
                 before = await reads_by_prefill(stack, http)
-                held = await current_lease(stack.registry_address, "conv-ha")
                 messages.append({"role": "user", "content": user_message(index)})
                 # chat() asserts HTTP 200: a failed turn fails the test.
                 answer, headers = await chat(stack, http, messages, "conv-ha")
@@ -57,7 +58,7 @@ async def test_killing_the_leading_replica_loses_no_turn_and_reuse_comes_back(
                     (headers["x-kvbroker-decision"], headers["x-kvbroker-consistency"], reads)
                 )
                 # D's retention report of the turn has reached the registry.
-                await retained_after(stack.registry_address, "conv-ha", held.epoch if held else 0)
+                retained[0] = await retained_after(stack.registry_address, "conv-ha", retained[0])
 
             for index in range(3):
                 await turn(index)
