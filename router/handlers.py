@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -446,13 +447,15 @@ async def _relay(
     """The rest of a streamed decode leg. A failure now cannot change the status (200, sent
     with the first chunk): the stream ends with OpenAI's error object as an event, then
     ``[DONE]``, as vLLM ends a stream that failed."""
-    last = first
+    events = _Events()
     try:
-        if first:
-            yield first
+        for event in events.feed(first):
+            yield event
         async for chunk in chunks:
-            last = chunk
-            yield chunk
+            for event in events.feed(chunk):
+                yield event
+        if events.rest:
+            yield events.rest  # a stream that does not end its last event: as it came
         router.metrics.decode_seconds.observe(time.perf_counter() - prefill_done)
         return
     except httpx.HTTPError as error:
@@ -462,6 +465,37 @@ async def _relay(
         failure = _internal_error()
     finally:
         await response.aclose()
-    # A chunk cut short would swallow the event: end it first.
-    separator = b"" if last.endswith(b"\n\n") else b"\n\n"
-    yield separator + failure.sse() + b"data: [DONE]\n\n"
+    # An event cut short is dropped; the error event follows the last whole one.
+    yield failure.sse() + b"data: [DONE]\n\n"
+
+
+class _Events:
+    """A decode stream's bytes as whole server-sent events, each without the decode engine's
+    ``kv_transfer_params`` (its NIXL address, request and block ids: no client's business;
+    vLLM 0.33 sends them on a stream's last event)."""
+
+    def __init__(self) -> None:
+        self.rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self.rest += chunk
+        *events, self.rest = self.rest.split(b"\n\n")
+        return [_without_handle(event) + b"\n\n" for event in events]
+
+
+def _without_handle(event: bytes) -> bytes:
+    if b'"kv_transfer_params"' not in event:
+        return event
+    return b"\n".join(_line_without_handle(line) for line in event.split(b"\n"))
+
+
+def _line_without_handle(line: bytes) -> bytes:
+    if not line.startswith(b"data: "):
+        return line
+    try:
+        data = json.loads(line[6:])
+    except ValueError:
+        return line
+    if not isinstance(data, dict) or data.pop("kv_transfer_params", None) is None:
+        return line
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode()

@@ -15,6 +15,10 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 from structlog.testing import capture_logs
 
 from kvbroker.common.grpc_client import RegistryEndpoint
@@ -198,3 +202,44 @@ async def test_a_refused_credential_is_a_configuration_error(
     assert "credential" in health.json()["registry"]
     refused = [entry for entry in logs if entry["event"] == "registry_refused_credential"]
     assert len(refused) == 1
+
+
+async def test_a_streamed_answer_loses_the_decode_engine_s_handle_whatever_its_chunks(
+    registry_server: RunningRegistry,
+    stub: RegistryServiceStub,
+    engines: Engines,
+    router_at: Callable[[Router], Any],
+) -> None:
+    """vLLM 0.33 sends ``kv_transfer_params`` on a stream's last event; the router removes
+    them even when the event arrives cut in pieces, and passes every other byte as it came."""
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"hel"}}]}\n\n'
+    last = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"lo"}}],'
+        b'"kv_transfer_params":{"remote_host":"10.0.0.5","remote_block_ids":[1,2]}}\n\n'
+    )
+    pieces = [first, last[:40], last[40:70], last[70:], b"data: [DONE]\n\n"]
+
+    async def stream(request: Request) -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            for piece in pieces:
+                yield piece
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    port = free_port()
+    decode = node_spec("decode-streams", node_pb2.NODE_ROLE_DECODE, port=port)
+    decode.http_base_url = f"http://127.0.0.1:{port}"
+    app = Starlette(routes=[Route("/v1/chat/completions", stream, methods=["POST"])])
+    async with serving(app, port), Heartbeats(stub, engines.specs[0], decode):
+        router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
+        url = await router_at(router)
+        async with httpx.AsyncClient() as client:
+            response = await client.post(
+                f"{url}/v1/chat/completions", json={**CHAT, "stream": True}
+            )
+    assert response.status_code == 200
+    assert b"kv_transfer_params" not in response.content
+    assert b"10.0.0.5" not in response.content
+    assert response.content.startswith(first)
+    assert b'"content":"lo"' in response.content
+    assert response.content.endswith(b"data: [DONE]\n\n")
