@@ -81,7 +81,7 @@ class EtcdConnection:
         self._client: aetcd.Client | None = None
         self._member = 0
 
-    async def client(self) -> aetcd.Client:
+    async def _connected(self) -> aetcd.Client:
         if self._client is None:
             host, port = self.endpoints.members[self._member % len(self.endpoints.members)]
             client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)
@@ -101,7 +101,7 @@ class EtcdConnection:
         client is being replaced already, and reconnecting again would close the next one under
         others. The task's own cancellation stays a ``CancelledError``."""
         try:
-            yield await self.client()
+            yield await self._connected()
         except ETCD_ERRORS as error:
             await self.reconnect()
             raise StoreUnavailable(f"etcd unreachable while {what}: {error}") from error
