@@ -9,10 +9,10 @@ refresh its lease for half the TTL stops serving on its own (``keep_alive`` retu
 etcd lets anyone else win.
 
 The connection is shared with the store (its commits, loads and watch): a call of either that
-fails reconnects, which closes the client under every other call waiting on it, and grpc.aio
-ends those with ``CancelledError``. Every call here goes through ``Election._call``, which
-makes that a ``StoreUnavailable`` like any other failed call (unless the task itself is being
-cancelled), so the replica's election goes on rather than end with it.
+fails reconnects, which closes the client under every other call waiting on it. Every call here
+goes through ``EtcdConnection.call``, as the store's do, which makes such a cut-off call a
+``StoreUnavailable`` like any other failed call (unless the task itself is being cancelled), so
+the replica's election goes on rather than end with it.
 """
 
 from __future__ import annotations
@@ -20,20 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
-import aetcd
 import structlog
 from aetcd import rpc
 
-from kvbroker.common.tasks import own_cancellation
 from kvbroker.controlplane.errors import StoreUnavailable
-from kvbroker.controlplane.etcd_store import ETCD_ERRORS, EtcdConnection, key_created_at
+from kvbroker.controlplane.etcd_store import EtcdConnection, key_created_at
 
 log = structlog.get_logger("kvbroker.registry")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -55,14 +50,14 @@ class Election:
 
     async def observe(self) -> str | None:
         """Where the current leader serves; None while nobody leads."""
-        current = await self._call("observing", lambda client: client.get(self.key))
+        async with self.connection.call("observing") as client:
+            current = await client.get(self.key)
         return current.value.decode() if current is not None else None
 
     async def campaign(self, value: str) -> Term | None:
         """Leads from now on, serving at ``value``, if nobody does; None if another candidate
         got there first."""
-
-        async def create(client: aetcd.Client) -> Term | None:
+        async with self.connection.call("campaigning") as client:
             lease = await client.lease(self.ttl_s)
             response = await client.kvstub.Txn(
                 rpc.TxnRequest(
@@ -80,9 +75,7 @@ class Election:
             if not response.succeeded:
                 await client.revoke_lease(lease.id)
                 return None
-            return Term(revision=int(response.header.revision), lease_id=lease.id)
-
-        return await self._call("campaigning", create)
+        return Term(revision=int(response.header.revision), lease_id=lease.id)
 
     async def keep_alive(self, term: Term, stop: asyncio.Event) -> None:
         """Refreshes the term's lease until ``stop`` is set or the term is lost or may be: a
@@ -94,12 +87,10 @@ class Election:
             if stop.is_set():
                 return
             try:
-                reply = await self._call(
-                    "refreshing the leader's lease",
-                    lambda client: asyncio.wait_for(
+                async with self.connection.call("refreshing the leader's lease") as client:
+                    reply = await asyncio.wait_for(
                         client.refresh_lease(term.lease_id), self.ttl_s / 4
-                    ),
-                )
+                    )
             except StoreUnavailable as error:
                 log.warning("leader_keepalive_failed", error=error.message)
                 continue
@@ -111,27 +102,7 @@ class Election:
         """Gives the key up, so another candidate wins at once rather than after the TTL;
         best effort (unreachable, the lease expires anyway)."""
         with contextlib.suppress(StoreUnavailable):
-            await self._call(
-                "resigning",
-                lambda client: asyncio.wait_for(
+            async with self.connection.call("resigning") as client:
+                await asyncio.wait_for(
                     client.revoke_lease(term.lease_id), self.connection.timeout_s
-                ),
-            )
-
-    async def _call(self, what: str, call: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """``call`` on the shared client; ``StoreUnavailable`` when it fails, ``what`` saying
-        what was being done."""
-        try:
-            client = await self.connection.client()
-            return await call(client)
-        except ETCD_ERRORS as error:
-            await self.connection.reconnect()
-            raise StoreUnavailable(f"etcd unreachable while {what}: {error}") from error
-        except asyncio.CancelledError as error:
-            if own_cancellation():
-                raise
-            # Another call failed and closed the shared client under this one. It is being
-            # replaced already: reconnecting again would close the next client under others.
-            raise StoreUnavailable(
-                f"etcd call cut off while {what}: another call's failure closed the client"
-            ) from error
+                )

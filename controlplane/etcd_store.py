@@ -9,6 +9,9 @@ successor, however late its writes arrive (etcd's election recipe). A follower k
 fed by a watch from the revision it loaded at; the watch covers the leader key too, so a new
 leader knows when its cache has seen its own election (``CachedStore.catch_up``).
 
+Every call of the store and of the election goes through ``EtcdConnection.call``, the one rule
+for how an etcd call fails (``StoreUnavailable``), including one cut off by another's reconnect.
+
 A transaction holds at most ``--max-txn-ops`` operations and ``--max-request-bytes`` bytes, both
 settings of the etcd deployment; ``ETCD_DEFAULT_LIMITS`` are etcd's defaults, and a store told
 of raised ones (``limits``) takes larger commits in one transaction. A commit beyond them goes
@@ -17,6 +20,7 @@ in several, in order (``controlplane.group_commit`` says why that is safe).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ import aetcd.utils
 import grpc
 from aetcd import rpc
 
+from kvbroker.common.tasks import own_cancellation
 from kvbroker.controlplane.cached_store import CachedStore
 from kvbroker.controlplane.errors import StoreRefused, StoreUnavailable
 from kvbroker.controlplane.state_cache import RecordKind, StateCache
@@ -67,7 +72,8 @@ class EtcdEndpoints:
 
 class EtcdConnection:
     """One client to one member at a time; after a failure the next call connects to the next
-    member. The backend and the election share it."""
+    member. The backend and the election share it, so a call that fails and reconnects closes
+    the client under every other call waiting on it (``call`` says what those see)."""
 
     def __init__(self, endpoints: EtcdEndpoints, timeout_s: float = 2.0) -> None:
         self.endpoints = endpoints
@@ -75,13 +81,36 @@ class EtcdConnection:
         self._client: aetcd.Client | None = None
         self._member = 0
 
-    async def client(self) -> aetcd.Client:
+    async def _connected(self) -> aetcd.Client:
         if self._client is None:
             host, port = self.endpoints.members[self._member % len(self.endpoints.members)]
             client = aetcd.Client(host=host, port=port, timeout=self.timeout_s)
             await client.connect()
             self._client = client
         return self._client
+
+    @contextlib.asynccontextmanager
+    async def call(self, what: str) -> AsyncIterator[aetcd.Client]:
+        """The client, for one call (or one watch) made in the ``async with`` body; any failure
+        of it becomes ``StoreUnavailable``, ``what`` saying what was being done, and the next
+        call connects to the next member. A call's outcome is then unknown, so a write's caller
+        must not write again before a reload (``GroupCommit``).
+
+        A call cut off by another call's reconnect ends with the ``CancelledError`` of grpc.aio
+        (its channel was closed), though its task was not cancelled: it too has failed, but the
+        client is being replaced already, and reconnecting again would close the next one under
+        others. The task's own cancellation stays a ``CancelledError``."""
+        try:
+            yield await self._connected()
+        except ETCD_ERRORS as error:
+            await self.reconnect()
+            raise StoreUnavailable(f"etcd unreachable while {what}: {error}") from error
+        except asyncio.CancelledError as error:
+            if own_cancellation():
+                raise
+            raise StoreUnavailable(
+                f"etcd call cut off while {what}: another call's failure closed the client"
+            ) from error
 
     async def reconnect(self) -> None:
         client, self._client = self._client, None
@@ -148,8 +177,7 @@ class EtcdBackend:
         message limit beyond a few thousand leases)."""
         start, end = self.data_prefix, aetcd.utils.prefix_range_end(self.data_prefix)
         revision = 0
-        try:
-            client = await self.connection.client()
+        async with self.connection.call("loading") as client:
             while True:
                 response = await client.kvstub.Range(
                     rpc.RangeRequest(key=start, range_end=end, limit=LOAD_PAGE, revision=revision),
@@ -162,9 +190,6 @@ class EtcdBackend:
                 if not response.more:
                     return revision
                 start = response.kvs[-1].key + b"\0"
-        except ETCD_ERRORS as error:
-            await self.connection.reconnect()
-            raise StoreUnavailable(f"etcd unreachable while loading: {error}") from error
 
     async def write(self, changes: Sequence[Change], fence: int | None) -> int:
         if fence is None:
@@ -179,22 +204,18 @@ class EtcdBackend:
             )
             for c in changes
         ]
-        try:
-            client = await self.connection.client()
-            response = await client.kvstub.Txn(
-                rpc.TxnRequest(compare=[key_created_at(self.leader_key, fence)], success=ops),
-                timeout=self.connection.timeout_s,
-            )
-        except grpc.aio.AioRpcError as error:
-            if error.code() in _REFUSED_CODES:
+        async with self.connection.call("writing") as client:
+            try:
+                response = await client.kvstub.Txn(
+                    rpc.TxnRequest(compare=[key_created_at(self.leader_key, fence)], success=ops),
+                    timeout=self.connection.timeout_s,
+                )
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in _REFUSED_CODES:
+                    raise
                 # etcd checked the request and took none of it (too large, too many
                 # operations): the record is at fault, not the leader or the connection.
                 raise StoreRefused(f"etcd refused the write: {error.details()}") from error
-            await self.connection.reconnect()
-            raise StoreUnavailable(f"etcd did not take the write: {error}") from error
-        except ETCD_ERRORS as error:
-            await self.connection.reconnect()
-            raise StoreUnavailable(f"etcd did not take the write: {error}") from error
         if not response.succeeded:
             raise Deposed(
                 "this registry replica was deposed (the leader key changed); "
@@ -203,9 +224,10 @@ class EtcdBackend:
         return int(response.header.revision)
 
     async def watch(self, after: int) -> AsyncIterator[WatchEvent]:
-        """Records and the leader key: an election advances the revision too."""
-        try:
-            client = await self.connection.client()
+        """Records and the leader key: an election advances the revision too. aetcd ends a
+        watch quietly when its client is closed (another call's reconnect): that is a broken
+        watch too, since etcd's own never ends."""
+        async with self.connection.call("watching") as client:
             events = await client.watch_prefix(self.root_prefix, start_revision=after + 1)
             async for event in events:
                 kv = event.kv
@@ -214,9 +236,7 @@ class EtcdBackend:
                     deleted = event.kind == aetcd.rtypes.EventKind.DELETE
                     change = self._change(kv.key, None if deleted else kv.value)
                 yield WatchEvent(kv.mod_revision, change)
-        except ETCD_ERRORS as error:
-            await self.connection.reconnect()
-            raise StoreUnavailable(f"etcd watch broken: {error}") from error
+        raise StoreUnavailable("etcd watch ended: its client was closed by another call's failure")
 
     async def close(self) -> None:
         await self.connection.close()

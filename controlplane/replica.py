@@ -241,9 +241,10 @@ class Replica:
 
 async def _until_cancelled(step: Callable[[], Awaitable[None]], loop: str, pause_s: float) -> None:
     """Runs ``step`` again and again until this task is cancelled. A failure in it, or a
-    ``CancelledError`` that is not this task's own cancellation (an etcd call cut off by
-    another's reconnect), is logged and ``step`` starts over after ``pause_s``: a replica's
-    loops never end without a word."""
+    ``CancelledError`` that is not this task's own cancellation (a call whose channel was closed
+    under it: etcd calls make that a ``StoreUnavailable`` already, in ``EtcdConnection.call``;
+    this guards the loops against any other call ended so), is logged and ``step`` starts over
+    after ``pause_s``: a replica's loops never end without a word."""
     while True:
         try:
             await step()

@@ -14,6 +14,7 @@ from kvbroker.controlplane.election import Election, Term
 from kvbroker.controlplane.errors import StoreUnavailable
 from kvbroker.controlplane.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.model import Node
+from kvbroker.controlplane.state_cache import StateCache
 from kvbroker.controlplane.store import Deposed
 from kvbroker.testing.factories import node_spec
 from tests.conftest import eventually
@@ -145,3 +146,77 @@ async def test_a_call_cut_off_by_another_s_reconnect_is_a_store_failure(etcd: Lo
     finally:
         etcd.resume()
         await connection.close()
+
+
+async def test_store_calls_cut_off_by_the_election_s_reconnect_are_store_failures(
+    etcd: LocalEtcd,
+) -> None:
+    """While etcd hangs, the leader's keep-alive times out and reconnects the client it shares
+    with the store, closing it under the store's write, load and watch in flight. A write cut
+    off so has an unknown outcome: it is a StoreUnavailable (not a CancelledError out of the
+    commit), and the store takes no write until a reload. A cut-off watch breaks as one too,
+    rather than end as if etcd had nothing more to say."""
+    store = EtcdStore(EtcdEndpoints.parse(etcd.url), timeout_s=10)
+    election = Election(store.connection, store.leader_key, TTL_S)
+    try:
+        term = await election.campaign("a:1")
+        assert term is not None
+        store.fence = term.revision
+        await store.load()
+        seen: list[str] = []
+
+        async def watch() -> None:
+            async for event in store.etcd.watch(store.revision):
+                if event.change is not None:
+                    seen.append(event.change.ident)
+
+        watching = asyncio.create_task(watch())
+        await store.put_node(Node(spec=node_spec("decode-0")))
+        await store.commit()
+        await eventually(lambda: seen == ["decode-0"], what="the watch under way")
+        await etcd.hang()
+        try:
+            await store.put_node(Node(spec=node_spec("decode-1")))
+            committing = asyncio.create_task(store.commit())
+            loading = asyncio.create_task(store.etcd.load(StateCache()))
+            # Its refresh times out (a quarter of the TTL) and reconnects; without a refresh
+            # for half the TTL it returns.
+            await asyncio.wait_for(election.keep_alive(term, asyncio.Event()), TTL_S)
+            for call in (committing, loading, watching):
+                with pytest.raises(StoreUnavailable):
+                    await asyncio.wait_for(call, 1)
+        finally:
+            etcd.resume()
+        await store.put_node(Node(spec=node_spec("decode-2")))
+        with pytest.raises(StoreUnavailable):
+            await store.commit()  # not before a reload
+        await store.load()
+        await store.put_node(Node(spec=node_spec("decode-2")))
+        await store.commit()
+    finally:
+        await store.close()
+
+
+async def test_a_store_call_cancelled_on_purpose_ends_cancelled(etcd: LocalEtcd) -> None:
+    """A replica cancels its follower's watch when it becomes the leader, and a session's
+    calls when it ends: those stay cancellations, never store failures."""
+    store = EtcdStore(EtcdEndpoints.parse(etcd.url), timeout_s=10)
+    try:
+        following = asyncio.create_task(store.follow())
+        await eventually(lambda: store.following, what="the watch under way")
+        following.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await following
+
+        await etcd.hang()
+        try:
+            loading = asyncio.create_task(store.load())
+            done, _ = await asyncio.wait({loading}, timeout=0.2)
+            assert not done  # in flight: etcd answers nothing now
+            loading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await loading
+        finally:
+            etcd.resume()
+    finally:
+        await store.close()
