@@ -195,14 +195,17 @@ class Leases:
         self, conversation_id: str, conversation: Conversation | None, node_id: str
     ) -> None:
         """Who may lease a conversation: a decode node one of its turns in flight was routed
-        to, or, with none in flight, the node that held it last (a turn it served without a hint)
-        or any node for a conversation the registry does not know (a registry rebuilding from
-        its holders' replays). Anything else would let one node's credential pull another's
-        conversation, prompt and all, to itself."""
+        to, or, with none in flight, the node that held it last (a turn it served without a
+        hint) or any node for a conversation the registry does not know (a registry rebuilding
+        from its holders' replays); any node for a claim's time after a takeover, whose
+        registry does not know the turns its predecessor routed. Anything else would let one
+        node's credential pull another's conversation, prompt and all, to itself."""
         routed = self._turns.routed_to(conversation_id)
         holder = conversation.decode_node_id if conversation is not None else ""
         if node_id in routed or (not routed and holder in ("", node_id)):
             return
+        if self._turns.inherited():
+            return  # the previous leader may have routed it here
         elsewhere = ", ".join(sorted(routed)) if routed else holder
         raise NotRoutedHere(
             f"conversation {conversation_id!r} was routed to node {elsewhere!r}, not "
@@ -448,6 +451,7 @@ class Leases:
         now = self._now()
         config = self._config
         self.inherited_claims_until = now + config.claim_timeout_s
+        self._turns.inherited_turns_until = self.inherited_claims_until
         live = 0
         live_conversations: set[str] = set()
         for lease in await self._store.list_leases():

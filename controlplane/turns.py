@@ -16,7 +16,6 @@ What hangs on that:
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -71,9 +70,15 @@ class Turns:
         self._nodes = nodes
         self._now = now
         self._turns: dict[str, Turn] = {}
-        # The decode nodes of each conversation's turns in flight, with how many turns each:
-        # its newest turn's, and those of parallel turns it replaced in ``_turns``.
-        self._routed: dict[str, Counter[str]] = {}
+        # Each conversation's turns in flight, oldest first, as (decode node, when hinted):
+        # its newest turn's, and those of parallel turns it replaced in ``_turns``. A turn
+        # that never reaches its decode node (its prefill leg refused, the client gone) stays
+        # here until ``turn_timeout_s`` has passed.
+        self._routed: dict[str, list[tuple[str, float]]] = {}
+        # Until then (a claim's time after a takeover), any decode node may lease a
+        # conversation it retained: a takeover's registry does not know the turns its
+        # predecessor routed.
+        self.inherited_turns_until = 0.0
         self._sweep_at = 1024
 
     def __bool__(self) -> bool:
@@ -85,38 +90,52 @@ class Turns:
         """A hint sent a turn of this conversation to ``decode`` (and ``prefill``; None for
         DECODE_LOCAL). Call under the lock. A turn still in flight is replaced: the newest
         turn is the one whose node may lease the conversation."""
-        if len(self._turns) >= self._sweep_at:
+        if len(self._turns) + len(self._routed) >= self._sweep_at:
             self._sweep()
         previous = self._turns.get(conversation_id)
         if previous is not None:
             previous.ended.set()  # nobody waits on a turn a newer one replaced
-        self._routed.setdefault(conversation_id, Counter())[decode.node_id] += 1
+        now = self._now()
+        routed = self._live(conversation_id)
+        routed.append((decode.node_id, now))
+        self._routed[conversation_id] = routed
         self._turns[conversation_id] = Turn(
-            started=self._now(),
+            started=now,
             decode_node_id=decode.node_id,
             prefill_node_id=prefill.node_id if prefill is not None else "",
             prefill_heartbeats=prefill.heartbeats if prefill is not None else 0,
             awaited=decode.retains,
         )
 
+    def _live(self, conversation_id: str) -> list[tuple[str, float]]:
+        """The conversation's routed turns younger than ``turn_timeout_s``."""
+        horizon = self._now() - self._config.turn_timeout_s
+        return [turn for turn in self._routed.get(conversation_id, ()) if turn[1] >= horizon]
+
     def routed_to(self, conversation_id: str) -> Collection[str]:
         """The decode nodes the conversation's turns in flight were routed to (empty: none)."""
-        return self._routed.get(conversation_id, ())
+        return {node_id for node_id, _ in self._live(conversation_id)}
+
+    def inherited(self) -> bool:
+        """Whether this registry took over lately, and may not know every turn in flight."""
+        return self._now() < self.inherited_turns_until
 
     def finished(self, conversation_id: str, node_id: str) -> None:
         """``node_id`` reported the end of a turn of the conversation (its retention, or that
-        it retained nothing): waiters go on, and the turn's load leaves its nodes."""
+        it retained nothing): waiters go on, and the turn's load leaves its nodes. With several
+        of the conversation's turns in flight on that node, the report is the oldest's."""
         self._nodes.turn_finished(node_id)
-        routed = self._routed.get(conversation_id)
-        if routed is not None and node_id in routed:
-            routed[node_id] -= 1
-            if routed[node_id] <= 0:
-                del routed[node_id]
-            if not routed:
-                del self._routed[conversation_id]
+        routed = self._live(conversation_id)
+        on_node = [index for index, (routed_to, _) in enumerate(routed) if routed_to == node_id]
+        if on_node:
+            del routed[on_node[0]]
+        if routed:
+            self._routed[conversation_id] = routed
+        else:
+            self._routed.pop(conversation_id, None)
         turn = self._turns.get(conversation_id)
-        if turn is None or turn.decode_node_id != node_id:
-            return  # an older turn's late report: the turn in flight is another's
+        if turn is None or turn.decode_node_id != node_id or len(on_node) > 1:
+            return  # an older turn's report: the newest turn is still in flight
         del self._turns[conversation_id]
         turn.ended.set()
         if turn.prefill_node_id:
@@ -137,9 +156,13 @@ class Turns:
             if turn.started < horizon:
                 turn.ended.set()
                 del self._turns[conversation_id]
-        for conversation_id in self._routed.keys() - self._turns.keys():
-            del self._routed[conversation_id]
-        self._sweep_at = max(2 * len(self._turns), 1024)
+        for conversation_id in list(self._routed):
+            live = self._live(conversation_id)
+            if live:
+                self._routed[conversation_id] = live
+            else:
+                del self._routed[conversation_id]
+        self._sweep_at = max(2 * (len(self._turns) + len(self._routed)), 1024)
 
     async def settled(self, conversation_ids: Iterable[str], budget_s: float) -> None:
         """Waits, up to ``budget_s`` (``wait_budget``), for the retention of previous turns
@@ -161,12 +184,12 @@ class Turns:
         if budget_s <= 0:
             self._metrics.settle_waits.labels("no_time").inc(len(waits))
             return
-        done, pending = await asyncio.wait(
-            [asyncio.ensure_future(turn.ended.wait()) for turn in waits.values()],
-            timeout=budget_s,
-        )
-        for waiter in pending:
-            waiter.cancel()
+        waiters = [asyncio.ensure_future(turn.ended.wait()) for turn in waits.values()]
+        try:
+            done, pending = await asyncio.wait(waiters, timeout=budget_s)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()  # none is left behind, the caller's cancellation included
         self._metrics.settle_waits.labels("settled").inc(len(done))
         if pending:
             self._metrics.settle_waits.labels("timeout").inc(len(pending))

@@ -15,7 +15,7 @@ from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_r
 from kvbroker.testing.factories import grant, node_spec, register
 from kvbroker.v1 import node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
-from tests.conftest import FAST
+from tests.conftest import FAST, eventually
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL
 # Long enough that a hint which waited for it would fail its caller: what bounds a wait here
@@ -230,3 +230,56 @@ async def test_a_fleet_with_a_retaining_and_a_non_retaining_decode_node(
         else:
             assert hint.decision == registry_pb2.HINT_DECISION_MISS
     assert settle_waits(running) == {}
+
+
+async def test_a_newer_parallel_turn_on_the_same_node_is_still_waited_for(
+    slow_settle: tuple[RunningRegistry, RegistryServiceStub],
+) -> None:
+    """Two turns of one conversation in flight on one decode node: the first one's end is
+    the older turn's, and the next hint still waits for the newer one's retention."""
+    running, stub = slow_settle
+    decode = node_spec("decode-0")
+    await up(stub, decode, node_spec("prefill-0", PREFILL, port=5700))
+    await turn(stub, "conv-par")
+    await turn(stub, "conv-par", deadline_s=0.6)  # waits for the first (it has not ended)
+    assert settle_waits(running) == {"timeout": 1.0}
+    await report_not_retained(stub, decode, "conv-par", registry_pb2.NOT_RETAINED_REASON_ABORTED)
+    await turn(stub, "conv-par", deadline_s=0.6)  # the second is still in flight
+    assert settle_waits(running) == {"timeout": 2.0}
+
+
+SHORT_TURNS = dataclasses.replace(FAST, turn_timeout_s=0.5)
+
+
+@pytest.mark.parametrize("registry_config", [SHORT_TURNS])
+async def test_a_turn_that_never_reached_its_node_stops_counting_after_the_turn_timeout(
+    stub: RegistryServiceStub,
+) -> None:
+    """A turn routed to a decode node that never ran it (its prefill leg refused, its client
+    gone) decides who may lease the conversation only until ``turn_timeout_s`` has passed:
+    then the holder's retention of a turn served without a hint is accepted again."""
+    holder, other = node_spec("decode-0"), node_spec("decode-1", port=5602)
+    await up(stub, holder, other, node_spec("prefill-0", PREFILL, port=5700))
+    await grant(stub, holder, "conv-lost", "req-1")
+    # The holder is not ready for a moment: the next turn is routed to the other node, and
+    # never gets there.
+    await stub.Heartbeat(
+        registry_pb2.HeartbeatRequest(
+            node_id=holder.node_id, incarnation=holder.incarnation, engine_ready=False
+        ),
+        timeout=5,
+    )
+    assert (await turn(stub, "conv-lost")).decode.node_id == other.node_id
+    await beat(stub, holder)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await grant(stub, holder, "conv-lost", "req-2")
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    async def holder_leases_again() -> bool:
+        try:
+            await grant(stub, holder, "conv-lost", "req-3")
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
+    await eventually(holder_leases_again, within=5, every=0.05)
