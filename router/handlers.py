@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvbroker.common import routing
 from kvbroker.common.grpc_client import RegistryCallError
 from kvbroker.common.handles import decode_local_params
 from kvbroker.common.labels import label
@@ -149,7 +151,8 @@ class Handlers:
             self.metrics.prefill_seconds.observe(prefill_done - hint_done)
 
         decode_body = dict(completion.body)
-        decode_body["kv_transfer_params"] = kv_params
+        if kv_params is not None:
+            decode_body["kv_transfer_params"] = kv_params
         if completion.conversation:
             decode_body["session_id"] = completion.conversation
         log.info(
@@ -247,8 +250,10 @@ class Handlers:
         )
         self.metrics.prefill_failovers.inc()
         if fallback is None:
+            # A decode node that retains takes the turn as its own (its prefix cache, and
+            # the turn retained for the next); one that does not computes it as any request.
             plan.path = "DECODE_LOCAL"
-            return None, decode_local_params()
+            return None, decode_local_params() if routing.retains_kv(plan.decode) else None
         try:
             return fallback, await self.router.prefill(fallback, path, completion, None)
         except httpx.HTTPError as error:
@@ -478,22 +483,33 @@ class _Events:
         self.rest = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        """The whole events ``chunk`` completes, each with its own blank-line end."""
         self.rest += chunk
-        *events, self.rest = self.rest.split(b"\n\n")
-        return [_without_handle(event) + b"\n\n" for event in events]
+        events, start = [], 0
+        for end in _EVENT_END.finditer(self.rest):
+            events.append(_without_handle(self.rest[start : end.start()]) + end.group())
+            start = end.end()
+        self.rest = self.rest[start:]
+        return events
+
+
+# An event ends with a blank line; SSE allows CRLF, LF or CR line ends.
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE_END = re.compile(rb"(\r\n|\n|\r)")
 
 
 def _without_handle(event: bytes) -> bytes:
     if b'"kv_transfer_params"' not in event:
         return event
-    return b"\n".join(_line_without_handle(line) for line in event.split(b"\n"))
+    return b"".join(_line_without_handle(part) for part in _LINE_END.split(event))
 
 
 def _line_without_handle(line: bytes) -> bytes:
-    if not line.startswith(b"data: "):
+    """A ``data:`` line (with or without its optional space) without the handle."""
+    if not line.startswith(b"data:"):
         return line
     try:
-        data = json.loads(line[6:])
+        data = json.loads(line[5:])
     except ValueError:
         return line
     if not isinstance(data, dict) or data.pop("kv_transfer_params", None) is None:

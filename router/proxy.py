@@ -131,6 +131,7 @@ class Router:
         self._turn = 0
         self.prompt_size = PromptSize()
         self._refresher: asyncio.Task[None] | None = None
+        self._refreshing: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
         """Opens the clients on the serving event loop (grpc.aio binds to the loop)."""
@@ -170,6 +171,13 @@ class Router:
             return
         self.known_nodes = list(response.nodes)
         self._registry_answered()
+
+    async def _fresh_nodes(self) -> None:
+        """A refresh of the node list, shared by every request that needs one now (a
+        registry already failing hints gets one listing, not one per request)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self.refresh_nodes(self.config.hint_timeout_s))
+        await asyncio.shield(self._refreshing)
 
     def _registry_answered(self) -> None:
         self.registry_away = None
@@ -294,7 +302,7 @@ class Router:
         try:
             routes = self._routes(model)
         except routing.NoReadyNode:
-            await self.refresh_nodes(self.config.hint_timeout_s)
+            await self._fresh_nodes()
             self.registry_away = why  # the hint failed, whatever the listing did
             try:
                 routes = self._routes(model)

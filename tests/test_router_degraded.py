@@ -22,6 +22,7 @@ from starlette.routing import Route
 from structlog.testing import capture_logs
 
 from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.handles import decode_local_params
 from kvbroker.common.ports import free_port
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.router.config import RouterConfig
@@ -158,24 +159,33 @@ async def test_the_decode_engine_s_handle_never_reaches_the_client(
     assert response.json()["choices"][0]["message"]["content"] == "from decode-0"
 
 
+@pytest.mark.parametrize("retains", [True, False], ids=["retaining", "not-retaining"])
 async def test_with_no_prefill_node_answering_the_decode_node_computes_the_turn(
     registry_server: RunningRegistry,
     stub: RegistryServiceStub,
     engines: Engines,
     router_at: Callable[[Router], Any],
+    retains: bool,
 ) -> None:
     """The only prefill node is registered and heartbeating but its server is gone (killed
-    mid-turn, not yet noticed): the decode node serves the turn from the prompt itself."""
+    mid-turn, not yet noticed): the decode node serves the turn from the prompt itself, as
+    its own turn when it retains, as any request when it does not."""
     gone = node_spec("prefill-gone", node_pb2.NODE_ROLE_PREFILL, port=free_port())
     gone.http_base_url = f"http://127.0.0.1:{gone.side_channel_port}"
     decode = engines.specs[1]
+    if not retains:
+        decode.kv_retention = node_pb2.KV_RETENTION_OFF
     async with Heartbeats(stub, gone, decode), httpx.AsyncClient() as client:
         router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
         url = await router_at(router)
         response = await client.post(f"{url}/v1/chat/completions", json=CHAT)
     assert response.status_code == 200, response.text
     assert response.headers["x-kvbroker-path"] == "DECODE_LOCAL"
-    assert engines.decode.received[-1]["kv_transfer_params"]["do_remote_prefill"] is False
+    decode_leg = engines.decode.received[-1]
+    if retains:
+        assert decode_leg["kv_transfer_params"] == decode_local_params()
+    else:
+        assert "kv_transfer_params" not in decode_leg
 
 
 @pytest.fixture
@@ -204,20 +214,24 @@ async def test_a_refused_credential_is_a_configuration_error(
     assert len(refused) == 1
 
 
+@pytest.mark.parametrize("end", [b"\n", b"\r\n"], ids=["lf", "crlf"])
 async def test_a_streamed_answer_loses_the_decode_engine_s_handle_whatever_its_chunks(
     registry_server: RunningRegistry,
     stub: RegistryServiceStub,
     engines: Engines,
     router_at: Callable[[Router], Any],
+    end: bytes,
 ) -> None:
     """vLLM 0.33 sends ``kv_transfer_params`` on a stream's last event; the router removes
-    them even when the event arrives cut in pieces, and passes every other byte as it came."""
-    first = b'data: {"choices":[{"index":0,"delta":{"content":"hel"}}]}\n\n'
+    them even when the event arrives cut in pieces, whatever its line ends, and passes every
+    other byte as it came."""
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"hel"}}]}' + 2 * end
     last = (
-        b'data: {"choices":[{"index":0,"delta":{"content":"lo"}}],'
-        b'"kv_transfer_params":{"remote_host":"10.0.0.5","remote_block_ids":[1,2]}}\n\n'
+        b'data:{"choices":[{"index":0,"delta":{"content":"lo"}}],'
+        b'"kv_transfer_params":{"remote_host":"10.0.0.5","remote_block_ids":[1,2]}}' + 2 * end
     )
-    pieces = [first, last[:40], last[40:70], last[70:], b"data: [DONE]\n\n"]
+    done = b"data: [DONE]" + 2 * end
+    pieces = [first, last[:40], last[40:70], last[70:-1], last[-1:], done]
 
     async def stream(request: Request) -> StreamingResponse:
         async def chunks() -> AsyncIterator[bytes]:
@@ -242,4 +256,4 @@ async def test_a_streamed_answer_loses_the_decode_engine_s_handle_whatever_its_c
     assert b"10.0.0.5" not in response.content
     assert response.content.startswith(first)
     assert b'"content":"lo"' in response.content
-    assert response.content.endswith(b"data: [DONE]\n\n")
+    assert response.content.endswith(done)

@@ -108,7 +108,7 @@ class RoutedNode(Generic[R]):
         self.model = spec.model
         self.prefills = spec.role in PREFILL_ROLES
         self.decodes = spec.role in DECODE_ROLES
-        self.retains = spec.kv_retention != node_pb2.KV_RETENTION_OFF
+        self.retains = retains_kv(spec)
 
     @property
     def spec(self) -> node_pb2.NodeSpec:
@@ -171,6 +171,11 @@ class Routes(Generic[N]):
 def routable(node: RoutedNode[Any], model: str) -> bool:
     """Whether a new turn may go to ``node`` (never a DRAINING one, see ``ROUTABLE_STATES``)."""
     return node.state in ROUTABLE_STATES and (not model or node.model == model)
+
+
+def retains_kv(spec: node_pb2.NodeSpec) -> bool:
+    """Whether a decode node keeps finished turns' KV (unsaid by an older sidecar: it does)."""
+    return spec.kv_retention != node_pb2.KV_RETENTION_OFF
 
 
 def candidates(nodes: Iterable[N], model: str) -> Routes[N]:
