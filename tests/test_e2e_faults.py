@@ -37,12 +37,6 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         yield running
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=300) as client:
-        yield client
-
-
 def opening(seed: int, lines: int = 20) -> list[dict[str, str]]:
     return [
         {"role": "system", "content": user_message(seed, lines=lines)},

@@ -33,12 +33,6 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         yield running
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=300) as client:
-        yield client
-
-
 async def test_the_decode_node_registers_as_not_retaining(stack: Stack) -> None:
     async with open_channel(RegistryEndpoint.parse(stack.registry_address)) as channel:
         listed = await registry_stub(channel).ListNodes(registry_pb2.ListNodesRequest(), timeout=5)

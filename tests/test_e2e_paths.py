@@ -43,12 +43,6 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         yield running
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=300) as client:
-        yield client
-
-
 async def turn(
     stack: Stack,
     http: httpx.AsyncClient,

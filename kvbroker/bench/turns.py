@@ -102,6 +102,32 @@ async def stream_chat(
                     response.headers, usage)  # fmt: skip
 
 
+async def streamed_turn(
+    client: httpx.AsyncClient,
+    stack: Stack,
+    messages: list[dict[str, str]],
+    session: str | None,
+    max_tokens: int,
+    path: str | None = None,
+) -> Streamed:
+    """One chat turn through the stack's router, streamed, at temperature 0: the session id
+    (if any) in the body and in ``X-Session-ID``, as agent frameworks send it; ``path`` asks
+    the planner for a path (``x-kvbroker-path``)."""
+    body: dict[str, Any] = {
+        "model": stack.config.served_model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"x-kvbroker-path": path} if path else {}
+    if session is not None:
+        body["session_id"] = session
+        headers["x-session-id"] = session
+    return await stream_chat(client, f"{stack.router_url}/v1/chat/completions", body, headers)
+
+
 async def measured_turn(
     client: httpx.AsyncClient,
     stack: Stack,
@@ -112,20 +138,9 @@ async def measured_turn(
 ) -> tuple[str, dict[str, Any]]:
     """Streams one chat completion through the stack's router (asking for ``path``, if given);
     returns the answer and its measurements."""
-    router_url, prefill_url = stack.router_url, stack.url(stack.prefill)
-    body: dict[str, Any] = {
-        "model": stack.config.served_model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if session is not None:
-        body["session_id"] = session
+    prefill_url = stack.url(stack.prefill)
     before = await prefill_totals(client, prefill_url)
-    asked = {"x-kvbroker-path": path} if path else {}
-    turn = await stream_chat(client, f"{router_url}/v1/chat/completions", body, asked)
+    turn = await streamed_turn(client, stack, messages, session, max_tokens, path)
     if turn.status != 200:
         raise RuntimeError(f"router answered {turn.status}: {turn.error!r}")
     after = await prefill_totals(client, prefill_url)

@@ -11,11 +11,10 @@ refresh of the node list) fails that bound.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
-from kvbroker.bench.turns import stream_chat
+from kvbroker.bench.turns import streamed_turn
 from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.tasks import poll_until
 from kvbroker.stack import Stack
@@ -43,20 +42,9 @@ async def ask(
     max_tokens: int = 12,
     path: str | None = None,
 ) -> Answer:
-    """One streamed turn; the session id (if any) goes in the body and in ``X-Session-ID``,
-    as agent frameworks send it; ``path`` asks the planner for a path (``x-kvbroker-path``)."""
-    body: dict[str, Any] = {
-        "model": stack.config.served_model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-    }
-    headers = {"x-kvbroker-path": path} if path else {}
-    if session is not None:
-        body["session_id"] = session
-        headers["x-session-id"] = session
-    turn = await stream_chat(http, f"{stack.router_url}/v1/chat/completions", body, headers)
+    """One streamed turn (``kvbroker.bench.turns.streamed_turn``), as the fault matrix reads
+    it."""
+    turn = await streamed_turn(http, stack, messages, session, max_tokens, path)
     if turn.status != 200:
         return Answer(turn.error, turn.status, 0.0, "", "", "")
     return Answer(
