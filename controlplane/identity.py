@@ -1,4 +1,4 @@
-"""Who is calling, and what they may do: the registry's trust model in one place.
+"""Who is calling, and what they may do and see: the registry's trust model in one place.
 
 Every caller is a ``Principal`` with a role. An operator (``admin``) may do anything; so may
 another registry replica forwarding a call it received (``replica``), because the replica
@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from kvbroker.common import ids
 from kvbroker.common.credentials import read_digest_file, token_digest
 from kvbroker.common.grpc_client import AUTH_METADATA_KEY
 from kvbroker.controlplane.errors import PermissionDenied, Unauthenticated
-from kvbroker.v1 import node_pb2
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 
 class Role(enum.Enum):
@@ -185,6 +186,83 @@ def sees_incarnation(principal: Principal, node_id: str) -> bool:
     """Whether a node's incarnation may be shown to ``principal``: it is what a node's calls
     carry to prove their session, so only the node itself and operators see it."""
     return principal.trusted or (principal.role is Role.NODE and principal.node_id == node_id)
+
+
+def hide_incarnations(principal: Principal, response: Any) -> None:
+    """Clears, in place, every incarnation in an answer that ``principal`` may not see
+    (``sees_incarnation``): the node specs of node reads and hints, and the holder's
+    incarnation in leases. An incarnation is what a node's calls carry to prove their session;
+    routers and other nodes need none (they address a node by id and a lease by id and epoch).
+    An operator or a replica (and every caller of an open registry) returns at once, so the
+    hot hint path pays nothing when identity is off; answers are built per call, so clearing
+    them touches no shared state."""
+    if principal.trusted:
+        return
+    hide = _HIDERS.get(type(response))
+    if hide is not None:
+        hide(principal, response)
+
+
+def _hide_in_spec(principal: Principal, spec: node_pb2.NodeSpec) -> None:
+    if spec.incarnation and not sees_incarnation(principal, spec.node_id):
+        spec.ClearField("incarnation")
+
+
+def _hide_in_lease(principal: Principal, lease: lease_pb2.Lease) -> None:
+    if lease.node_incarnation and not sees_incarnation(principal, lease.node_id):
+        lease.ClearField("node_incarnation")
+
+
+def _hide_in_hint(principal: Principal, hint: registry_pb2.RoutingHint) -> None:
+    _hide_in_spec(principal, hint.prefill)
+    _hide_in_spec(principal, hint.decode)
+    _hide_in_lease(principal, hint.lease)
+
+
+def _hide_in_nodes(principal: Principal, response: Any) -> None:
+    for node in response.nodes:
+        _hide_in_spec(principal, node.spec)
+
+
+def _hide_in_hints(principal: Principal, response: Any) -> None:
+    for result in response.results:
+        _hide_in_hint(principal, result.hint)
+
+
+def _hide_in_leases(principal: Principal, response: Any) -> None:
+    for lease in response.leases:
+        _hide_in_lease(principal, lease)
+
+
+# Where each answer carries incarnations of other nodes (an answer type not listed carries
+# none; a retention report's leases are the reporting node's own).
+_HIDERS: dict[type[Message], Callable[[Principal, Any], None]] = {
+    **{
+        answer: lambda p, r: _hide_in_spec(p, r.node.spec)
+        for answer in (
+            registry_pb2.RegisterNodeResponse,
+            registry_pb2.HeartbeatResponse,
+            registry_pb2.DeregisterNodeResponse,
+            registry_pb2.GetNodeResponse,
+            registry_pb2.DrainNodeResponse,
+            registry_pb2.SetCostProfileResponse,
+        )
+    },
+    **{
+        answer: lambda p, r: _hide_in_lease(p, r.lease)
+        for answer in (
+            registry_pb2.GrantLeaseResponse,
+            registry_pb2.RenewLeaseResponse,
+            registry_pb2.ReleaseLeaseResponse,
+            registry_pb2.RevokeLeaseResponse,
+            registry_pb2.GetLeaseResponse,
+        )
+    },
+    registry_pb2.ListNodesResponse: _hide_in_nodes,
+    registry_pb2.ListLeasesResponse: _hide_in_leases,
+    registry_pb2.GetRoutingHintResponse: lambda p, r: _hide_in_hint(p, r.hint),
+    registry_pb2.BatchGetRoutingHintsResponse: _hide_in_hints,
+}
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ from kvbroker.controlplane.errors import (
     hint_error,
     status_metadata,
 )
-from kvbroker.controlplane.identity import Credentials, Principal, authorize, sees_incarnation
+from kvbroker.controlplane.identity import Credentials, authorize, hide_incarnations
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.planner import TurnRequest
 from kvbroker.controlplane.registry import Registry
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
+from kvbroker.v1 import registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 
 log = structlog.get_logger("kvbroker.registry")
@@ -118,90 +118,13 @@ def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
                 response = await handler(self, registry, request, context)
             else:
                 response = await self._forward(method, request, context)
-            _hide_incarnations(principal, response)
+            hide_incarnations(principal, response)
             return response
         except (RegistryError, grpc.aio.AioRpcError) as error:
             await _abort(context, error)
             raise  # unreachable: abort raises
 
     return wrapped
-
-
-def _hide_incarnations(principal: Principal, response: Any) -> None:
-    """Clears, in place, every incarnation in an answer that ``principal`` may not see
-    (``identity.sees_incarnation``): the node specs of node reads and hints, and the holder's
-    incarnation in leases. An incarnation is what a node's calls carry to prove their session;
-    routers and other nodes need none (they address a node by id and a lease by id and epoch).
-    An operator or a replica (and every caller of an open registry) returns at once, so the
-    hot hint path pays nothing when identity is off; answers are built per call, so clearing
-    them touches no shared state."""
-    if principal.trusted:
-        return
-    hide = _HIDERS.get(type(response))
-    if hide is not None:
-        hide(principal, response)
-
-
-def _hide_in_spec(principal: Principal, spec: node_pb2.NodeSpec) -> None:
-    if spec.incarnation and not sees_incarnation(principal, spec.node_id):
-        spec.ClearField("incarnation")
-
-
-def _hide_in_lease(principal: Principal, lease: lease_pb2.Lease) -> None:
-    if lease.node_incarnation and not sees_incarnation(principal, lease.node_id):
-        lease.ClearField("node_incarnation")
-
-
-def _hide_in_hint(principal: Principal, hint: registry_pb2.RoutingHint) -> None:
-    _hide_in_spec(principal, hint.prefill)
-    _hide_in_spec(principal, hint.decode)
-    _hide_in_lease(principal, hint.lease)
-
-
-def _hide_in_nodes(principal: Principal, response: Any) -> None:
-    for node in response.nodes:
-        _hide_in_spec(principal, node.spec)
-
-
-def _hide_in_hints(principal: Principal, response: Any) -> None:
-    for result in response.results:
-        _hide_in_hint(principal, result.hint)
-
-
-def _hide_in_leases(principal: Principal, response: Any) -> None:
-    for lease in response.leases:
-        _hide_in_lease(principal, lease)
-
-
-# Where each answer carries incarnations of other nodes (an answer type not listed carries
-# none; a retention report's leases are the reporting node's own).
-_HIDERS: dict[type[Message], Callable[[Principal, Any], None]] = {
-    **{
-        answer: lambda p, r: _hide_in_spec(p, r.node.spec)
-        for answer in (
-            registry_pb2.RegisterNodeResponse,
-            registry_pb2.HeartbeatResponse,
-            registry_pb2.DeregisterNodeResponse,
-            registry_pb2.GetNodeResponse,
-            registry_pb2.DrainNodeResponse,
-            registry_pb2.SetCostProfileResponse,
-        )
-    },
-    **{
-        answer: lambda p, r: _hide_in_lease(p, r.lease)
-        for answer in (
-            registry_pb2.GrantLeaseResponse,
-            registry_pb2.RenewLeaseResponse,
-            registry_pb2.ReleaseLeaseResponse,
-            registry_pb2.RevokeLeaseResponse,
-            registry_pb2.GetLeaseResponse,
-        )
-    },
-    registry_pb2.ListNodesResponse: _hide_in_nodes,
-    registry_pb2.ListLeasesResponse: _hide_in_leases,
-    registry_pb2.GetRoutingHintResponse: lambda p, r: _hide_in_hint(p, r.hint),
-    registry_pb2.BatchGetRoutingHintsResponse: _hide_in_hints,
-}
 
 
 def _ttl(message: Any) -> float | None:
