@@ -113,6 +113,16 @@ def log_answer(path: str, status: int, code: str, message: str) -> None:
     emit("answered_error", path=path, status=status, code=code, error=message)
 
 
+def internal_error() -> ApiError:
+    """A bug in the router (logged with its traceback where it is caught)."""
+    return ApiError(
+        500,
+        "the router failed on this request (a bug; it is logged)",
+        ErrorType.SERVER,
+        ErrorCode.INTERNAL_ERROR,
+    )
+
+
 def invalid_request(message: str, code: ErrorCode, param: str | None = None) -> ApiError:
     return ApiError(400, message, ErrorType.INVALID_REQUEST, code, param)
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -35,6 +33,7 @@ from kvbroker.router.errors import (
     ApiError,
     ErrorCode,
     ErrorType,
+    internal_error,
     invalid_request,
     log_answer,
     upstream_failed,
@@ -49,6 +48,7 @@ from kvbroker.router.proxy import (
     engine_answer,
     leg_failed,
 )
+from kvbroker.router.relay import relay, without_handle
 from kvbroker.router.requests import (
     PATH_HEADER,
     Completion,
@@ -87,18 +87,9 @@ def _guarded(endpoint: Endpoint) -> Endpoint:
             return Response(status_code=400)  # nobody is left to read an answer
         except Exception:
             log.exception("router_bug", path=path)  # the one log of this answer
-            return _internal_error().response()
+            return internal_error().response()
 
     return guarded
-
-
-def _internal_error() -> ApiError:
-    return ApiError(
-        500,
-        "the router failed on this request (a bug; it is logged)",
-        ErrorType.SERVER,
-        ErrorCode.INTERNAL_ERROR,
-    )
 
 
 async def _http_exception(request: Request, error: Exception) -> Response:
@@ -188,11 +179,7 @@ class Handlers:
         done = time.perf_counter()
         self.metrics.decode_seconds.observe(done - prefill_done)
         self.metrics.ttft_seconds.labels(plan.path).observe(done - started)
-        content = response.content
-        if answer.pop("kv_transfer_params", None) is not None:
-            # The decode engine's handle (its NIXL address, request and block ids) is no
-            # client's business: the next turn's comes from the registry.
-            content = encode(answer)
+        content = encode(answer) if without_handle(answer) else response.content
         return Response(
             content,
             response.status_code,
@@ -291,7 +278,7 @@ class Handlers:
             time.perf_counter() - started
         )
         return StreamingResponse(
-            _relay(self.router, response, first, chunks, node, prefill_done),
+            relay(self.router, response, first, chunks, node, prefill_done),
             media_type=content_type,
             headers=headers,
         )
@@ -439,79 +426,3 @@ async def _lifespan(router: Router) -> AsyncIterator[None]:
         yield
     finally:
         await router.close()
-
-
-async def _relay(
-    router: Router,
-    response: httpx.Response,
-    first: bytes,
-    chunks: AsyncIterator[bytes],
-    node: node_pb2.NodeSpec,
-    prefill_done: float,
-) -> AsyncIterator[bytes]:
-    """The rest of a streamed decode leg. A failure now cannot change the status (200, sent
-    with the first chunk): the stream ends with OpenAI's error object as an event, then
-    ``[DONE]``, as vLLM ends a stream that failed."""
-    events = _Events()
-    try:
-        for event in events.feed(first):
-            yield event
-        async for chunk in chunks:
-            for event in events.feed(chunk):
-                yield event
-        if events.rest:
-            yield events.rest  # a stream that does not end its last event: as it came
-        router.metrics.decode_seconds.observe(time.perf_counter() - prefill_done)
-        return
-    except httpx.HTTPError as error:
-        failure = leg_failed("decode", node, error)
-    except Exception:
-        log.exception("router_bug", leg="decode stream")
-        failure = _internal_error()
-    finally:
-        await response.aclose()
-    # An event cut short is dropped; the error event follows the last whole one.
-    yield failure.sse() + b"data: [DONE]\n\n"
-
-
-class _Events:
-    """A decode stream's bytes as whole server-sent events, each without the decode engine's
-    ``kv_transfer_params`` (its NIXL address, request and block ids: no client's business;
-    vLLM 0.33 sends them on a stream's last event)."""
-
-    def __init__(self) -> None:
-        self.rest = b""
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        """The whole events ``chunk`` completes, each with its own blank-line end."""
-        self.rest += chunk
-        events, start = [], 0
-        for end in _EVENT_END.finditer(self.rest):
-            events.append(_without_handle(self.rest[start : end.start()]) + end.group())
-            start = end.end()
-        self.rest = self.rest[start:]
-        return events
-
-
-# An event ends with a blank line; SSE allows CRLF, LF or CR line ends.
-_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
-_LINE_END = re.compile(rb"(\r\n|\n|\r)")
-
-
-def _without_handle(event: bytes) -> bytes:
-    if b'"kv_transfer_params"' not in event:
-        return event
-    return b"".join(_line_without_handle(part) for part in _LINE_END.split(event))
-
-
-def _line_without_handle(line: bytes) -> bytes:
-    """A ``data:`` line (with or without its optional space) without the handle."""
-    if not line.startswith(b"data:"):
-        return line
-    try:
-        data = json.loads(line[5:])
-    except ValueError:
-        return line
-    if not isinstance(data, dict) or data.pop("kv_transfer_params", None) is None:
-        return line
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode()
