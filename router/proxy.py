@@ -205,11 +205,7 @@ class Router:
     def can_route_alone(self) -> bool:
         """Whether the last node list has a ready prefill and decode node (of any model): what
         the router needs to serve plain P/D while the registry is away."""
-        try:
-            self._routes("")
-        except routing.NoReadyNode:
-            return False
-        return True
+        return self._routes("") is not None
 
     # ------------------------------------------------------------ routing
 
@@ -299,18 +295,13 @@ class Router:
         """Plain P/D by the registry's own routing rule, over the last node list it gave; when
         that list has no ready node for the model (taken before the nodes were ready, say),
         over a fresh one. Only when both have none is the request refused (``RegistryDown``)."""
-        try:
-            routes = self._routes(model)
-        except routing.NoReadyNode:
+        routes = self._routes(model)
+        if routes is None:
             await self._fresh_nodes()
-            self.registry_away = why  # the hint failed, whatever the listing did
-            try:
-                routes = self._routes(model)
-            except routing.NoReadyNode as error:
-                if not self._known_model(model):
-                    raise ModelNotFound(model) from error
-                raise RegistryDown(why) from error
-        self.registry_away = why
+            routes = self._routes(model)
+        self.registry_away = why  # the hint failed, whatever a listing did
+        if routes is None:
+            raise ModelNotFound(model) if not self._known_model(model) else RegistryDown(why)
         self._turn += 1
         prefill, decode = routing.choose(routes, self._turn)
         return Plan(
@@ -322,9 +313,12 @@ class Router:
             reason=f"no hint from the registry ({why}): plain P/D without reuse",
         )
 
-    def _routes(self, model: str) -> routing.Routes[routing.RoutedNode[node_pb2.Node]]:
-        """Where the last node list can route the model (raises ``routing.NoReadyNode``)."""
-        return routing.candidates(map(routing.RoutedNode.of_node, self.known_nodes), model)
+    def _routes(self, model: str) -> routing.Routes[routing.RoutedNode[node_pb2.Node]] | None:
+        """Where the last node list can route the model (None: nowhere)."""
+        try:
+            return routing.candidates(map(routing.RoutedNode.of_node, self.known_nodes), model)
+        except routing.NoReadyNode:
+            return None
 
     def other_prefill(self, failed: str, model: str) -> node_pb2.NodeSpec | None:
         """A ready prefill node other than ``failed``, by the registry's routing rule."""
