@@ -240,7 +240,7 @@ async def run_registry_bench(
                 outputs = await asyncio.to_thread(
                     run_workers,
                     fixed_rate_worker,
-                    [(registry.address, decodes[seed::2], live_leases, rate / 2, seconds, seed)
+                    [(registry.address, decodes, live_leases, rate / 2, seconds, seed)
                      for seed in (0, 1)],
                 )  # fmt: skip
                 cpu = cores()

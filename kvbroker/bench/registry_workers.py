@@ -98,11 +98,10 @@ async def _fixed_rate(
                 registry_pb2.GetRoutingHintRequest(conversation_id=conversation)
             )
             latencies[HINT_RPC].append(time.perf_counter() - started)
-            node = by_id.get(hint.decode.node_id)
-            if node is None:
-                # Another worker's decode node: only the node a turn was routed to may lease
-                # its conversation, and that worker alone reports for it.
-                return
+            # The node the turn was routed to reports its retention: only it may lease the
+            # conversation. Each worker reports for every node, above its own sequence base
+            # (a report below a node's last applied sequence still grants).
+            node = by_id[hint.decode.node_id]
             retained = retained_blocks(conversation, uuid.uuid4().hex, node, 32)
             started = time.perf_counter()
             await reports[node.node_id].submit(retained)
