@@ -96,7 +96,8 @@ class Turns:
         if previous is not None:
             previous.ended.set()  # nobody waits on a turn a newer one replaced
         now = self._now()
-        routed = self._live(conversation_id)
+        # Usually the conversation's previous turn has ended: nothing to filter.
+        routed = self._live(conversation_id) if conversation_id in self._routed else []
         routed.append((decode.node_id, now))
         self._routed[conversation_id] = routed
         self._turns[conversation_id] = Turn(
