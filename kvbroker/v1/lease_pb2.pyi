@@ -58,7 +58,7 @@ class BlockIdGroup(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("remote_engine_id", "remote_request_id", "remote_block_groups", "remote_host", "remote_port", "remote_num_tokens", "tp_size", "dcp_size", "pp_size")
+    __slots__ = ("remote_engine_id", "remote_request_id", "remote_block_groups", "remote_host", "remote_port", "remote_num_tokens", "tp_size", "dcp_size", "pp_size", "remote_registration_generation")
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCK_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class KvHandle(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
     remote_engine_id: str
     remote_request_id: str
     remote_block_groups: _containers.RepeatedCompositeFieldContainer[BlockIdGroup]
@@ -77,7 +78,8 @@ class KvHandle(_message.Message):
     tp_size: int
     dcp_size: int
     pp_size: int
-    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_groups: _Optional[_Iterable[_Union[BlockIdGroup, _Mapping]]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., dcp_size: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+    remote_registration_generation: int
+    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_groups: _Optional[_Iterable[_Union[BlockIdGroup, _Mapping]]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., dcp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., remote_registration_generation: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "conversation_id", "node_id", "node_incarnation", "epoch", "handle", "block_hashes", "token_count", "state", "end_reason", "grant_time", "renew_time", "expire_time", "time_to_live", "end_time", "claim_expire_time", "end_cause", "block_hash_stride")

@@ -30,6 +30,12 @@ class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_STATE_NOT_READY: _ClassVar[NodeState]
     NODE_STATE_DRAINING: _ClassVar[NodeState]
     NODE_STATE_DOWN: _ClassVar[NodeState]
+
+class KvDevice(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_DEVICE_UNSPECIFIED: _ClassVar[KvDevice]
+    KV_DEVICE_CPU: _ClassVar[KvDevice]
+    KV_DEVICE_CUDA: _ClassVar[KvDevice]
 NODE_ROLE_UNSPECIFIED: NodeRole
 NODE_ROLE_PREFILL: NodeRole
 NODE_ROLE_DECODE: NodeRole
@@ -42,6 +48,9 @@ NODE_STATE_READY: NodeState
 NODE_STATE_NOT_READY: NodeState
 NODE_STATE_DRAINING: NodeState
 NODE_STATE_DOWN: NodeState
+KV_DEVICE_UNSPECIFIED: KvDevice
+KV_DEVICE_CPU: KvDevice
+KV_DEVICE_CUDA: KvDevice
 
 class NodeLoad(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage")
@@ -100,7 +109,7 @@ class CostCorrection(_message.Message):
     def __init__(self, prefill: _Optional[float] = ..., read: _Optional[float] = ..., prefill_samples: _Optional[int] = ..., read_samples: _Optional[int] = ...) -> None: ...
 
 class NodeSpec(_message.Message):
-    __slots__ = ("node_id", "role", "engine_id", "side_channel_host", "side_channel_port", "http_base_url", "model", "block_size", "capacity_blocks", "bytes_per_block", "incarnation", "retention_budget_blocks", "retention_hard_cap", "prefix_caching", "kv_retention")
+    __slots__ = ("node_id", "role", "engine_id", "side_channel_host", "side_channel_port", "http_base_url", "model", "block_size", "capacity_blocks", "bytes_per_block", "incarnation", "retention_budget_blocks", "retention_hard_cap", "prefix_caching", "kv_retention", "vllm_version", "nixl_connector_version", "registration_generation", "gateway_endpoint", "dynamo_worker_id", "kubernetes_pod", "kv_device")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +125,13 @@ class NodeSpec(_message.Message):
     RETENTION_HARD_CAP_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     KV_RETENTION_FIELD_NUMBER: _ClassVar[int]
+    VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NIXL_CONNECTOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DYNAMO_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KUBERNETES_POD_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: NodeRole
     engine_id: str
@@ -131,7 +147,14 @@ class NodeSpec(_message.Message):
     retention_hard_cap: _duration_pb2.Duration
     prefix_caching: bool
     kv_retention: KvRetention
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., http_base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., incarnation: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefix_caching: _Optional[bool] = ..., kv_retention: _Optional[_Union[KvRetention, str]] = ...) -> None: ...
+    vllm_version: str
+    nixl_connector_version: int
+    registration_generation: int
+    gateway_endpoint: str
+    dynamo_worker_id: str
+    kubernetes_pod: str
+    kv_device: KvDevice
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., http_base_url: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., incarnation: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., prefix_caching: _Optional[bool] = ..., kv_retention: _Optional[_Union[KvRetention, str]] = ..., vllm_version: _Optional[str] = ..., nixl_connector_version: _Optional[int] = ..., registration_generation: _Optional[int] = ..., gateway_endpoint: _Optional[str] = ..., dynamo_worker_id: _Optional[str] = ..., kubernetes_pod: _Optional[str] = ..., kv_device: _Optional[_Union[KvDevice, str]] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("spec", "state", "load", "registered_time", "last_heartbeat_time", "live_leases", "retained_blocks", "cost", "drained", "cost_correction")

@@ -40,6 +40,18 @@ class TurnPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TURN_PATH_RECOMPUTE: _ClassVar[TurnPath]
     TURN_PATH_DECODE_LOCAL: _ClassVar[TurnPath]
 
+class NoReuseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NO_REUSE_REASON_UNSPECIFIED: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_NO_CONVERSATION: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_NOTHING_RETAINED: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_LEASE_NOT_LIVE: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_HOLDER_UNAVAILABLE: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_RECOMPUTE_FASTER: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_VERSION_MISMATCH: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_NOT_HOLDER: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_NO_LEADER: _ClassVar[NoReuseReason]
+
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
@@ -61,6 +73,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_PERMISSION_DENIED: _ClassVar[ErrorReason]
     ERROR_REASON_NOT_ROUTED_HERE: _ClassVar[ErrorReason]
     ERROR_REASON_NODE_IN_USE: _ClassVar[ErrorReason]
+    ERROR_REASON_NOT_A_PREFILL_NODE: _ClassVar[ErrorReason]
 NOT_RETAINED_REASON_UNSPECIFIED: NotRetainedReason
 NOT_RETAINED_REASON_RETENTION_OFF: NotRetainedReason
 NOT_RETAINED_REASON_ABORTED: NotRetainedReason
@@ -77,6 +90,15 @@ TURN_PATH_UNSPECIFIED: TurnPath
 TURN_PATH_READ: TurnPath
 TURN_PATH_RECOMPUTE: TurnPath
 TURN_PATH_DECODE_LOCAL: TurnPath
+NO_REUSE_REASON_UNSPECIFIED: NoReuseReason
+NO_REUSE_REASON_NO_CONVERSATION: NoReuseReason
+NO_REUSE_REASON_NOTHING_RETAINED: NoReuseReason
+NO_REUSE_REASON_LEASE_NOT_LIVE: NoReuseReason
+NO_REUSE_REASON_HOLDER_UNAVAILABLE: NoReuseReason
+NO_REUSE_REASON_RECOMPUTE_FASTER: NoReuseReason
+NO_REUSE_REASON_VERSION_MISMATCH: NoReuseReason
+NO_REUSE_REASON_NOT_HOLDER: NoReuseReason
+NO_REUSE_REASON_NO_LEADER: NoReuseReason
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_INVALID_ARGUMENT: ErrorReason
 ERROR_REASON_NODE_NOT_REGISTERED: ErrorReason
@@ -96,6 +118,7 @@ ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_PERMISSION_DENIED: ErrorReason
 ERROR_REASON_NOT_ROUTED_HERE: ErrorReason
 ERROR_REASON_NODE_IN_USE: ErrorReason
+ERROR_REASON_NOT_A_PREFILL_NODE: ErrorReason
 
 class SetCostProfileRequest(_message.Message):
     __slots__ = ("node_id", "cost")
@@ -444,20 +467,22 @@ class GetConversationResponse(_message.Message):
     def __init__(self, conversation: _Optional[_Union[_lease_pb2.Conversation, _Mapping]] = ...) -> None: ...
 
 class GetRoutingHintRequest(_message.Message):
-    __slots__ = ("conversation_id", "model", "dry_run", "prompt_tokens", "new_tokens", "path")
+    __slots__ = ("conversation_id", "model", "dry_run", "prompt_tokens", "new_tokens", "path", "on_node_id")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ON_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     model: str
     dry_run: bool
     prompt_tokens: int
     new_tokens: int
     path: TurnPath
-    def __init__(self, conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., dry_run: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ...) -> None: ...
+    on_node_id: str
+    def __init__(self, conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., dry_run: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ..., on_node_id: _Optional[str] = ...) -> None: ...
 
 class PathEstimate(_message.Message):
     __slots__ = ("path", "ttft_ms", "not_eligible", "prefill_node_id", "prefill_cached_tokens")
@@ -474,7 +499,7 @@ class PathEstimate(_message.Message):
     def __init__(self, path: _Optional[_Union[TurnPath, str]] = ..., ttft_ms: _Optional[float] = ..., not_eligible: _Optional[str] = ..., prefill_node_id: _Optional[str] = ..., prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class RoutingHint(_message.Message):
-    __slots__ = ("decision", "reason", "consistency", "prefill", "decode", "lease", "path", "estimates")
+    __slots__ = ("decision", "reason", "consistency", "prefill", "decode", "lease", "path", "estimates", "no_reuse")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CONSISTENCY_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +508,7 @@ class RoutingHint(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     ESTIMATES_FIELD_NUMBER: _ClassVar[int]
+    NO_REUSE_FIELD_NUMBER: _ClassVar[int]
     decision: HintDecision
     reason: str
     consistency: HintConsistency
@@ -491,7 +517,8 @@ class RoutingHint(_message.Message):
     lease: _lease_pb2.Lease
     path: TurnPath
     estimates: _containers.RepeatedCompositeFieldContainer[PathEstimate]
-    def __init__(self, decision: _Optional[_Union[HintDecision, str]] = ..., reason: _Optional[str] = ..., consistency: _Optional[_Union[HintConsistency, str]] = ..., prefill: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., decode: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ..., path: _Optional[_Union[TurnPath, str]] = ..., estimates: _Optional[_Iterable[_Union[PathEstimate, _Mapping]]] = ...) -> None: ...
+    no_reuse: NoReuseReason
+    def __init__(self, decision: _Optional[_Union[HintDecision, str]] = ..., reason: _Optional[str] = ..., consistency: _Optional[_Union[HintConsistency, str]] = ..., prefill: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., decode: _Optional[_Union[_node_pb2.NodeSpec, _Mapping]] = ..., lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ..., path: _Optional[_Union[TurnPath, str]] = ..., estimates: _Optional[_Iterable[_Union[PathEstimate, _Mapping]]] = ..., no_reuse: _Optional[_Union[NoReuseReason, str]] = ...) -> None: ...
 
 class GetRoutingHintResponse(_message.Message):
     __slots__ = ("hint",)

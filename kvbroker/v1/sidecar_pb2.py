@@ -27,7 +27,7 @@ from kvbroker.v1 import node_pb2 as kvbroker_dot_v1_dot_node__pb2
 from kvbroker.v1 import registry_pb2 as kvbroker_dot_v1_dot_registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvbroker/v1/sidecar.proto\x12\x0bkvbroker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x16kvbroker/v1/node.proto\x1a\x1akvbroker/v1/registry.proto\"\xb2\x02\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11side_channel_host\x18\x02 \x01(\t\x12\x19\n\x11side_channel_port\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x04\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x17retention_budget_blocks\x18\x08 \x01(\x04\x12\x35\n\x12retention_hard_cap\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0ckv_retention\x18\n \x01(\x0e\x32\x18.kvbroker.v1.KvRetention\"m\n\x13\x41ttachEngineRequest\x12\'\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.EngineInfo\x12-\n\x08retained\x18\x02 \x03(\x0b\x32\x1b.kvbroker.v1.RetainedBlocks\"<\n\x14\x41ttachEngineResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"K\n\x1cSubmitRetentionEventsRequest\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.kvbroker.v1.RetentionEvent\"4\n\x1dSubmitRetentionEventsResponse\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\"\x17\n\x15WatchDeadlinesRequest\"D\n\x16WatchDeadlinesResponse\x12*\n\x07\x63ommand\x18\x01 \x01(\x0b\x32\x19.kvbroker.v1.LeaseCommand\"4\n\x11\x43heckLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"4\n\x12\x43heckLeaseResponse\x12\x0e\n\x06usable\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2\x81\x03\n\x0eSidecarService\x12S\n\x0c\x41ttachEngine\x12 .kvbroker.v1.AttachEngineRequest\x1a!.kvbroker.v1.AttachEngineResponse\x12n\n\x15SubmitRetentionEvents\x12).kvbroker.v1.SubmitRetentionEventsRequest\x1a*.kvbroker.v1.SubmitRetentionEventsResponse\x12[\n\x0eWatchDeadlines\x12\".kvbroker.v1.WatchDeadlinesRequest\x1a#.kvbroker.v1.WatchDeadlinesResponse0\x01\x12M\n\nCheckLease\x12\x1e.kvbroker.v1.CheckLeaseRequest\x1a\x1f.kvbroker.v1.CheckLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvbroker/v1/sidecar.proto\x12\x0bkvbroker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x16kvbroker/v1/node.proto\x1a\x1akvbroker/v1/registry.proto\"\xb3\x03\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11side_channel_host\x18\x02 \x01(\t\x12\x19\n\x11side_channel_port\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x04\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x17retention_budget_blocks\x18\x08 \x01(\x04\x12\x35\n\x12retention_hard_cap\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0ckv_retention\x18\n \x01(\x0e\x32\x18.kvbroker.v1.KvRetention\x12\x14\n\x0cvllm_version\x18\x0b \x01(\t\x12\x1e\n\x16nixl_connector_version\x18\x0c \x01(\r\x12\x1f\n\x17registration_generation\x18\r \x01(\x04\x12(\n\tkv_device\x18\x0e \x01(\x0e\x32\x15.kvbroker.v1.KvDevice\"m\n\x13\x41ttachEngineRequest\x12\'\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.EngineInfo\x12-\n\x08retained\x18\x02 \x03(\x0b\x32\x1b.kvbroker.v1.RetainedBlocks\"<\n\x14\x41ttachEngineResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"K\n\x1cSubmitRetentionEventsRequest\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.kvbroker.v1.RetentionEvent\"4\n\x1dSubmitRetentionEventsResponse\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\"\x17\n\x15WatchDeadlinesRequest\"D\n\x16WatchDeadlinesResponse\x12*\n\x07\x63ommand\x18\x01 \x01(\x0b\x32\x19.kvbroker.v1.LeaseCommand\"4\n\x11\x43heckLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"4\n\x12\x43heckLeaseResponse\x12\x0e\n\x06usable\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"k\n\x14ResolveHandleRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12#\n\x04path\x18\x03 \x01(\x0e\x32\x15.kvbroker.v1.TurnPath\"?\n\x15ResolveHandleResponse\x12&\n\x04hint\x18\x01 \x01(\x0b\x32\x18.kvbroker.v1.RoutingHint2\xd9\x03\n\x0eSidecarService\x12S\n\x0c\x41ttachEngine\x12 .kvbroker.v1.AttachEngineRequest\x1a!.kvbroker.v1.AttachEngineResponse\x12n\n\x15SubmitRetentionEvents\x12).kvbroker.v1.SubmitRetentionEventsRequest\x1a*.kvbroker.v1.SubmitRetentionEventsResponse\x12[\n\x0eWatchDeadlines\x12\".kvbroker.v1.WatchDeadlinesRequest\x1a#.kvbroker.v1.WatchDeadlinesResponse0\x01\x12M\n\nCheckLease\x12\x1e.kvbroker.v1.CheckLeaseRequest\x1a\x1f.kvbroker.v1.CheckLeaseResponse\x12V\n\rResolveHandle\x12!.kvbroker.v1.ResolveHandleRequest\x1a\".kvbroker.v1.ResolveHandleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbroker.v1.sidecar_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINEINFO']._serialized_start=127
-  _globals['_ENGINEINFO']._serialized_end=433
-  _globals['_ATTACHENGINEREQUEST']._serialized_start=435
-  _globals['_ATTACHENGINEREQUEST']._serialized_end=544
-  _globals['_ATTACHENGINERESPONSE']._serialized_start=546
-  _globals['_ATTACHENGINERESPONSE']._serialized_end=606
-  _globals['_SUBMITRETENTIONEVENTSREQUEST']._serialized_start=608
-  _globals['_SUBMITRETENTIONEVENTSREQUEST']._serialized_end=683
-  _globals['_SUBMITRETENTIONEVENTSRESPONSE']._serialized_start=685
-  _globals['_SUBMITRETENTIONEVENTSRESPONSE']._serialized_end=737
-  _globals['_WATCHDEADLINESREQUEST']._serialized_start=739
-  _globals['_WATCHDEADLINESREQUEST']._serialized_end=762
-  _globals['_WATCHDEADLINESRESPONSE']._serialized_start=764
-  _globals['_WATCHDEADLINESRESPONSE']._serialized_end=832
-  _globals['_CHECKLEASEREQUEST']._serialized_start=834
-  _globals['_CHECKLEASEREQUEST']._serialized_end=886
-  _globals['_CHECKLEASERESPONSE']._serialized_start=888
-  _globals['_CHECKLEASERESPONSE']._serialized_end=940
-  _globals['_SIDECARSERVICE']._serialized_start=943
-  _globals['_SIDECARSERVICE']._serialized_end=1328
+  _globals['_ENGINEINFO']._serialized_end=562
+  _globals['_ATTACHENGINEREQUEST']._serialized_start=564
+  _globals['_ATTACHENGINEREQUEST']._serialized_end=673
+  _globals['_ATTACHENGINERESPONSE']._serialized_start=675
+  _globals['_ATTACHENGINERESPONSE']._serialized_end=735
+  _globals['_SUBMITRETENTIONEVENTSREQUEST']._serialized_start=737
+  _globals['_SUBMITRETENTIONEVENTSREQUEST']._serialized_end=812
+  _globals['_SUBMITRETENTIONEVENTSRESPONSE']._serialized_start=814
+  _globals['_SUBMITRETENTIONEVENTSRESPONSE']._serialized_end=866
+  _globals['_WATCHDEADLINESREQUEST']._serialized_start=868
+  _globals['_WATCHDEADLINESREQUEST']._serialized_end=891
+  _globals['_WATCHDEADLINESRESPONSE']._serialized_start=893
+  _globals['_WATCHDEADLINESRESPONSE']._serialized_end=961
+  _globals['_CHECKLEASEREQUEST']._serialized_start=963
+  _globals['_CHECKLEASEREQUEST']._serialized_end=1015
+  _globals['_CHECKLEASERESPONSE']._serialized_start=1017
+  _globals['_CHECKLEASERESPONSE']._serialized_end=1069
+  _globals['_RESOLVEHANDLEREQUEST']._serialized_start=1071
+  _globals['_RESOLVEHANDLEREQUEST']._serialized_end=1178
+  _globals['_RESOLVEHANDLERESPONSE']._serialized_start=1180
+  _globals['_RESOLVEHANDLERESPONSE']._serialized_end=1243
+  _globals['_SIDECARSERVICE']._serialized_start=1246
+  _globals['_SIDECARSERVICE']._serialized_end=1719
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model", "retention_budget_blocks", "retention_hard_cap", "kv_retention")
+    __slots__ = ("engine_id", "side_channel_host", "side_channel_port", "block_size", "capacity_blocks", "bytes_per_block", "model", "retention_budget_blocks", "retention_hard_cap", "kv_retention", "vllm_version", "nixl_connector_version", "registration_generation", "kv_device")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_HOST_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,10 @@ class EngineInfo(_message.Message):
     RETENTION_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HARD_CAP_FIELD_NUMBER: _ClassVar[int]
     KV_RETENTION_FIELD_NUMBER: _ClassVar[int]
+    VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NIXL_CONNECTOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     side_channel_host: str
     side_channel_port: int
@@ -33,7 +37,11 @@ class EngineInfo(_message.Message):
     retention_budget_blocks: int
     retention_hard_cap: _duration_pb2.Duration
     kv_retention: _node_pb2.KvRetention
-    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_retention: _Optional[_Union[_node_pb2.KvRetention, str]] = ...) -> None: ...
+    vllm_version: str
+    nixl_connector_version: int
+    registration_generation: int
+    kv_device: _node_pb2.KvDevice
+    def __init__(self, engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., model: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., retention_hard_cap: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., kv_retention: _Optional[_Union[_node_pb2.KvRetention, str]] = ..., vllm_version: _Optional[str] = ..., nixl_connector_version: _Optional[int] = ..., registration_generation: _Optional[int] = ..., kv_device: _Optional[_Union[_node_pb2.KvDevice, str]] = ...) -> None: ...
 
 class AttachEngineRequest(_message.Message):
     __slots__ = ("engine", "retained")
@@ -88,3 +96,19 @@ class CheckLeaseResponse(_message.Message):
     usable: bool
     reason: str
     def __init__(self, usable: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ResolveHandleRequest(_message.Message):
+    __slots__ = ("conversation_id", "prompt_tokens", "path")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    prompt_tokens: int
+    path: _registry_pb2.TurnPath
+    def __init__(self, conversation_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., path: _Optional[_Union[_registry_pb2.TurnPath, str]] = ...) -> None: ...
+
+class ResolveHandleResponse(_message.Message):
+    __slots__ = ("hint",)
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    hint: _registry_pb2.RoutingHint
+    def __init__(self, hint: _Optional[_Union[_registry_pb2.RoutingHint, _Mapping]] = ...) -> None: ...

@@ -56,6 +56,11 @@ class SidecarServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseResponse.FromString,
                 _registered_method=True)
+        self.ResolveHandle = channel.unary_unary(
+                '/kvbroker.v1.SidecarService/ResolveHandle',
+                request_serializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServiceServicer:
@@ -94,6 +99,16 @@ class SidecarServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveHandle(self, request, context):
+        """The reuse for a turn that reached this engine with a session id and no kvbroker handle
+        (a router other than kvbroker's placed it): the registry's hint for a turn already on
+        this node. A prefill node gets READ (with the lease, claimed for it) or RECOMPUTE; a
+        decode node gets DECODE_LOCAL when it holds the conversation's live lease, else MISS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +131,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.CheckLease,
                     request_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseResponse.SerializeToString,
+            ),
+            'ResolveHandle': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveHandle,
+                    request_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +248,33 @@ class SidecarService:
             '/kvbroker.v1.SidecarService/CheckLease',
             kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseRequest.SerializeToString,
             kvbroker_dot_v1_dot_sidecar__pb2.CheckLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveHandle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.SidecarService/ResolveHandle',
+            kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleRequest.SerializeToString,
+            kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleResponse.FromString,
             options,
             channel_credentials,
             insecure,
