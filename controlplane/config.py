@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbroker.common import ids
-from kvbroker.controlplane.idle_ttl import IdleTtlConfig
-from kvbroker.controlplane.planner import PlannerConfig
+from kvbroker.common.rules import ids
+from kvbroker.controlplane.placement.planner import PlannerConfig
+from kvbroker.controlplane.sessions.idle_ttl import IdleTtlConfig
 
 # etcd's default --max-request-bytes is 1.5 MiB; ``EtcdBackend`` keeps 0.5 MiB of it for a
 # transaction's framing, and a record needs room for its key.
@@ -26,11 +26,15 @@ class RegistryConfig:
     # The idle TTL: a lease lives this long after a grant or renewal unless the request asks
     # for another TTL, until the registry has learned one from the gaps between turns.
     default_lease_ttl_s: float = 60.0
-    # Learn the idle TTL: this percentile of recent gaps between a conversation's turns,
-    # bounded to [min, max].
+    # Learn the idle TTL from the gaps between a conversation's turns (off: always the
+    # default above).
     learn_idle_ttl: bool = True
+    # The learned idle TTL is this percentile of the recent gaps between turns: high, so that
+    # nearly every conversation that comes back finds its lease.
     idle_ttl_percentile: float = 0.95
+    # The shortest idle TTL learning may set.
     min_idle_ttl_s: float = 10.0
+    # The longest idle TTL learning may set (and never over max_lease_ttl_s).
     max_idle_ttl_s: float = 600.0
     # A hint for a conversation whose previous turn is still finishing on its decode node (the
     # lease it read is consumed, the new retention not reported yet) waits up to this long
@@ -48,8 +52,9 @@ class RegistryConfig:
     claim_timeout_s: float = 30.0
     # A revoked lease's blocks stay this long so a read that just started can finish.
     revoke_grace_s: float = 2.0
-    # Sidecars heartbeat this often; a node silent for session_ttl_s is marked DOWN.
+    # Sidecars heartbeat this often.
     heartbeat_interval_s: float = 2.0
+    # A node silent this long is marked DOWN and its leases are withdrawn (NODE_LOST).
     session_ttl_s: float = 6.0
     # A draining node is drained once a heartbeat this long after its drain began, and after
     # its last lease ended, reports no request running (``NodeSessions.drained``).
@@ -61,8 +66,9 @@ class RegistryConfig:
     ended_lease_retention_s: float = 300.0
     # A conversation with no live lease is forgotten after this long without activity.
     conversation_retention_s: float = 3600.0
-    # Bad-input guards.
+    # Bad-input guard: the most prefix hashes (one per KV block) a request may carry.
     max_block_hashes: int = 65_536
+    # Bad-input guard: the longest id (node, conversation, lease, request) a request may carry.
     max_id_length: int = ids.MAX_ID_LENGTH
     # Free text a request carries (a reason, a model name, a URL), in bytes as stored.
     max_text_bytes: int = 2048
@@ -75,7 +81,7 @@ class RegistryConfig:
     max_pending_commands: int = 10_000
     # Expiries handled per batch before yielding to RPCs (etcd's lessor rate-limits likewise).
     max_expiries_per_batch: int = 1_000
-    # How each turn's path is chosen (controlplane/planner.py).
+    # How each turn's path is chosen (controlplane/placement/planner.py).
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     @property

@@ -3,7 +3,7 @@ sentence for a person.
 
 The registry raises these types; the gRPC edge (``service``) turns one into its status with the
 reason attached (``hint_error``, ``status_metadata``), and clients turn it back into a typed
-error in one function (``kvbroker.common.grpc_client.from_grpc_error``). Code decides on the
+error in one function (``kvbroker.common.client.grpc_client.from_grpc_error``). Code decides on the
 type or the reason, never on the sentence.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvbroker.common.grpc_client import ERROR_METADATA_KEY
+from kvbroker.common.client.grpc_client import ERROR_METADATA_KEY
 from kvbroker.v1 import registry_pb2
 
 
@@ -63,6 +63,10 @@ class LeaseEnded(FailedPrecondition):
 
 class NotADecodeNode(FailedPrecondition):
     reason = registry_pb2.ERROR_REASON_NOT_A_DECODE_NODE
+
+
+class NotAPrefillNode(FailedPrecondition):
+    reason = registry_pb2.ERROR_REASON_NOT_A_PREFILL_NODE
 
 
 class NodeDown(FailedPrecondition):

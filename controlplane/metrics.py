@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvbroker.common.labels import label
+from kvbroker.common.rules.labels import label
 from kvbroker.v1 import registry_pb2
 
 

@@ -3,7 +3,7 @@
 The parts, each the one owner of its state (as etcd keeps its lessor apart from sessions):
 node sessions (``nodes``), the lessor with lease expiry and claim deadlines (``leases``),
 retention reports and replay (``retention``), routing hints (``hints``, over the pure rule in
-``kvbroker.common.routing``), turns still finishing (``turns``) and the command outbox
+``kvbroker.common.rules.routing``), turns still finishing (``turns``) and the command outbox
 (``outbox``). Deadlines of every kind live in one heap (``DeadlineQueue``), each kind with one
 handler.
 
@@ -26,10 +26,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import structlog
 
-from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import MonotonicClock
-from kvbroker.controlplane import codec
+from kvbroker.common.rules.checkpoints import Checkpoints
+from kvbroker.common.rules.clock import MonotonicClock
 from kvbroker.controlplane.config import MAX_HINT_BATCH, RegistryConfig
+from kvbroker.controlplane.context import RegistryContext
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
 from kvbroker.controlplane.errors import (
     BatchFull,
@@ -40,19 +40,28 @@ from kvbroker.controlplane.errors import (
     StoreUnavailable,
     hint_error,
 )
-from kvbroker.controlplane.hints import Hints
-from kvbroker.controlplane.idle_ttl import IdleTtl
-from kvbroker.controlplane.lease_reads import LeaseReads
-from kvbroker.controlplane.leases import Leases
+from kvbroker.controlplane.lessor.lease_reads import LeaseReads
+from kvbroker.controlplane.lessor.leases import Leases
+from kvbroker.controlplane.lessor.retention import RetentionReports
+from kvbroker.controlplane.lessor.turns import Turns, wait_budget
 from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.controlplane.model import DOWN, Node
-from kvbroker.controlplane.nodes import NodeSessions
-from kvbroker.controlplane.outbox import Outbox, Unsent
-from kvbroker.controlplane.planner import UNSAID, TurnRequest
-from kvbroker.controlplane.retention import RetentionReports
-from kvbroker.controlplane.store import Store
-from kvbroker.controlplane.turns import Turns, wait_budget
-from kvbroker.controlplane.validation import Validation
+from kvbroker.controlplane.placement.hints import Hints
+from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
+from kvbroker.controlplane.records.model import (
+    DOWN,
+    Conversation,
+    CostProfile,
+    EngineWork,
+    Node,
+    NodeLoad,
+)
+from kvbroker.controlplane.records.validation import Validation
+from kvbroker.controlplane.sessions.idle_ttl import IdleTtl
+from kvbroker.controlplane.sessions.nodes import NodeSessions
+from kvbroker.controlplane.storage.outbox import Outbox, Unsent
+from kvbroker.controlplane.storage.store import Store
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
@@ -112,39 +121,19 @@ class Registry:
         # Bound once, after logging is configured: through the module's lazy proxy every call
         # (debug ones too, filtered out) costs ~2 µs, and a grant or hint makes several.
         self._log = log.bind()
-        validate = self._validate = Validation(config)
+        self._validate = Validation(config)
+        context = RegistryContext(
+            store, config, metrics, now, self._deadlines, self._validate, self._log
+        )
         self.outbox = Outbox(config.max_pending_commands, metrics)
-        self.nodes = NodeSessions(store, config, self._deadlines, now, validate, self._log)
-        self.turns = Turns(store, config, metrics, self.nodes, now)
-        self.leases = Leases(
-            store,
-            config,
-            metrics,
-            now,
-            self._deadlines,
-            self.nodes,
-            self.outbox,
-            self.turns,
-            self.idle_ttl,
-            validate,
-            self._log,
-            term,
-        )
-        self.reads = LeaseReads(store, validate, self.leases.view, config.max_answer_bytes)
+        self.nodes = NodeSessions(context)
+        self.turns = Turns(context, self.nodes)
+        self.leases = Leases(context, self.nodes, self.outbox, self.turns, self.idle_ttl, term)
+        self.reads = LeaseReads(context, self.leases.view)
         self.retention = RetentionReports(
-            store,
-            now,
-            self.nodes,
-            self.leases,
-            self.reads,
-            self.outbox,
-            self.turns,
-            validate,
-            self._log,
+            context, self.nodes, self.leases, self.reads, self.outbox, self.turns
         )
-        self.hints = Hints(
-            store, metrics, now, self.nodes, self.leases, self.turns, self.idle_ttl, config.planner
-        )
+        self.hints = Hints(context, self.nodes, self.leases, self.turns, self.idle_ttl)
         self._on_due: dict[DeadlineKind, Callable[[str], Awaitable[None]]] = {
             DeadlineKind.LEASE_EXPIRY: self.leases.on_expiry,
             DeadlineKind.CLAIM_END: self.leases.on_claim_end,
@@ -222,7 +211,7 @@ class Registry:
 
     # ----------------------------------------------------------------- nodes
 
-    async def register_node(self, spec: node_pb2.NodeSpec) -> node_pb2.Node:
+    async def register_node(self, spec: node_pb2.NodeSpec) -> Registration:
         self._validate.node_spec(spec)
         async with self._mutation():
             old = await self.store.get_node(spec.node_id)
@@ -233,16 +222,18 @@ class Registry:
                         spec.node_id, "holder node lost its session: new incarnation"
                     )
                 self.outbox.open(spec.node_id, spec.incarnation)
-            return self.nodes.view(await self.nodes.register(spec, old))
+            node = self.nodes.view(await self.nodes.register(spec, old))
+        config = self.config
+        return Registration(node, config.heartbeat_interval_s, config.session_ttl_s)
 
     async def heartbeat(
         self,
         node_id: str,
         incarnation: str,
         engine_ready: bool,
-        load: node_pb2.NodeLoad,
-        work: node_pb2.EngineWork | None = None,
-    ) -> node_pb2.Node:
+        load: NodeLoad,
+        work: EngineWork | None = None,
+    ) -> NodeAnswer:
         """A node's heartbeat, with its engine's load and the work it did since the last
         one (None: none)."""
         self._validate.session(node_id, incarnation)
@@ -250,19 +241,17 @@ class Registry:
         if work is not None:
             self._validate.work(work)
         async with self._mutation():
-            node = await self.nodes.heartbeat(
-                node_id, incarnation, engine_ready, codec.load_of(load), work
-            )
+            node = await self.nodes.heartbeat(node_id, incarnation, engine_ready, load, work)
             return self.nodes.view(node)
 
-    async def deregister_node(self, node_id: str, incarnation: str) -> node_pb2.Node:
+    async def deregister_node(self, node_id: str, incarnation: str) -> NodeAnswer:
         self._validate.session(node_id, incarnation)
         async with self._mutation():
             node = await self.nodes.session(node_id, incarnation)
             await self._mark_down(node, "deregistered")
             return self.nodes.view(node)
 
-    async def drain_node(self, node_id: str) -> node_pb2.Node:
+    async def drain_node(self, node_id: str) -> NodeAnswer:
         """Takes the node out of routing (``routing.ROUTABLE_STATES``) and ends its unclaimed
         leases; claimed reads finish. The answer's ``drained`` says when it is done."""
         self._validate.id(node_id, "node_id")
@@ -271,16 +260,18 @@ class Registry:
             await self.leases.drain(node_id)
             return self.nodes.view(node)
 
-    async def set_cost_profile(self, node_id: str, cost: node_pb2.CostProfile) -> node_pb2.Node:
+    async def set_cost_profile(self, node_id: str, cost: CostProfile | None) -> NodeAnswer:
+        """Stores a node's measured costs; ``cost`` None (not said when it was measured) is
+        refused."""
         self._validate.id(node_id, "node_id")
         self._validate.costs(cost)
         async with self._mutation():
-            return self.nodes.view(await self.nodes.set_costs(node_id, codec.cost_of(cost)))
+            return self.nodes.view(await self.nodes.set_costs(node_id, cost))
 
-    async def get_node(self, node_id: str) -> node_pb2.Node:
+    async def get_node(self, node_id: str) -> NodeAnswer:
         return self.nodes.view(await self.nodes.node(node_id))
 
-    async def list_nodes(self, role: int = 0, model: str = "") -> list[node_pb2.Node]:
+    async def list_nodes(self, role: int = 0, model: str = "") -> list[NodeAnswer]:
         self._validate.list_nodes(role, model)
         return await self.nodes.list_nodes(role, model)
 
@@ -310,7 +301,7 @@ class Registry:
         token_count: int,
         ttl: float | None = None,
         block_hash_stride: int = 1,
-    ) -> lease_pb2.Lease:
+    ) -> LeaseAnswer:
         blocks = self._validate.grant(
             conversation_id, node_id, incarnation, handle, block_hashes, token_count, ttl
         )
@@ -331,7 +322,7 @@ class Registry:
 
     async def renew_lease(
         self, lease_id: str = "", conversation_id: str = "", ttl: float | None = None
-    ) -> lease_pb2.Lease:
+    ) -> LeaseAnswer:
         self._validate.lease_ref(lease_id, conversation_id)
         self._validate.ttl(ttl)
         async with self._mutation():
@@ -341,7 +332,7 @@ class Registry:
 
     async def release_lease(
         self, lease_id: str, node_id: str, incarnation: str, reason: str
-    ) -> lease_pb2.Lease:
+    ) -> LeaseAnswer:
         self._validate.release(lease_id, node_id, incarnation, reason)
         async with self._mutation():
             lease = await self.reads.lease(lease_id)
@@ -350,7 +341,7 @@ class Registry:
 
     async def revoke_lease(
         self, lease_id: str = "", conversation_id: str = "", reason: str = ""
-    ) -> lease_pb2.Lease:
+    ) -> LeaseAnswer:
         self._validate.lease_ref(lease_id, conversation_id)
         self._validate.text(reason, "reason")
         async with self._mutation():
@@ -358,7 +349,7 @@ class Registry:
             await self.leases.revoke(lease, reason)
             return self.leases.view(lease)
 
-    async def get_lease(self, lease_id: str) -> lease_pb2.Lease:
+    async def get_lease(self, lease_id: str) -> LeaseAnswer:
         lease = await self.reads.lease(lease_id)
         async with self._mutation():
             await self.leases.expire_if_due(lease)
@@ -371,13 +362,11 @@ class Registry:
         states: Sequence[int] = (),
         page_size: int = 0,
         page_token: str = "",
-    ) -> tuple[list[lease_pb2.Lease], str]:
+    ) -> tuple[list[LeaseAnswer], str]:
         return await self.reads.page(node_id, conversation_id, states, page_size, page_token)
 
-    async def get_conversation(self, conversation_id: str) -> lease_pb2.Conversation:
-        view = lease_pb2.Conversation()
-        codec.conversation_into(await self.reads.conversation(conversation_id), view)
-        return view
+    async def get_conversation(self, conversation_id: str) -> Conversation:
+        return await self.reads.conversation(conversation_id)
 
     # ----------------------------------------------------------------- retention reports
 
@@ -416,7 +405,7 @@ class Registry:
     ) -> registry_pb2.RoutingHint:
         """``time_remaining``: the caller's deadline, in seconds from now (None: none), which
         bounds any wait for a previous turn's retention (``turns.wait_budget``)."""
-        self._validate.hint(conversation_id, model)
+        self._validate.hint(conversation_id, model, asked.on_node_id)
         if conversation_id and not dry_run:
             await self.turns.settled((conversation_id,), wait_budget(self.config, time_remaining))
         hint = registry_pb2.RoutingHint()
@@ -442,7 +431,7 @@ class Registry:
         refused: dict[int, InvalidArgument] = {}
         for index, request in enumerate(requests):
             try:
-                self._validate.hint(request.conversation_id, request.model)
+                self._validate.hint(request.conversation_id, request.model, request.on_node_id)
             except InvalidArgument as error:
                 refused[index] = error
         if self.turns:

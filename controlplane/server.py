@@ -16,22 +16,18 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvbroker.common.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
-from kvbroker.common.metrics_http import MetricsTls, serve_metrics
-from kvbroker.common.tls_files import check_certificates, load_tls_context
-from kvbroker.controlplane.cached_store import MemoryStore
+from kvbroker.common.client.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
+from kvbroker.common.process.metrics_http import MetricsTls, serve_metrics
+from kvbroker.common.process.tls_files import check_certificates, load_tls_context
+from kvbroker.controlplane.api.identity import Credentials
+from kvbroker.controlplane.api.interface import Leadership, Standalone
+from kvbroker.controlplane.api.service import RegistryServicer, add_registry_service
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
-from kvbroker.controlplane.identity import Credentials
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.registry import Registry
-from kvbroker.controlplane.replica import Replica, ReplicaOptions
-from kvbroker.controlplane.service import (
-    Leadership,
-    RegistryServicer,
-    Standalone,
-    add_registry_service,
-)
+from kvbroker.controlplane.replication.replica import Replica, ReplicaOptions
+from kvbroker.controlplane.storage.cached_store import MemoryStore
+from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints, EtcdStore
 from kvbroker.v1 import registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
@@ -44,7 +40,7 @@ class TlsFiles:
     cert: Path
     key: Path
     # When set, clients must present a certificate signed by this CA (mTLS), and its common
-    # name says who they are (controlplane/identity.py).
+    # name says who they are (controlplane/api/identity.py).
     client_ca: Path | None = None
     # The CA that signs the replicas' server certificates, for replicas that forward to each
     # other over TLS (default: client_ca).
@@ -63,7 +59,7 @@ class ServerOptions:
     listen: str = DEFAULT_REGISTRY_ADDRESS
     metrics_listen: str | None = None
     token: str | None = None
-    # Per-role and per-node credentials (controlplane/identity.py).
+    # Per-role and per-node credentials (controlplane/api/identity.py).
     credentials_file: Path | None = None
     tls: TlsFiles | None = None
     config: RegistryConfig = field(default_factory=RegistryConfig)

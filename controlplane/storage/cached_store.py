@@ -14,12 +14,12 @@ from collections.abc import Iterable
 
 import structlog
 
-from kvbroker.controlplane.codec import record_bytes
 from kvbroker.controlplane.errors import StoreUnavailable
-from kvbroker.controlplane.group_commit import GroupCommit
-from kvbroker.controlplane.model import Conversation, Lease, Node, Record
-from kvbroker.controlplane.state_cache import RecordKind, StateCache
-from kvbroker.controlplane.store import REPLAYED, Backend, Change, MemoryBackend
+from kvbroker.controlplane.records.codec import record_bytes
+from kvbroker.controlplane.records.model import Conversation, Lease, Node, Record
+from kvbroker.controlplane.storage.group_commit import GroupCommit
+from kvbroker.controlplane.storage.state_cache import RecordKind, StateCache
+from kvbroker.controlplane.storage.store import REPLAYED, Backend, Change, MemoryBackend
 
 log = structlog.get_logger("kvbroker.registry")
 

@@ -1,4 +1,4 @@
-"""The registry's state in memory: every record, as a plain object (``controlplane.model``),
+"""The registry's state in memory: every record, as a plain object (``controlplane.records.model``),
 with the indexes its hot paths need.
 
 Every read hands out a copy (``copy()``: one object, its fields immutable), and the store puts
@@ -19,9 +19,9 @@ from typing import TypeVar
 
 from sortedcontainers import SortedList
 
-from kvbroker.common.routing import LIVE_LEASE_STATES
-from kvbroker.controlplane import codec
-from kvbroker.controlplane.model import Conversation, Lease, Node, Record
+from kvbroker.common.rules.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.model import Conversation, Lease, Node, Record
 
 
 class RecordKind(Enum):

@@ -14,15 +14,18 @@ import ipaddress
 import math
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import fields
 from urllib.parse import urlsplit
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
-from kvbroker.common import ids
-from kvbroker.controlplane.codec import block_count
+from kvbroker.common.rules import ids
+from kvbroker.common.rules.costs import Costs
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument
+from kvbroker.controlplane.records.codec import block_count
+from kvbroker.controlplane.records.model import CostProfile, EngineWork, NodeLoad
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 # Epochs and sequences stay far below uint64's end, so incrementing one never overflows.
@@ -180,30 +183,29 @@ class Validation:
         if spec.block_size == 0:
             raise InvalidArgument("spec.block_size must be positive")
         self.duration(spec.retention_hard_cap, "spec.retention_hard_cap")
+        for name in ("vllm_version", "gateway_endpoint", "dynamo_worker_id", "kubernetes_pod"):
+            self.text(getattr(spec, name), f"spec.{name}")
 
     def session(self, node_id: str, incarnation: str) -> None:
         self.id(node_id, "node_id")
         self.id(incarnation, "incarnation")
 
     @staticmethod
-    def load(load: node_pb2.NodeLoad) -> None:
+    def load(load: NodeLoad) -> None:
         usage = load.kv_cache_usage
         if not math.isfinite(usage) or not 0.0 <= usage <= 1.0:
             raise InvalidArgument(f"load.kv_cache_usage {usage} is not a fraction in [0, 1]")
 
     @staticmethod
-    def work(work: node_pb2.EngineWork) -> None:
-        for field, value in work.ListFields():
-            if field.type == field.TYPE_DOUBLE and (not math.isfinite(value) or value < 0):
-                raise InvalidArgument(f"work.{field.name} {value} is not a finite non-negative")
+    def work(work: EngineWork) -> None:
+        _finite_non_negative(work, "work")
 
     @staticmethod
-    def costs(cost: node_pb2.CostProfile) -> None:
-        for field, value in cost.ListFields():
-            if field.type == field.TYPE_DOUBLE and (not math.isfinite(value) or value < 0):
-                raise InvalidArgument(f"cost.{field.name} {value} is not a finite non-negative")
-        if not cost.HasField("calibrated_time"):
+    def costs(cost: CostProfile | None) -> None:
+        """A measured profile (``codec.cost_of`` says None for one not said when measured)."""
+        if cost is None:
             raise InvalidArgument("cost.calibrated_time is required (when it was measured)")
+        _finite_non_negative(cost.costs, "cost")
 
     def list_nodes(self, role: int, model: str) -> None:
         self.enum(node_pb2.NodeRole, role, "role")
@@ -323,6 +325,15 @@ class Validation:
 
     # ------------------------------------------------------------ hints
 
-    def hint(self, conversation_id: str, model: str) -> None:
+    def hint(self, conversation_id: str, model: str, on_node_id: str = "") -> None:
         self.optional_id(conversation_id, "conversation_id")
         self.text(model, "model")
+        self.optional_id(on_node_id, "on_node_id")
+
+
+def _finite_non_negative(record: EngineWork | Costs, what: str) -> None:
+    """Every float of ``record`` (its counts are unsigned on the wire) is finite and >= 0."""
+    for field in fields(record):
+        value = getattr(record, field.name)
+        if isinstance(value, float) and (not math.isfinite(value) or value < 0):
+            raise InvalidArgument(f"{what}.{field.name} {value} is not a finite non-negative")

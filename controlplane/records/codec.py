@@ -1,5 +1,5 @@
-"""Protobuf at the registry's edges, here and nowhere else: records (``controlplane.model``) to
-and from wire messages (a call's input, an answer) and stored bytes (``Change.raw``, what a
+"""Protobuf at the registry's edges, here and nowhere else: records (``controlplane.records.model``)
+to and from wire messages (a call's input, an answer) and stored bytes (``Change.raw``, what a
 backend writes, loads and watches).
 
 The stored format is the wire record (``lease_pb2.Lease``, ``lease_pb2.Conversation``,
@@ -13,7 +13,7 @@ own encoding and moved in bulk, never walked in Python: its checkpoint hashes
 engine id, side channel, sizes, and the block ids as packed varints). Going out is one
 ``MergeFromString`` in C each: a lease's 32 hashes cost one bytes object instead of 32, and a
 hint copies a lease as fast as a parsed message did. Times are the registry's float seconds
-inside and ``Timestamp`` outside (``kvbroker.common.clock``): a round trip keeps them to float
+inside and ``Timestamp`` outside (``kvbroker.common.rules.clock``): a round trip keeps them to float
 precision.
 """
 
@@ -24,11 +24,12 @@ from collections.abc import Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from kvbroker.common.clock import from_timestamp, stamp_time
-from kvbroker.common.costs import Costs
-from kvbroker.controlplane.model import (
+from kvbroker.common.rules.clock import from_timestamp, stamp_time
+from kvbroker.common.rules.costs import Costs
+from kvbroker.controlplane.records.model import (
     Conversation,
     CostProfile,
+    EngineWork,
     KvHandle,
     Lease,
     Node,
@@ -61,6 +62,7 @@ def handle_of(message: lease_pb2.KvHandle, blocks: int | None = None) -> KvHandl
         remote_request_id=message.remote_request_id,
         block_count=block_count(message) if blocks is None else blocks,
         packed=rest.SerializeToString(),
+        registration_generation=message.remote_registration_generation,
     )
 
 
@@ -180,11 +182,44 @@ def load_of(message: node_pb2.NodeLoad) -> NodeLoad:
     return NodeLoad(message.running_requests, message.waiting_requests, message.kv_cache_usage)
 
 
+def load_into(load: NodeLoad, into: node_pb2.NodeLoad) -> None:
+    into.running_requests = load.running_requests
+    into.waiting_requests = load.waiting_requests
+    into.kv_cache_usage = load.kv_cache_usage
+
+
+def work_of(message: node_pb2.EngineWork) -> EngineWork:
+    return EngineWork(
+        message.prefills,
+        message.prefill_computed_tokens,
+        message.prefill_cached_tokens,
+        message.prefill_seconds,
+        message.reads,
+        message.read_blocks,
+        message.read_seconds,
+    )
+
+
+def work_into(work: EngineWork, into: node_pb2.EngineWork) -> None:
+    into.prefills = work.prefills
+    into.prefill_computed_tokens = work.prefill_computed_tokens
+    into.prefill_cached_tokens = work.prefill_cached_tokens
+    into.prefill_seconds = work.prefill_seconds
+    into.reads = work.reads
+    into.read_blocks = work.read_blocks
+    into.read_seconds = work.read_seconds
+
+
 def cost_of(message: node_pb2.CostProfile) -> CostProfile | None:
     """A measured cost profile; None when it says no measurement."""
     if not message.HasField("calibrated_time"):
         return None
     return CostProfile(Costs.of(message), from_timestamp(message.calibrated_time))
+
+
+def cost_into(cost: CostProfile, into: node_pb2.CostProfile) -> None:
+    cost.costs.to_proto(into)
+    stamp_time(into.calibrated_time, cost.calibrated_time)
 
 
 def node_of(message: node_pb2.Node) -> Node:
@@ -202,16 +237,12 @@ def node_into(node: Node, into: node_pb2.Node) -> None:
     """Writes the record into ``into``; a node's live figures are its view's to add."""
     into.spec.CopyFrom(node.spec)
     into.state = node.state
-    load = node.load
-    if load != NodeLoad():
-        into.load.running_requests = load.running_requests
-        into.load.waiting_requests = load.waiting_requests
-        into.load.kv_cache_usage = load.kv_cache_usage
+    if node.load != NodeLoad():
+        load_into(node.load, into.load)
     _stamp(into.registered_time, node.registered_time)
     _stamp(into.last_heartbeat_time, node.last_heartbeat_time)
     if node.cost is not None:
-        node.cost.costs.to_proto(into.cost)
-        stamp_time(into.cost.calibrated_time, node.cost.calibrated_time)
+        cost_into(node.cost, into.cost)
 
 
 def node_bytes(node: Node) -> bytes:

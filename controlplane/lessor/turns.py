@@ -16,15 +16,14 @@ What hangs on that:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from kvbroker.common.labels import label
+from kvbroker.common.rules.labels import label
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.controlplane.model import ACTIVE
-from kvbroker.controlplane.nodes import NodeRuntime, NodeSessions
-from kvbroker.controlplane.store import Store
+from kvbroker.controlplane.context import RegistryContext
+from kvbroker.controlplane.records.model import ACTIVE
+from kvbroker.controlplane.sessions.nodes import NodeRuntime, NodeSessions
 from kvbroker.v1 import registry_pb2
 
 # A hint waits for a previous turn's retention at most this share of its caller's deadline:
@@ -43,6 +42,7 @@ def wait_budget(config: RegistryConfig, time_remaining: float | None) -> float:
 @dataclass(slots=True)
 class Turn:
     started: float
+    # "" when a router other than kvbroker's picks the decode node: any node's report ends it.
     decode_node_id: str
     # "" for a DECODE_LOCAL turn (no prefill leg).
     prefill_node_id: str
@@ -56,19 +56,12 @@ class Turn:
 
 
 class Turns:
-    def __init__(
-        self,
-        store: Store,
-        config: RegistryConfig,
-        metrics: RegistryMetrics,
-        nodes: NodeSessions,
-        now: Callable[[], float],
-    ) -> None:
-        self._store = store
-        self._config = config
-        self._metrics = metrics
+    def __init__(self, context: RegistryContext, nodes: NodeSessions) -> None:
+        self._store = context.store
+        self._config = context.config
+        self._metrics = context.metrics
         self._nodes = nodes
-        self._now = now
+        self._now = context.now
         self._turns: dict[str, Turn] = {}
         # Each conversation's turns in flight, oldest first, as (decode node, when hinted):
         # its newest turn's, and those of parallel turns it replaced in ``_turns``. A turn
@@ -85,11 +78,13 @@ class Turns:
         return bool(self._turns)
 
     def started(
-        self, conversation_id: str, decode: NodeRuntime, prefill: NodeRuntime | None
+        self, conversation_id: str, decode: NodeRuntime | None, prefill: NodeRuntime | None
     ) -> None:
-        """A hint sent a turn of this conversation to ``decode`` (and ``prefill``; None for
-        DECODE_LOCAL). Call under the lock. A turn still in flight is replaced: the newest
-        turn is the one whose node may lease the conversation."""
+        """A hint sent a turn of this conversation to ``decode`` (None: another router picks
+        it) and ``prefill`` (None for DECODE_LOCAL). Call under the lock. A turn still in
+        flight is replaced: the newest turn is the one whose node may lease the conversation.
+        A turn with no decode node named restricts no node's lease (``routed_to``): the
+        holder's rules apply as with no turn in flight."""
         if len(self._turns) + len(self._routed) >= self._sweep_at:
             self._sweep()
         previous = self._turns.get(conversation_id)
@@ -97,15 +92,18 @@ class Turns:
             previous.ended.set()  # nobody waits on a turn a newer one replaced
         now = self._now()
         # Usually the conversation's previous turn has ended: nothing to filter.
-        routed = self._live(conversation_id) if conversation_id in self._routed else []
-        routed.append((decode.node_id, now))
-        self._routed[conversation_id] = routed
+        if decode is not None:
+            routed = self._live(conversation_id) if conversation_id in self._routed else []
+            routed.append((decode.node_id, now))
+            self._routed[conversation_id] = routed
         self._turns[conversation_id] = Turn(
             started=now,
-            decode_node_id=decode.node_id,
+            decode_node_id=decode.node_id if decode is not None else "",
             prefill_node_id=prefill.node_id if prefill is not None else "",
             prefill_heartbeats=prefill.heartbeats if prefill is not None else 0,
-            awaited=decode.retains,
+            # Another router's decode node is unknown: wait for it as if it retained (the
+            # wait is bounded, and a node that retains nothing reports that too).
+            awaited=decode.retains if decode is not None else True,
         )
 
     def _live(self, conversation_id: str) -> list[tuple[str, float]]:
@@ -135,7 +133,7 @@ class Turns:
         else:
             self._routed.pop(conversation_id, None)
         turn = self._turns.get(conversation_id)
-        if turn is None or turn.decode_node_id != node_id or len(on_node) > 1:
+        if turn is None or turn.decode_node_id not in ("", node_id) or len(on_node) > 1:
             return  # an older turn's report: the newest turn is still in flight
         del self._turns[conversation_id]
         turn.ended.set()

@@ -25,9 +25,9 @@ from typing import Protocol
 import structlog
 
 from kvbroker.controlplane.errors import CommitUndone, RegistryError, StoreRefused, StoreUnavailable
-from kvbroker.controlplane.model import Record
-from kvbroker.controlplane.state_cache import RecordKind, StateCache
-from kvbroker.controlplane.store import Backend, Change, CommitTooLarge, Deposed
+from kvbroker.controlplane.records.model import Record
+from kvbroker.controlplane.storage.state_cache import RecordKind, StateCache
+from kvbroker.controlplane.storage.store import Backend, Change, CommitTooLarge, Deposed
 
 log = structlog.get_logger("kvbroker.registry")
 

@@ -1,12 +1,12 @@
 """The registry's records as plain objects: nodes, conversations, leases and their KV handles.
 
-Protobuf is the wire format and the stored format, and only that: ``controlplane.codec`` turns
-messages into these records where a call or a backend's bytes come in and back where an
+Protobuf is the wire format and the stored format, and only that: ``controlplane.records.codec``
+turns messages into these records where a call or a backend's bytes come in and back where an
 answer or a write goes out. Inside, the parts read and change plain attributes (reading a
 proto field costs ~10x a Python attribute, and a parsed lease costs ~3 KB of upb objects).
 
 States and causes are the proto enums' own values (one truth for numbers and labels,
-``kvbroker.common.labels`` names them). What a lease carries for its reader without the
+``kvbroker.common.rules.labels`` names them). What a lease carries for its reader without the
 registry looking into it is kept packed, as the codec describes: its checkpoint hashes are one
 bytes blob, its handle's engine id, side channel and block ids one more, and what the registry
 does read (the request id, the block count) is kept beside them. Node ids and incarnations are
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from kvbroker.common.costs import Costs
+from kvbroker.common.rules.costs import Costs
 from kvbroker.v1 import lease_pb2, node_pb2
 
 LeaseState: TypeAlias = lease_pb2.LeaseState
@@ -65,6 +65,9 @@ class KvHandle:
     remote_request_id: str = ""
     block_count: int = 0
     packed: bytes = b""
+    # vLLM 0.33+: the holder's KV registration generation when it retained the blocks (0:
+    # vLLM 0.32); the reuse rule compares it with the holder's current one.
+    registration_generation: int = 0
 
 
 @dataclass(slots=True)
@@ -140,6 +143,21 @@ class NodeLoad:
     running_requests: int = 0
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWork:
+    """What a node's engine did since its last heartbeat (``node_pb2.EngineWork``): finished
+    prefills, the tokens they computed and found cached, and their seconds; and the KV reads
+    into it, their blocks and seconds."""
+
+    prefills: int = 0
+    prefill_computed_tokens: int = 0
+    prefill_cached_tokens: int = 0
+    prefill_seconds: float = 0.0
+    reads: int = 0
+    read_blocks: float = 0.0
+    read_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,27 +12,24 @@ lock: changes are committed, and commands sent, by the registry's unit of work.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
-import structlog
-
-from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import stamp_duration
-from kvbroker.common.labels import label
-from kvbroker.common.routing import LIVE_LEASE_STATES
-from kvbroker.controlplane import codec
-from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
+from kvbroker.common.rules.checkpoints import Checkpoints
+from kvbroker.common.rules.clock import stamp_duration
+from kvbroker.common.rules.labels import label
+from kvbroker.common.rules.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane.context import RegistryContext
+from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind
 from kvbroker.controlplane.errors import (
     InvalidArgument,
     LeaseEnded,
     NotHolder,
     NotRoutedHere,
 )
-from kvbroker.controlplane.idle_ttl import IdleTtl
-from kvbroker.controlplane.lease_ids import new_lease_id, next_epoch
-from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.controlplane.model import (
+from kvbroker.controlplane.lessor.turns import Turns
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.answers import LeaseAnswer, lease_answer
+from kvbroker.controlplane.records.lease_ids import new_lease_id, next_epoch
+from kvbroker.controlplane.records.model import (
     ACTIVE,
     CLAIMED,
     DRAINED,
@@ -52,11 +49,9 @@ from kvbroker.controlplane.model import (
     LeaseState,
     Node,
 )
-from kvbroker.controlplane.nodes import NodeSessions
-from kvbroker.controlplane.outbox import Outbox
-from kvbroker.controlplane.store import Store
-from kvbroker.controlplane.turns import Turns
-from kvbroker.controlplane.validation import Validation
+from kvbroker.controlplane.sessions.idle_ttl import IdleTtl
+from kvbroker.controlplane.sessions.nodes import NodeSessions
+from kvbroker.controlplane.storage.outbox import Outbox
 from kvbroker.v1 import lease_pb2
 
 LEASE_EXPIRY = DeadlineKind.LEASE_EXPIRY
@@ -68,30 +63,24 @@ FORGET_CONVERSATION = DeadlineKind.FORGET_CONVERSATION
 class Leases:
     def __init__(
         self,
-        store: Store,
-        config: RegistryConfig,
-        metrics: RegistryMetrics,
-        now: Callable[[], float],
-        deadlines: DeadlineQueue[DeadlineKey],
+        context: RegistryContext,
         nodes: NodeSessions,
         outbox: Outbox,
         turns: Turns,
         idle_ttl: IdleTtl,
-        validate: Validation,
-        log: structlog.typing.FilteringBoundLogger,
         term: int = 0,
     ) -> None:
-        self._store = store
-        self._config = config
-        self._metrics = metrics
-        self._now = now
-        self._deadlines = deadlines
+        self._store = context.store
+        self._config = context.config
+        self._metrics = context.metrics
+        self._now = context.now
+        self._deadlines = context.deadlines
         self._nodes = nodes
         self._outbox = outbox
         self._turns = turns
         self._idle_ttl = idle_ttl
-        self._validate = validate
-        self._log = log
+        self._validate = context.validate
+        self._log = context.log
         # Rises with every registry that may grant (see ``next_epoch``); 0: no floor.
         self._term = term
         # Until then, early ends give the holder a full claim's grace: claims made by a
@@ -104,14 +93,21 @@ class Leases:
     def expires(lease: Lease) -> float:
         return lease.expire_time or 0.0
 
-    def view(self, lease: Lease, into: lease_pb2.Lease | None = None) -> lease_pb2.Lease:
-        """The lease as an answer, with the time left as of now; written into ``into`` (an
-        empty field of the response) when given, which saves copying a lease twice."""
-        view = into if into is not None else lease_pb2.Lease()
-        codec.lease_into(lease, view)
-        if lease.state in LIVE_LEASE_STATES:
-            stamp_duration(view.time_to_live, self.expires(lease) - self._now())
-        return view
+    def time_left(self, lease: Lease) -> float | None:
+        """A live lease's time left as of now; None once it has ended."""
+        return self.expires(lease) - self._now() if lease.state in LIVE_LEASE_STATES else None
+
+    def view(self, lease: Lease) -> LeaseAnswer:
+        """The lease as an answer, with the time left as of now."""
+        return lease_answer(lease, self.time_left(lease))
+
+    def view_into(self, lease: Lease, into: lease_pb2.Lease) -> None:
+        """The lease as a hint answers it, written into ``into`` (an empty field of the
+        hint): a hint's lease stays protobuf, built in place (``records.answers``)."""
+        codec.lease_into(lease, into)
+        time_left = self.time_left(lease)
+        if time_left is not None:
+            stamp_duration(into.time_to_live, time_left)
 
     def ack(self, lease: Lease, ack: lease_pb2.Lease) -> None:
         """Fills ``ack``, a retention report's answer for one lease (``codec.lease_ack``),

@@ -8,25 +8,20 @@ this part's to end.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-import structlog
-
-from kvbroker.common.clock import from_duration
-from kvbroker.common.costs import DEFAULT_COSTS, Costs
-from kvbroker.common.labels import label
-from kvbroker.common.routing import (
+from kvbroker.common.rules.clock import from_duration
+from kvbroker.common.rules.costs import DEFAULT_COSTS, Costs, default_costs, device_of
+from kvbroker.common.rules.labels import label
+from kvbroker.common.rules.routing import (
     DECODE_ROLES,
     RoutedNode,
     Routes,
     candidates,
 )
-from kvbroker.controlplane import codec
-from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.cost_correction import CostCorrection, planned_costs
-from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind, DeadlineQueue
+from kvbroker.controlplane.context import RegistryContext
+from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import (
     NodeDown,
     NodeInUse,
@@ -35,17 +30,19 @@ from kvbroker.controlplane.errors import (
     SessionLost,
 )
 from kvbroker.controlplane.metrics import NodeFigures
-from kvbroker.controlplane.model import (
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.answers import NodeAnswer
+from kvbroker.controlplane.records.model import (
     DOWN,
     DRAINING,
     NOT_READY,
     READY,
     CostProfile,
+    EngineWork,
     Node,
     NodeLoad,
 )
-from kvbroker.controlplane.store import Store
-from kvbroker.controlplane.validation import Validation
+from kvbroker.controlplane.sessions.cost_correction import CostCorrection, planned_costs
 from kvbroker.v1 import node_pb2
 
 
@@ -66,6 +63,8 @@ class NodeRuntime(RoutedNode[Node]):
     calibrated: Costs | None = None
     correction: CostCorrection = field(default_factory=CostCorrection)
     costs: Costs = DEFAULT_COSTS
+    # What it costs until calibrated: by where its engine keeps its KV (``default_costs``).
+    defaults: Costs = DEFAULT_COSTS
     # Draining: when work last touched it (the drain began, a lease on it ended), and when
     # its last heartbeat, with the load it reported, arrived.
     busy_at: float = 0.0
@@ -81,34 +80,35 @@ class NodeRuntime(RoutedNode[Node]):
         if spec_changed:
             self._read_spec()
 
+    def _read_spec(self) -> None:
+        # Named, not super(): slots=True makes the class anew, and zero-argument super()
+        # would name the class it replaced.
+        RoutedNode._read_spec(self)
+        defaults = default_costs(device_of(self.node.spec.kv_device))
+        if defaults is not self.defaults:
+            self.defaults = defaults
+            self.costs = planned_costs(self.calibrated, self.correction, defaults)
+
     def calibrate(self, calibrated: Costs | None) -> None:
         """New measured costs (or none): the live correction starts again from 1."""
         self.calibrated = calibrated
         self.correction = CostCorrection()
-        self.costs = planned_costs(calibrated, self.correction)
+        self.costs = planned_costs(calibrated, self.correction, self.defaults)
 
-    def observe(self, work: node_pb2.EngineWork) -> None:
+    def observe(self, work: EngineWork) -> None:
         """Work the node's engine reported: its correction weighs it."""
-        if self.correction.observe(work, self.calibrated or DEFAULT_COSTS):
-            self.costs = planned_costs(self.calibrated, self.correction)
+        if self.correction.observe(work, self.calibrated or self.defaults):
+            self.costs = planned_costs(self.calibrated, self.correction, self.defaults)
 
 
 class NodeSessions:
-    def __init__(
-        self,
-        store: Store,
-        config: RegistryConfig,
-        deadlines: DeadlineQueue[DeadlineKey],
-        now: Callable[[], float],
-        validate: Validation,
-        log: structlog.typing.FilteringBoundLogger,
-    ) -> None:
-        self._store = store
-        self._config = config
-        self._deadlines = deadlines
-        self._now = now
-        self._validate = validate
-        self._log = log
+    def __init__(self, context: RegistryContext) -> None:
+        self._store = context.store
+        self._config = context.config
+        self._deadlines = context.deadlines
+        self._now = context.now
+        self._validate = context.validate
+        self._log = context.log
         self.runtime: dict[str, NodeRuntime] = {}
         # model -> ready prefill and decode nodes, until a node's state changes
         self._routes: dict[str, Routes[NodeRuntime]] = {}
@@ -136,17 +136,23 @@ class NodeSessions:
             )
         return node
 
-    def view(self, node: Node) -> node_pb2.Node:
+    def view(self, node: Node) -> NodeAnswer:
         """The node as an answer, with its live figures."""
-        view = node_pb2.Node()
-        codec.node_into(node, view)
+        answer = NodeAnswer(
+            node.spec,
+            node.state,
+            node.load,
+            node.registered_time,
+            node.last_heartbeat_time,
+            node.cost,
+        )
         runtime = self.runtime.get(node.node_id)
         if runtime is not None:
-            view.live_leases = self._store.live_lease_count(node.node_id)
-            view.retained_blocks = runtime.retained_blocks
-            view.drained = self.drained(runtime)
-            view.cost_correction.CopyFrom(runtime.correction.to_proto())
-        return view
+            answer.live_leases = self._store.live_lease_count(node.node_id)
+            answer.retained_blocks = runtime.retained_blocks
+            answer.drained = self.drained(runtime)
+            answer.cost_correction = runtime.correction.figures()
+        return answer
 
     def drained(self, runtime: NodeRuntime) -> bool:
         """A DRAINING node is drained, its engine free to stop, when it holds no live lease
@@ -165,7 +171,7 @@ class NodeSessions:
         runtime = self.runtime.get(node_id)
         return runtime is not None and runtime.state == DRAINING
 
-    async def list_nodes(self, role: int = 0, model: str = "") -> list[node_pb2.Node]:
+    async def list_nodes(self, role: int = 0, model: str = "") -> list[NodeAnswer]:
         return [
             self.view(n)
             for n in await self._store.list_nodes()
@@ -281,7 +287,7 @@ class NodeSessions:
         incarnation: str,
         engine_ready: bool,
         load: NodeLoad,
-        work: node_pb2.EngineWork | None = None,
+        work: EngineWork | None = None,
     ) -> Node:
         node = await self.session(node_id, incarnation)
         now = self._now()

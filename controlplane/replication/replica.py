@@ -28,16 +28,16 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbroker.common.clock import MonotonicClock
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.tasks import own_cancellation
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.tasks import own_cancellation
+from kvbroker.common.rules.clock import MonotonicClock
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.election import Election, Term
 from kvbroker.controlplane.errors import StoreUnavailable
-from kvbroker.controlplane.etcd_store import EtcdStore
-from kvbroker.controlplane.hints import cached_hint
 from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.placement.hints import cached_hint
 from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.replication.election import Election, Term
+from kvbroker.controlplane.storage.etcd_store import EtcdStore
 from kvbroker.v1 import registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 

@@ -38,9 +38,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from kvbroker.common import ids
-from kvbroker.common.credentials import read_digest_file, token_digest
-from kvbroker.common.grpc_client import AUTH_METADATA_KEY
+from kvbroker.common.client.grpc_client import AUTH_METADATA_KEY
+from kvbroker.common.process.credentials import read_digest_file, token_digest
+from kvbroker.common.rules import ids
 from kvbroker.controlplane.errors import PermissionDenied, Unauthenticated
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
@@ -157,6 +157,8 @@ _NODE_METHODS: Mapping[str, Callable[[Any], str] | None] = {
     "GetLease": None,
     "GetNode": None,
     "ListNodes": None,
+    # For a turn another router placed on it (``on_node_id``): only on itself.
+    "GetRoutingHint": lambda r: str(r.on_node_id),
 }
 
 

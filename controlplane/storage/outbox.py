@@ -13,9 +13,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvbroker.common.clock import to_duration
+from kvbroker.common.rules.clock import to_duration
 from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.controlplane.model import Lease
+from kvbroker.controlplane.records.model import Lease
 from kvbroker.v1 import registry_pb2
 
 

@@ -26,7 +26,7 @@ import structlog
 from aetcd import rpc
 
 from kvbroker.controlplane.errors import StoreUnavailable
-from kvbroker.controlplane.etcd_store import EtcdConnection, key_created_at
+from kvbroker.controlplane.storage.etcd_store import EtcdConnection, key_created_at
 
 log = structlog.get_logger("kvbroker.registry")
 

@@ -2,7 +2,7 @@
 knows: the prefill node that computed the conversation's last prompt, and that prompt's
 length (the router's estimate). With vLLM's prefix caching on, that node still caches the
 prompt on the next turn and computes (or reads) only what lies beyond it, which the planner
-weighs (``controlplane/planner.py``).
+weighs (``controlplane/placement/planner.py``).
 
 Soft state, in the leader's memory only: a successor starts without it, and the planner then
 routes as if no prefill node cached anything (never wrong, only slower). It is a fact about
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvbroker.common.routing import RoutedNode, routable
+from kvbroker.common.rules.routing import RoutedNode, routable
 from kvbroker.v1 import node_pb2
 
 # Conversations remembered; the least recently prefilled is forgotten first. A prefill

@@ -1,18 +1,18 @@
 """Where the registry keeps nodes, conversations and leases: the interface it talks to.
 
 The registry talks to one interface, ``Store``. Its one implementation, ``CachedStore``
-(``controlplane.cached_store``), is composed of a ``StateCache`` (every record in memory, with
-indexes, so no read waits on I/O) and a ``Backend`` that makes the cache durable: it loads a
+(``controlplane.storage.cached_store``), is composed of a ``StateCache`` (every record in memory,
+with indexes, so no read waits on I/O) and a ``Backend`` that makes the cache durable: it loads a
 cache, takes fenced writes, and watches for the writes of others. The memory backend keeps
-nothing (one process, nothing else to start); the etcd backend (``controlplane.etcd_store``)
+nothing (one process, nothing else to start); the etcd backend (``controlplane.storage.etcd_store``)
 spans machines.
 
-Records are plain objects (``controlplane.model``) and every read returns a copy: a change
+Records are plain objects (``controlplane.records.model``) and every read returns a copy: a change
 exists once it is put back. The backend sees only bytes, the stored form of each record
-(``controlplane.codec``), encoded when a durable write is queued. The registry serialises its
-mutations and ends each with ``commit()``: the writes since the previous commit are one unit
+(``controlplane.records.codec``), encoded when a durable write is queued. The registry serialises
+its mutations and ends each with ``commit()``: the writes since the previous commit are one unit
 of work, durable all or none when it fits one write of the backend, in order otherwise
-(``controlplane.group_commit`` says how units share and split writes, and why that is safe).
+(``controlplane.storage.group_commit`` says how units share and split writes, and why that is safe).
 Nothing is dropped silently: a write refused undoes the cache to what is durable. Two kinds of
 refusal differ in what follows. Fenced off (``Deposed``) or of unknown outcome
 (``StoreUnavailable``): the replica no longer leads, or cannot know what is durable, so it
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvbroker.controlplane.errors import StoreRefused, StoreUnavailable
-from kvbroker.controlplane.model import Conversation, Lease, Node
-from kvbroker.controlplane.state_cache import RecordKind, StateCache
+from kvbroker.controlplane.records.model import Conversation, Lease, Node
+from kvbroker.controlplane.storage.state_cache import RecordKind, StateCache
 
 __all__ = [
     "REPLAYED",
@@ -110,7 +110,7 @@ class Store(Protocol):
 
     async def commit(self) -> None:
         """Makes the changes since the last commit durable: all or none when they fit one
-        write of the backend, in order otherwise (``controlplane.group_commit``); raises
+        write of the backend, in order otherwise (``controlplane.storage.group_commit``); raises
         ``StoreUnavailable`` when it cannot (the caller's view is then ahead of the store),
         ``StoreRefused`` or ``CommitUndone`` when a record was refused and the cache undone
         (then ``resync_due`` is set)."""

@@ -8,18 +8,18 @@ snapshot lacks is ended, and the node's leases may be offered again (it is synce
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import structlog
-
-from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.clock import from_duration
-from kvbroker.common.routing import LIVE_LEASE_STATES
-from kvbroker.controlplane import codec
+from kvbroker.common.rules.checkpoints import Checkpoints
+from kvbroker.common.rules.clock import from_duration
+from kvbroker.common.rules.routing import LIVE_LEASE_STATES
+from kvbroker.controlplane.context import RegistryContext
 from kvbroker.controlplane.errors import InvalidArgument, NotHolder, RegistryError, hint_error
-from kvbroker.controlplane.lease_reads import LeaseReads
-from kvbroker.controlplane.leases import Leases
-from kvbroker.controlplane.model import (
+from kvbroker.controlplane.lessor.lease_reads import LeaseReads
+from kvbroker.controlplane.lessor.leases import Leases
+from kvbroker.controlplane.lessor.turns import Turns
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.model import (
     CLAIMED,
     ENGINE,
     FENCED,
@@ -30,11 +30,9 @@ from kvbroker.controlplane.model import (
     Lease,
     Node,
 )
-from kvbroker.controlplane.nodes import NodeRuntime, NodeSessions
-from kvbroker.controlplane.outbox import Outbox
-from kvbroker.controlplane.store import Store
-from kvbroker.controlplane.turns import Turns
-from kvbroker.controlplane.validation import MAX_COUNTER, Validation
+from kvbroker.controlplane.records.validation import MAX_COUNTER
+from kvbroker.controlplane.sessions.nodes import NodeRuntime, NodeSessions
+from kvbroker.controlplane.storage.outbox import Outbox
 from kvbroker.v1 import registry_pb2
 
 # Events with the block count of each (counted once, when checked), or the error a malformed
@@ -45,25 +43,22 @@ CheckedEvents = list[tuple[registry_pb2.RetentionEvent, int | InvalidArgument]]
 class RetentionReports:
     def __init__(
         self,
-        store: Store,
-        now: Callable[[], float],
+        context: RegistryContext,
         nodes: NodeSessions,
         leases: Leases,
         reads: LeaseReads,
         outbox: Outbox,
         turns: Turns,
-        validate: Validation,
-        log: structlog.typing.FilteringBoundLogger,
     ) -> None:
-        self._store = store
+        self._store = context.store
         self._turns = turns
-        self._now = now
+        self._now = context.now
         self._nodes = nodes
         self._leases = leases
         self._reads = reads
         self._outbox = outbox
-        self._validate = validate
-        self._log = log
+        self._validate = context.validate
+        self._log = context.log
 
     def check(self, events: Sequence[registry_pb2.RetentionEvent]) -> CheckedEvents:
         """The events in sequence order, each with its block count or, for a malformed one,

@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvbroker.common.costs import DEFAULT_COSTS, Costs
-from kvbroker.v1 import node_pb2
+from kvbroker.common.rules.costs import DEFAULT_COSTS, Costs
+from kvbroker.controlplane.records.answers import Correction
+from kvbroker.controlplane.records.model import EngineWork
 
 MIN_FACTOR = 0.25
 MAX_FACTOR = 4.0
@@ -51,7 +52,7 @@ class CostCorrection:
     prefill_samples: int = 0
     read_samples: int = 0
 
-    def observe(self, work: node_pb2.EngineWork, costs: Costs) -> bool:
+    def observe(self, work: EngineWork, costs: Costs) -> bool:
         """Weighs ``work`` against what ``costs`` (the uncorrected ones) predict for it;
         True if a factor moved."""
         moved = False
@@ -69,8 +70,9 @@ class CostCorrection:
                 self.read, self.read_samples, moved = read, self.read_samples + 1, True
         return moved
 
-    def to_proto(self) -> node_pb2.CostCorrection:
-        return node_pb2.CostCorrection(
+    def figures(self) -> Correction:
+        """The correction as answered, as of now."""
+        return Correction(
             prefill=self.prefill,
             read=self.read,
             prefill_samples=self.prefill_samples,
@@ -78,7 +80,9 @@ class CostCorrection:
         )
 
 
-def planned_costs(calibrated: Costs | None, correction: CostCorrection) -> Costs:
-    """The costs the planner weighs for a node: its calibrated profile (the defaults until it
-    is calibrated) scaled by its live correction."""
-    return (calibrated or DEFAULT_COSTS).scaled(correction.prefill, correction.read)
+def planned_costs(
+    calibrated: Costs | None, correction: CostCorrection, defaults: Costs = DEFAULT_COSTS
+) -> Costs:
+    """The costs the planner weighs for a node: its calibrated profile (its ``defaults``
+    until it is calibrated) scaled by its live correction."""
+    return (calibrated or defaults).scaled(correction.prefill, correction.read)

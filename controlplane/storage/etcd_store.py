@@ -3,8 +3,8 @@
 ``EtcdStore`` is the registry's ``CachedStore`` with ``EtcdBackend`` behind it: reads come from
 the cache, so a hint never waits on etcd; each commit is one etcd transaction guarded by a
 fence. The fence is the leader key's create revision that this replica won
-(``controlplane.election``): a transaction succeeds only while the key still has it, and a
-successor's key always has a later one, so once deposed a replica can never overwrite its
+(``controlplane.replication.election``): a transaction succeeds only while the key still has it, and
+a successor's key always has a later one, so once deposed a replica can never overwrite its
 successor, however late its writes arrive (etcd's election recipe). A follower keeps its cache
 fed by a watch from the revision it loaded at; the watch covers the leader key too, so a new
 leader knows when its cache has seen its own election (``CachedStore.catch_up``).
@@ -15,7 +15,7 @@ for how an etcd call fails (``StoreUnavailable``), including one cut off by anot
 A transaction holds at most ``--max-txn-ops`` operations and ``--max-request-bytes`` bytes, both
 settings of the etcd deployment; ``ETCD_DEFAULT_LIMITS`` are etcd's defaults, and a store told
 of raised ones (``limits``) takes larger commits in one transaction. A commit beyond them goes
-in several, in order (``controlplane.group_commit`` says why that is safe).
+in several, in order (``controlplane.storage.group_commit`` says why that is safe).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import aetcd.utils
 import grpc
 from aetcd import rpc
 
-from kvbroker.common.tasks import own_cancellation
-from kvbroker.controlplane.cached_store import CachedStore
+from kvbroker.common.process.tasks import own_cancellation
 from kvbroker.controlplane.errors import StoreRefused, StoreUnavailable
-from kvbroker.controlplane.state_cache import RecordKind, StateCache
-from kvbroker.controlplane.store import REPLAYED, Change, Deposed, WatchEvent, WriteLimits
+from kvbroker.controlplane.storage.cached_store import CachedStore
+from kvbroker.controlplane.storage.state_cache import RecordKind, StateCache
+from kvbroker.controlplane.storage.store import REPLAYED, Change, Deposed, WatchEvent, WriteLimits
 
 # etcd's defaults: --max-txn-ops 128 and --max-request-bytes 1.5 MiB, of which 0.5 MiB is left
 # for the request's own framing (``EtcdBackend.size`` counts keys and values).

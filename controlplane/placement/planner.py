@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbroker.common.costs import Costs
+from kvbroker.common.rules.costs import Costs
 from kvbroker.v1 import registry_pb2
 
 DECODE_LOCAL = registry_pb2.TURN_PATH_DECODE_LOCAL
@@ -50,6 +50,7 @@ READ = registry_pb2.TURN_PATH_READ
 RECOMPUTE = registry_pb2.TURN_PATH_RECOMPUTE
 
 NOTHING_RETAINED = "nothing is retained for this conversation"
+VERSION_MISMATCH = "the prefill node's vLLM NIXL connector cannot read from the holder's"
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,12 @@ class TurnRequest:
     prompt_tokens: int = 0
     new_tokens: int = 0
     wanted: registry_pb2.TurnPath = registry_pb2.TURN_PATH_UNSPECIFIED
+    # The node a router other than kvbroker's already sent the turn to ("": none).
+    on_node_id: str = ""
 
     @classmethod
     def of(cls, request: registry_pb2.GetRoutingHintRequest) -> TurnRequest:
-        return cls(request.prompt_tokens, request.new_tokens, request.path)
+        return cls(request.prompt_tokens, request.new_tokens, request.path, request.on_node_id)
 
     def prompt_after(self, retained_tokens: int) -> int | None:
         """The whole prompt: the router's estimate of it, else ``retained_tokens`` and its
@@ -126,6 +129,8 @@ class Prefill:
     # Tokens of this conversation's prompt its own prefix cache holds (0: none, or its engine
     # caches no prefixes).
     cached_tokens: int = 0
+    # Whether its NIXL connector can read from the holder's (``routing.can_transfer``).
+    reads_holder: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,16 +218,19 @@ def _prefill_legs(
         turn.blocks(total)
     )
     return [
-        Estimate(READ, read, _read_refusal(retained, cached, config), prefill.node_id, cached),
+        Estimate(READ, read, _read_refusal(turn, prefill, cached, config), prefill.node_id, cached),
         Estimate(RECOMPUTE, recompute, "", prefill.node_id, cached),
     ]
 
 
-def _read_refusal(retained: int, cached: int, config: PlannerConfig) -> str:
+def _read_refusal(turn: Turn, prefill: Prefill, cached: int, config: PlannerConfig) -> str:
     """As the prefill engine decides (``engine_ext.verdict``): a read must bring at least the
-    threshold beyond what its own cache has."""
+    threshold beyond what its own cache has, between connectors that can transfer."""
+    retained = turn.retained_tokens
     if not retained:
         return NOTHING_RETAINED
+    if not prefill.reads_holder:
+        return VERSION_MISMATCH
     remote = retained - cached
     if remote >= max(config.min_read_tokens, 1):
         return ""
