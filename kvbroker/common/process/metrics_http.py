@@ -19,7 +19,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from kvbroker.common.tls_files import load_tls_context
+from kvbroker.common.process.tls_files import load_tls_context
 
 # How long a connection may take to finish its TLS handshake, and then to send its request:
 # a scraper on a working network needs milliseconds; a silent client is dropped after this.

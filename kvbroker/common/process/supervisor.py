@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.process.tasks import poll_until
 
 # Bytes of stdout a child may print on one line before its announcement is cut.
 _LINE_LIMIT = 1 << 20

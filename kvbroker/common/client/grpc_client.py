@@ -53,7 +53,7 @@ class RegistryEndpoint:
     token: str | None = None
     tls_ca: Path | None = None
     # A client certificate and its key, for a registry that requires one (mTLS): its common
-    # name says who the caller is (see controlplane/identity.py).
+    # name says who the caller is (see controlplane/api/identity.py).
     tls_cert: Path | None = None
     tls_key: Path | None = None
     # Which replicas failed lately, for every channel opened from this endpoint.

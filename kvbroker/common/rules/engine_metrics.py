@@ -2,7 +2,7 @@
 prefills and of its NIXL reads, and the work between two readings. ``kvbroker calibrate`` reads
 a node's read cost off the totals; the sidecar sends the work of each probe interval with its
 heartbeats, and the registry compares its time with what the node's costs predict
-(``controlplane/cost_correction.py``).
+(``controlplane/sessions/cost_correction.py``).
 
 Prefills come from vLLM's per-request histograms, all observed together when a request
 finishes: ``vllm:request_prefill_time_seconds`` (from being scheduled to the first token, so a

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import grpc
 
-from kvbroker.common.batcher import Batcher
-from kvbroker.common.grpc_client import RegistryCallError, from_grpc_error
+from kvbroker.common.client.batcher import Batcher
+from kvbroker.common.client.grpc_client import RegistryCallError, from_grpc_error
 from kvbroker.v1 import registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 

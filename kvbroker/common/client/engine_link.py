@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvbroker.common.clock import from_duration
-from kvbroker.common.retention_mirror import RetentionMirror
-from kvbroker.common.routing import LIVE_LEASE_STATES
-from kvbroker.common.tasks import until_first_exits
+from kvbroker.common.process.tasks import until_first_exits
+from kvbroker.common.rules.clock import from_duration
+from kvbroker.common.rules.retention_mirror import RetentionMirror
+from kvbroker.common.rules.routing import LIVE_LEASE_STATES
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 log = logging.getLogger("kvbroker.engine_link")

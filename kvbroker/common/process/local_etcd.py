@@ -12,9 +12,9 @@ from pathlib import Path
 
 import aetcd
 
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Answers, ChildProcess
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import Answers, ChildProcess
+from kvbroker.common.process.tasks import poll_until
 
 LEADER_KEY = b"/kvbroker/leader"
 

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from kvbroker.common.clock import from_duration, to_duration
+from kvbroker.common.rules.clock import from_duration, to_duration
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 _LIVE = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)

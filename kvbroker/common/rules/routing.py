@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Self, TypeVar
 
-from kvbroker.common.labels import label
+from kvbroker.common.rules.labels import label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 PREFILL_ROLES = frozenset({node_pb2.NODE_ROLE_PREFILL, node_pb2.NODE_ROLE_BOTH})
@@ -98,6 +98,8 @@ class RoutedNode(Generic[R]):
     decodes: bool = field(init=False)
     # A decode node that keeps finished turns' KV (unsaid by an older sidecar: it does).
     retains: bool = field(init=False)
+    # What vLLM's NIXL handshake must find equal in a peer (``can_transfer``).
+    handshake: Handshake = field(init=False)
 
     def __post_init__(self) -> None:
         self._read_spec()
@@ -109,6 +111,7 @@ class RoutedNode(Generic[R]):
         self.prefills = spec.role in PREFILL_ROLES
         self.decodes = spec.role in DECODE_ROLES
         self.retains = retains_kv(spec)
+        self.handshake = handshake_of(spec)
 
     @property
     def spec(self) -> node_pb2.NodeSpec:
@@ -166,6 +169,13 @@ class Routes(Generic[N]):
 
     prefills: Sequence[N]
     decodes: Sequence[N]
+    # Whether their NIXL connectors differ (a fleet mid-upgrade): then not every prefill node
+    # can serve every decode node.
+    mixed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        reported = {n.handshake for n in (*self.prefills, *self.decodes) if any(n.handshake)}
+        object.__setattr__(self, "mixed", len(reported) > 1)
 
 
 def routable(node: RoutedNode[Any], model: str) -> bool:
@@ -216,10 +226,36 @@ def pick(nodes: Sequence[N], turn: int, prefer: str = "") -> N:
 
 
 def choose(routes: Routes[N], turn: int, holder: str = "") -> tuple[N, N]:
-    """The prefill and decode node for a turn: the least loaded prefill node; the decode node
-    that holds the conversation's KV (or last served it) while it is READY (not DRAINING),
-    else the least loaded."""
-    return pick(routes.prefills, turn), pick(routes.decodes, turn, prefer=holder)
+    """The prefill and decode node for a turn: the decode node that holds the conversation's
+    KV (or last served it) while it is READY (not DRAINING), else the least loaded; the least
+    loaded prefill node, among those whose connector the decode node can read from when the
+    fleet is mid-upgrade (any, if none can)."""
+    decode = pick(routes.decodes, turn, prefer=holder)
+    prefills = routes.prefills
+    if routes.mixed:
+        prefills = [p for p in prefills if _compatible(p.handshake, decode.handshake)] or prefills
+    return pick(prefills, turn), decode
+
+
+Handshake = tuple[int, str]
+
+
+def handshake_of(spec: node_pb2.NodeSpec) -> Handshake:
+    """A node's NIXL connector version and vLLM version, as it reported them (0 and "": not
+    reported, an older sidecar)."""
+    return spec.nixl_connector_version, spec.vllm_version
+
+
+def can_transfer(reader: node_pb2.NodeSpec, owner: node_pb2.NodeSpec) -> bool:
+    """Whether ``reader``'s NIXL connector can read KV from ``owner``'s: vLLM's handshake
+    compares a hash of the connector version (0.32's is 14, 0.33's 15, 0.34's 16) and the vLLM
+    version, and refuses a peer whose hash differs."""
+    return _compatible(handshake_of(reader), handshake_of(owner))
+
+
+def _compatible(a: Handshake, b: Handshake) -> bool:
+    """Equal where both reported (a field a node does not report matches anything)."""
+    return all(not mine or not theirs or mine == theirs for mine, theirs in zip(a, b, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +264,8 @@ class Reuse:
 
     decision: registry_pb2.HintDecision
     reason: str
+    # Why it does not reuse (UNSPECIFIED when it does): what code decides on.
+    no_reuse: registry_pb2.NoReuseReason = registry_pb2.NO_REUSE_REASON_UNSPECIFIED
     # False when the answer rests on state the answering registry cannot vouch for.
     exact: bool = True
 
@@ -255,6 +293,9 @@ class LeaseRecord(Protocol):
     def end_reason(self) -> str: ...
 
 
+NO_CONVERSATION = registry_pb2.NO_REUSE_REASON_NO_CONVERSATION
+
+
 def reuse_decision(
     conversation_id: str,
     conversation: object | None,
@@ -266,31 +307,61 @@ def reuse_decision(
     now: an expired one already ended) and that lease's ``holder``; ``holder_replayed`` is False
     while the holder has not replayed its retention to this leader since it took over."""
     if not conversation_id:
-        return Reuse(registry_pb2.HINT_DECISION_MISS, "no conversation id: plain P/D")
+        return Reuse(
+            registry_pb2.HINT_DECISION_MISS, "no conversation id: plain P/D", NO_CONVERSATION
+        )
     if conversation is None:
-        return Reuse(registry_pb2.HINT_DECISION_MISS, "first turn of this conversation")
+        return Reuse(
+            registry_pb2.HINT_DECISION_MISS, "first turn of this conversation", NO_CONVERSATION
+        )
     if lease is None:
-        return Reuse(registry_pb2.HINT_DECISION_MISS, "nothing retained for this conversation")
+        return Reuse(
+            registry_pb2.HINT_DECISION_MISS,
+            "nothing retained for this conversation",
+            registry_pb2.NO_REUSE_REASON_NOTHING_RETAINED,
+        )
     recompute = registry_pb2.HINT_DECISION_RECOMPUTE
+    not_live = registry_pb2.NO_REUSE_REASON_LEASE_NOT_LIVE
+    unavailable = registry_pb2.NO_REUSE_REASON_HOLDER_UNAVAILABLE
     if lease.state not in LIVE_LEASE_STATES:
         cause = label(lease_pb2.LeaseEndCause, lease.end_cause)
-        return Reuse(recompute, f"lease {lease.lease_id} ended ({cause}): {lease.end_reason}")
+        return Reuse(
+            recompute, f"lease {lease.lease_id} ended ({cause}): {lease.end_reason}", not_live
+        )
     if lease.state == lease_pb2.LEASE_STATE_CLAIMED:
-        return Reuse(recompute, f"lease {lease.lease_id} is claimed by a read in flight")
+        return Reuse(recompute, f"lease {lease.lease_id} is claimed by a read in flight", not_live)
     if holder is None or holder.state not in SERVING_STATES:
         state = label(node_pb2.NodeState, holder.state) if holder is not None else "gone"
-        return Reuse(recompute, f"holder node {lease.node_id!r} is {state}")
+        return Reuse(recompute, f"holder node {lease.node_id!r} is {state}", unavailable)
     if not holder_replayed:
         return Reuse(
             recompute,
             f"holder node {lease.node_id!r} has not replayed its retained blocks to this "
             "registry since it took over",
+            unavailable,
             exact=False,
         )
     return Reuse(
         registry_pb2.HINT_DECISION_REUSE,
         f"lease {lease.lease_id} (epoch {lease.epoch}) on {lease.node_id} holds "
         f"{lease.token_count} tokens",
+    )
+
+
+def registered_anew(
+    lease_id: str, handle_generation: int, holder: node_pb2.NodeSpec
+) -> Reuse | None:
+    """The fence on vLLM 0.33+'s KV registration generation: a lease whose blocks were
+    retained under an older registration of the holder's KV cache than its current one is
+    declined, as a stale epoch is (None: the generations agree, or either is not reported)."""
+    current = holder.registration_generation
+    if not handle_generation or not current or handle_generation >= current:
+        return None
+    return Reuse(
+        registry_pb2.HINT_DECISION_RECOMPUTE,
+        f"lease {lease_id} was retained under KV registration generation {handle_generation}; "
+        f"the holder is at {current}",
+        registry_pb2.NO_REUSE_REASON_LEASE_NOT_LIVE,
     )
 
 
@@ -302,5 +373,6 @@ def leaderless_decision(conversation_known: bool, why: str) -> Reuse:
         if conversation_known
         else registry_pb2.HINT_DECISION_MISS,
         f"no registry leader reachable ({why}): recompute, from a replica's cache",
+        registry_pb2.NO_REUSE_REASON_NO_LEADER,
         exact=False,
     )
