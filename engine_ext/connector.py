@@ -38,17 +38,24 @@ from typing import Any
 
 import torch
 
-from kvbroker.common import handles
-from kvbroker.common.checkpoints import Checkpoints
-from kvbroker.common.engine_link import EngineLink
-from kvbroker.common.retention_deadline import (
+from kvbroker.common.client.engine_link import EngineLink
+from kvbroker.common.rules import handles
+from kvbroker.common.rules.checkpoints import Checkpoints
+from kvbroker.common.rules.retention_deadline import (
     LeaseDeadline,
     RetentionDeadline,
     first_deadline,
     next_deadline,
 )
 from kvbroker.engine_ext import vllm_compat
+from kvbroker.engine_ext.connector_metrics import (
+    ConnectorMetricsClasses,
+    MetricsRecorder,
+    retention_gauges,
+    worker_stats,
+)
 from kvbroker.engine_ext.engine_info import engine_info
+from kvbroker.engine_ext.idle import IdlePause
 from kvbroker.engine_ext.lease_check import PendingCheck, settle_remote
 from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.engine_ext.pressure import (
@@ -58,7 +65,13 @@ from kvbroker.engine_ext.pressure import (
     choose_reclaims,
     end_cause_of_free,
 )
-from kvbroker.engine_ext.retained_tail import RetainedTail, TailPlan, tail_copies, tail_match
+from kvbroker.engine_ext.retained_tail import (
+    RetainedTail,
+    RetainedTails,
+    TailPlan,
+    tail_copies,
+    tail_match,
+)
 from kvbroker.engine_ext.settings import KvBrokerSettings
 from kvbroker.engine_ext.vllm_compat import (
     BlockPool,
@@ -67,6 +80,7 @@ from kvbroker.engine_ext.vllm_compat import (
     KVCacheManager,
     KVConnectorOutput,
     KVConnectorRole,
+    KVConnectorStats,
     NixlPullConnector,
     NixlPullConnectorScheduler,
     Request,
@@ -83,7 +97,7 @@ from kvbroker.v1 import lease_pb2, registry_pb2
 log = vllm_compat.engine_logger("connector")
 
 
-class NixlConnector(NixlPullConnector):
+class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -109,16 +123,13 @@ class NixlConnector(NixlPullConnector):
         self._unadmitted: dict[str, float] = {}
         self._starved: set[str] = set()  # those already logged as short of blocks
         self._scheduled_nothing = False
-        # The engine core's loop, found at the first idle step (None: not found there).
-        self._engine_loop: vllm_compat.EngineLoop | None = None
-        self._engine_loop_sought = False
+        self._idle = IdlePause(self.settings.idle_wait_s, self.settings.idle_step_sleep_s)
         self._block_pool: BlockPool | None = None
         self._num_blocks = kv_cache_config.num_blocks
-        # Decode side: the retained tail of each conversation's last turn, by conversation
-        # (and the conversation of each, by request id); the tail reuse planned for a request
-        # between the scheduler's question and its allocation; this step's block copies.
-        self._tails: dict[str, RetainedTail] = {}
-        self._tail_sessions: dict[str, str] = {}
+        # Decode side: the retained tail of each conversation's last turn; the tail reuse
+        # planned for a request between the scheduler's question and its allocation; this
+        # step's block copies.
+        self._tails = RetainedTails()
         self._tail_plans: dict[str, TailPlan] = {}
         self._block_copies: list[tuple[int, int]] = []
         # Worker side: the KV cache tensors the copies are made in.
@@ -130,6 +141,8 @@ class NixlConnector(NixlPullConnector):
             self._tail_reuse = False
             log.info("kvbroker: retained-tail copies are off: %s", unsupported)
         self._retains = vllm_compat.retains_kv(vllm_config)
+        # What /metrics shows of this engine (engine_ext.connector_metrics).
+        self._metrics = MetricsRecorder()
         self.link: EngineLink | None = None
         if role == KVConnectorRole.SCHEDULER and self.settings.sidecar:
             self.link = EngineLink(
@@ -210,6 +223,7 @@ class NixlConnector(NixlPullConnector):
             num_computed_tokens,
             self.settings,
             self._block_size,
+            self._metrics.settled,
         ):
             return None, False  # vLLM 0.32: "not known yet"; it asks again next step
         matched, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -221,7 +235,7 @@ class NixlConnector(NixlPullConnector):
         """Tokens past the prefix-cache hit that the conversation's retained tail holds KV for
         (``engine_ext.retained_tail``): loaded by a block copy in this step, not recomputed."""
         self._tail_plans.pop(request.request_id, None)
-        session = vllm_compat.session_id(request)
+        session = _session(request)
         tail = self._tails.get(session) if session else None
         retained = self._retained.get(tail.request_id) if tail is not None else None
         if tail is None or retained is None:
@@ -271,17 +285,22 @@ class NixlConnector(NixlPullConnector):
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         finished = self._finished(request, block_ids)
+        session = _session(request)
+        out = finished[1]
+        if out is not None and session and params and params.get("do_remote_decode"):
+            # P's leg: the decode engine retains the turn under the conversation even when the
+            # router gave it no session id.
+            out[handles.SESSION_KEY] = session
         if (
             self.link is not None
+            and session
             and params
             and not params.get("do_remote_decode")  # P's leg: D ends the turn
             and request.request_id not in self._retained
         ):
-            session = vllm_compat.session_id(request)
-            if session:
-                self.link.not_retained(
-                    session, vllm_compat.end_without_retention(request, self._retains)
-                )
+            self.link.not_retained(
+                session, vllm_compat.end_without_retention(request, self._retains)
+            )
         return finished
 
     def _finished(
@@ -314,7 +333,7 @@ class NixlConnector(NixlPullConnector):
             log.warning("kvbroker: not retaining %s: vLLM's worker does not track it", request_id)
             return False, None
         assert out is not None
-        session = vllm_compat.session_id(request)
+        session = _session(request)
         if not session or self.link is None:
             # Nothing can ask for this KV again: let the worker free it at the next step.
             vllm_compat.free_at(self._sched, request_id, time.perf_counter())
@@ -353,10 +372,7 @@ class NixlConnector(NixlPullConnector):
     ) -> None:
         """The conversation's next DECODE_LOCAL turn may take this request's unfinished last
         block instead of recomputing it; a later turn's request replaces it."""
-        previous = self._tails.get(session)
-        if previous is not None:
-            self._tail_sessions.pop(previous.request_id, None)
-        self._tails[session] = RetainedTail(
+        tail = RetainedTail(
             request_id=request.request_id,
             token_ids=request.all_token_ids,
             kv_tokens=min(kv_tokens, request.num_computed_tokens),
@@ -364,12 +380,7 @@ class NixlConnector(NixlPullConnector):
             block_hashes=request.block_hashes,
             identity=vllm_compat.token_identity(request),
         )
-        self._tail_sessions[request.request_id] = session
-
-    def _forget_tail(self, request_id: str) -> None:
-        session = self._tail_sessions.pop(request_id, None)
-        if session is not None:
-            self._tails.pop(session, None)
+        self._tails.keep(session, tail)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         self._apply_deadlines()
@@ -379,21 +390,8 @@ class NixlConnector(NixlPullConnector):
         self._block_copies = []
         self._scheduled_nothing = scheduler_output.total_num_scheduled_tokens == 0
         if self._scheduled_nothing:
-            self._idle()
+            self._idle.pause()
         return meta
-
-    def _idle(self) -> None:
-        """A step that scheduled nothing pauses, so that an engine holding retained blocks
-        does not spin: briefly while requests wait (their progress is polled by steps), and
-        with nothing running or waiting until a client request comes, or ``idle_wait_s``."""
-        if not self._engine_loop_sought:
-            self._engine_loop_sought = True
-            self._engine_loop = vllm_compat.find_engine_loop()
-        loop, wait_s = self._engine_loop, self.settings.idle_wait_s
-        if loop is not None and wait_s > 0 and not loop.unfinished():
-            loop.wait_for_input(wait_s)
-        elif self.settings.idle_step_sleep_s:
-            time.sleep(self.settings.idle_step_sleep_s)
 
     def _apply_deadlines(self) -> None:
         """The lease's deadlines become the worker's deadlines, never past the hard cap."""
@@ -453,15 +451,26 @@ class NixlConnector(NixlPullConnector):
         super().update_connector_output(connector_output)
         now = time.perf_counter()
         for request_id in connector_output.finished_sending or ():
-            self._forget_tail(request_id)
+            self._tails.forget(request_id)
             retained = self._retained.pop(request_id, None)
             if retained is not None and self.link is not None:
                 cause = end_cause_of_free(retained, now)
+                self._metrics.freed(cause)
                 self.link.released(
                     request_id,
                     "freed by the engine: " + lease_pb2.LeaseEndCause.Name(cause),
                     cause,  # type: ignore[arg-type]
                 )
+
+    # ------------------------------------------------------------ metrics
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """vLLM asks both sides every step: a worker ships NIXL's transfer stats, the scheduler
+        side kvbroker's retention and reads (``engine_ext.connector_metrics``)."""
+        if self.role == KVConnectorRole.WORKER:
+            return worker_stats(super().get_kv_connector_stats())
+        gauges = retention_gauges(self._retained.values(), self._budget_blocks, time.perf_counter())
+        return self._metrics.take(gauges)
 
     # ------------------------------------------------------------ worker side
 
@@ -481,3 +490,8 @@ class NixlConnector(NixlPullConnector):
         if self.link is not None:
             self.link.close()
         super().shutdown()
+
+
+def _session(request: Request) -> str | None:
+    """The conversation a request belongs to (``handles.session_of``)."""
+    return handles.session_of(vllm_compat.session_id(request), request.kv_transfer_params)

@@ -4,13 +4,19 @@ The sidecar registers the node with the registry from this, but it runs beside v
 it: the engine's identity (NIXL engine id, handshake address), its cache geometry and its
 retention limits are known only inside the engine process, from vLLM's configuration and the
 connector's settings, so the connector gathers them here once and sends them over the link.
+Its vLLM and NIXL handshake versions let the registry plan reads only between engines that can
+transfer to each other (``docs/vllm-versions.md``).
 """
 
 from __future__ import annotations
 
-from kvbroker.common.clock import to_duration
+from kvbroker.common.rules.clock import to_duration
 from kvbroker.engine_ext import vllm_compat
-from kvbroker.engine_ext.vllm_compat import KVCacheConfig, VllmConfig
+from kvbroker.engine_ext.vllm_compat import (
+    NIXL_CONNECTOR_VERSION,
+    KVCacheConfig,
+    VllmConfig,
+)
 from kvbroker.v1 import node_pb2, sidecar_pb2
 
 
@@ -33,5 +39,13 @@ def engine_info(
             node_pb2.KV_RETENTION_ON
             if vllm_compat.retains_kv(vllm_config)
             else node_pb2.KV_RETENTION_OFF
+        ),
+        vllm_version=vllm_compat.VLLM_VERSION,
+        nixl_connector_version=NIXL_CONNECTOR_VERSION,
+        registration_generation=vllm_compat.handshake_generation(vllm_config),
+        kv_device=(
+            node_pb2.KV_DEVICE_CUDA
+            if vllm_compat.kv_on_gpu(vllm_config)
+            else node_pb2.KV_DEVICE_CPU
         ),
     )

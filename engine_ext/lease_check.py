@@ -12,12 +12,13 @@ the checks in flight and what a settled verdict does to the request's transfer p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvbroker.common import handles
-from kvbroker.common.engine_link import EngineLink, LeaseAnswer
+from kvbroker.common.client.engine_link import EngineLink, LeaseAnswer
+from kvbroker.common.rules import handles
 from kvbroker.engine_ext import vllm_compat
 from kvbroker.engine_ext.prefix import verified_prefix_tokens
 from kvbroker.engine_ext.settings import KvBrokerSettings
@@ -61,11 +62,13 @@ def settle_remote(
     num_computed_tokens: int,
     settings: KvBrokerSettings,
     block_size: int,
+    settled: Callable[[Verdict], None],
 ) -> bool:
     """Keeps the request's handle only if it is safe and worth reading, trimmed to the verified
     prefix; a removed handle means vLLM recomputes and never touches the decode node. False
     while the lease check is still in flight (its entry in ``pending_checks`` until then);
-    True at once for params without a handle or with one already settled."""
+    True at once for params without a handle or with one already settled. ``settled`` hears
+    each handle's verdict once, when it settles (the engine's metrics count them)."""
     has_handle = bool(params.get("do_remote_decode") and params.get("remote_block_ids"))
     if not has_handle or params.get(_CHECKED_KEY):
         return True
@@ -95,6 +98,7 @@ def settle_remote(
         return False
     pending_checks.pop(request_id, None)
     params[_CHECKED_KEY] = True
+    settled(decision.verdict)
     if decision.verdict is not Verdict.READ:
         log.info(
             "kvbroker remote KV not read for %s (%s): %s",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kvbroker.common.checkpoints import Checkpoints, checkpoint_blocks
+from kvbroker.common.rules.checkpoints import Checkpoints, checkpoint_blocks
 
 HASH_BYTES = 16
 

@@ -15,7 +15,7 @@ Releases are *requested* from the registry (a ``ReclaimRequest``) and the blocks
 on its command: the registry first ends the lease, so no hint offers it and a prefill node's
 lease check declines it, and refuses when a read may be in flight (the lease is CLAIMED); the
 engine then keeps that request until the claim ends and picks others. Value comes from
-``kvbroker.common.retention_value``, the same rule the CLI shows.
+``kvbroker.common.rules.retention_value``, the same rule the CLI shows.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvbroker.common.retention_value import RetentionValue
+from kvbroker.common.rules.retention_value import RetentionValue
 from kvbroker.v1 import lease_pb2
 
 PRESSURE = lease_pb2.LEASE_END_CAUSE_PRESSURE

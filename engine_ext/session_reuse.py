@@ -1,0 +1,300 @@
+"""Reuse behind any router: the engine resolves a conversation's handle itself.
+
+kvbroker's router writes the lease's handle into each prefill leg's ``kv_transfer_params``.
+The routers fleets already run (vLLM's example P/D proxy, ``vllm-router``, llm-d's decode
+sidecar, Dynamo's frontend) know nothing of leases, but all of them forward the client's
+session id (``X-Session-ID``, which vLLM reads into ``Request.session_id``). So this ASGI
+middleware, loaded into vLLM's own API server::
+
+    vllm serve ... --middleware kvbroker.engine_ext.session_reuse.SessionReuse
+
+looks at each completion request before vLLM parses it, and for a request with a session id
+and no kvbroker parameters asks its sidecar (``ResolveHandle``), which asks the registry for a
+hint for a turn already placed on this node (``GetRoutingHintRequest.on_node_id``):
+
+- a **prefill leg** (``do_remote_decode`` without a handle): READ gets the lease's handle,
+  claimed for this node, merged into the parameters; the connector then fences and verifies
+  it as it does every handle (``engine_ext.lease_check``). Otherwise the leg goes on as sent.
+- a **turn on this node alone** (no transfer parameters): when this decode node holds the
+  conversation's live lease, it is served as DECODE_LOCAL (its own cache, the retained tail
+  copied); either way it is retained afterwards for the conversation's next turn, if the
+  registry lets this node lease it.
+- the same with ``Prefer: if-available`` (llm-d's coordinator, ``conditional-decode``): served
+  only when the planner chooses DECODE_LOCAL on this node; otherwise answered at once with
+  **412 Precondition Failed** and the hint in ``x-kvbroker-*`` headers, computing nothing.
+
+A decode leg (``do_remote_prefill``) and anything kvbroker's router already prepared pass
+untouched. The middleware runs in the API server's event loop, never on the engine's
+scheduler thread; when the sidecar or registry cannot answer in time it fails open (the
+request goes on as sent: no reuse), except a conditional request, which is refused (it has a
+fallback and nothing was confirmed). The registry stays the one authority: it claims, fences
+and plans exactly as for kvbroker's router.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvbroker.common.rules import handles
+from kvbroker.common.rules.prompt_size import PromptSize, PromptText
+from kvbroker.engine_ext import vllm_compat
+from kvbroker.engine_ext.settings import KvBrokerSettings
+from kvbroker.v1 import registry_pb2, sidecar_pb2, sidecar_pb2_grpc
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = vllm_compat.engine_logger("session_reuse")
+
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+SESSION_HEADER = b"x-session-id"
+# The longest request body read to look for a session: a larger one passes untouched (vLLM
+# answers it as it would).
+MAX_BODY_BYTES = 64 << 20
+
+READ = registry_pb2.TURN_PATH_READ
+DECODE_LOCAL = registry_pb2.TURN_PATH_DECODE_LOCAL
+ASK_PLANNER = registry_pb2.TURN_PATH_UNSPECIFIED
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """What the middleware reads of a request: its session, what its transfer parameters say
+    it is, and whether it is conditional (``Prefer: if-available``)."""
+
+    session_id: str
+    params: dict[str, Any] | None
+    conditional: bool
+
+    @property
+    def prepared(self) -> bool:
+        """kvbroker's router (or an earlier pass) already decided this turn."""
+        return bool((self.params or {}).get(handles.DECIDED_KEY))
+
+    @property
+    def prefill_leg(self) -> bool:
+        p = self.params or {}
+        return bool(p.get("do_remote_decode") and not p.get("remote_block_ids"))
+
+    @property
+    def alone(self) -> bool:
+        """No P/D transfer asked: the whole turn runs here."""
+        p = self.params or {}
+        return not (p.get("do_remote_decode") or p.get("do_remote_prefill"))
+
+
+def read_turn(headers: list[tuple[bytes, bytes]], body: dict[str, Any]) -> Turn | None:
+    """The turn a request body and its headers describe; None when there is nothing to
+    resolve (no session id, or transfer parameters that are not an object)."""
+    header = dict(headers)
+    session = _session(body, header)
+    params = body.get("kv_transfer_params")
+    if not session or (params is not None and not isinstance(params, dict)):
+        return None
+    prefer = header.get(b"prefer", b"").decode("latin-1").lower()
+    conditional = "if-available" in (token.strip() for token in prefer.split(","))
+    return Turn(session, params, conditional)
+
+
+def _session(body: dict[str, Any], headers: dict[bytes, bytes]) -> str:
+    """The session id as vLLM reads it: the body's ``session_id``, the ``X-Session-ID``
+    header, then ``vllm_xargs.session_id``."""
+    xargs = body.get("vllm_xargs")
+    for candidate in (
+        body.get("session_id"),
+        headers.get(SESSION_HEADER, b"").decode("latin-1"),
+        xargs.get("session_id") if isinstance(xargs, dict) else None,
+    ):
+        if isinstance(candidate, str) and candidate.strip():
+            return candidate.strip()
+    return ""
+
+
+def hint_headers(hint: registry_pb2.RoutingHint) -> list[tuple[bytes, bytes]]:
+    """The hint as response headers: what a router needs to send the turn elsewhere."""
+    out = [
+        (b"x-kvbroker-decision", _name(registry_pb2.HintDecision, hint.decision)),
+        (b"x-kvbroker-path", _name(registry_pb2.TurnPath, hint.path)),
+    ]
+    if hint.no_reuse:
+        out.append((b"x-kvbroker-no-reuse", _name(registry_pb2.NoReuseReason, hint.no_reuse)))
+    if hint.lease.lease_id:
+        out.append((b"x-kvbroker-lease", f"{hint.lease.lease_id}:{hint.lease.epoch}".encode()))
+        out.append((b"x-kvbroker-retained-tokens", str(hint.lease.token_count).encode()))
+    if hint.prefill.node_id:
+        out.append((b"x-kvbroker-prefill", hint.prefill.node_id.encode()))
+        if hint.prefill.http_base_url:
+            out.append((b"x-kvbroker-prefill-url", hint.prefill.http_base_url.encode()))
+    return out
+
+
+def _name(enum: Any, value: int) -> bytes:
+    return str(enum.Name(value)).encode()
+
+
+class SessionReuse:
+    """The ASGI middleware (see the module docstring)."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self._sidecar: sidecar_pb2_grpc.SidecarServiceStub | None = None
+        self._timeout_s = KvBrokerSettings.lease_check_timeout_s
+        self._sizes = PromptSize()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in COMPLETION_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        raw, complete = await _read_body(receive)
+        forward = _replay(raw, receive)
+        body = _json_object(raw) if complete else None
+        turn = read_turn(scope["headers"], body) if body is not None else None
+        sidecar = self._stub(scope) if turn is not None and not turn.prepared else None
+        if turn is None or body is None or sidecar is None or not (turn.prefill_leg or turn.alone):
+            await self.app(scope, forward, send)
+            return
+        hint = await self._resolve(sidecar, turn, body)
+        params = self._params(turn, hint)
+        if turn.conditional and turn.alone and params is None:
+            await _precondition_failed(send, hint)
+            return
+        if params is not None:
+            body["kv_transfer_params"] = params
+            raw = json.dumps(body).encode()
+            scope = _with_length(scope, len(raw))
+            forward = _replay(raw, receive)
+        await self.app(scope, forward, send)
+
+    def _params(self, turn: Turn, hint: registry_pb2.RoutingHint | None) -> dict[str, Any] | None:
+        """The transfer parameters the turn goes on with (None: as it was sent)."""
+        if turn.prefill_leg:
+            if hint is None or hint.path != READ or not hint.lease.lease_id:
+                return None
+            return {**(turn.params or {}), **handles.prefill_params(hint.lease)}
+        if hint is None or (turn.conditional and hint.path != DECODE_LOCAL):
+            return None  # not a decode node the registry knows, or not this node's turn
+        # Served here either way: as DECODE_LOCAL it is retained for the next turn, and its
+        # retained tail (if any) is copied, not recomputed.
+        return handles.decode_local_params()
+
+    async def _resolve(
+        self, sidecar: sidecar_pb2_grpc.SidecarServiceStub, turn: Turn, body: dict[str, Any]
+    ) -> registry_pb2.RoutingHint | None:
+        text = PromptText.of(body)
+        path = READ if turn.prefill_leg else ASK_PLANNER if turn.conditional else DECODE_LOCAL
+        request = sidecar_pb2.ResolveHandleRequest(
+            conversation_id=turn.session_id,
+            prompt_tokens=self._sizes.tokens(text.chars, text.messages),
+            path=path,
+        )
+        try:
+            response: sidecar_pb2.ResolveHandleResponse = await sidecar.ResolveHandle(
+                request, timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            log.info(
+                "kvbroker: no handle resolved for session %r (%s: %s); the request goes on as sent",
+                turn.session_id,
+                error.code().name,
+                error.details(),
+            )
+            return None
+        return response.hint
+
+    def _stub(self, scope: Scope) -> sidecar_pb2_grpc.SidecarServiceStub | None:
+        """The sidecar, from the engine's own connector settings (None: it has none)."""
+        if self._sidecar is None:
+            app = scope.get("app")
+            vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
+            if vllm_config is None or vllm_config.kv_transfer_config is None:
+                return None
+            settings = KvBrokerSettings.from_extra_config(
+                vllm_compat.kv_connector_extra_config(vllm_config)
+            )
+            if not settings.sidecar:
+                return None
+            self._timeout_s = settings.lease_check_timeout_s
+            channel = grpc.aio.insecure_channel(settings.sidecar)
+            self._sidecar = sidecar_pb2_grpc.SidecarServiceStub(channel)
+        return self._sidecar
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+    """The request body, and whether it is whole (False: over ``MAX_BODY_BYTES``, or the
+    client went away; what was read is passed on as it came)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), False
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks), True
+        if size > MAX_BODY_BYTES:
+            return b"".join(chunks), False
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the app ``body`` first, then whatever the client sends on
+    (a disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None  # vLLM answers a malformed body itself
+    return body if isinstance(body, dict) else None
+
+
+def _with_length(scope: Scope, length: int) -> Scope:
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+    headers.append((b"content-length", str(length).encode()))
+    return {**scope, "headers": headers}
+
+
+async def _precondition_failed(send: Send, hint: registry_pb2.RoutingHint | None) -> None:
+    """412 for a conditional request this node does not serve from its cache, with the hint
+    (when the registry gave one) for the caller's fallback."""
+    reason = hint.reason if hint is not None else "the registry could not be asked"
+    payload = json.dumps(
+        {
+            "error": {
+                "message": f"not served from this node's cache: {reason}",
+                "type": "precondition_failed",
+                "code": 412,
+            }
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(payload)).encode()),
+        *(hint_headers(hint) if hint is not None else []),
+    ]
+    await send({"type": "http.response.start", "status": 412, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
