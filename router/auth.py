@@ -4,13 +4,13 @@ conversations only).
 With ``--api-keys FILE`` every request but ``/health`` and ``/metrics`` must carry
 ``Authorization: Bearer KEY``, OpenAI's convention; the file holds one line per key, ``TENANT
 SHA256_HEX`` (the key's SHA-256, so the file holds no secret; the registry's credentials file
-has the same form and the same reader, ``kvbroker.common.credentials``). A request without a
+has the same form and the same reader, ``kvbroker.common.process.credentials``). A request without a
 key, or with one the file does not hold, gets 401 ``invalid_api_key``.
 
 The key's tenant scopes every session id its client gives: the registry is asked about the
 conversation ``TENANT/SESSION``. A tenant name holds no ``/``, so ``TENANT/`` is a prefix no
 other tenant's ids can have, and one tenant's session id can never name another tenant's
-conversation, whatever it holds. The id limit (``kvbroker.common.ids``) applies to the
+conversation, whatever it holds. The id limit (``kvbroker.common.rules.ids``) applies to the
 scoped id, so a client's session id may be as long as the limit less the prefix.
 
 Without ``--api-keys`` the router is open: every client is the one unnamed tenant, and its
@@ -28,8 +28,8 @@ from pathlib import Path
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvbroker.common.credentials import read_digest_file, token_digest
-from kvbroker.common.ids import MAX_ID_LENGTH
+from kvbroker.common.process.credentials import read_digest_file, token_digest
+from kvbroker.common.rules.ids import MAX_ID_LENGTH
 from kvbroker.router.errors import ApiError, ErrorCode, ErrorType
 from kvbroker.router.metrics import RouterMetrics
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 class RouterConfig:
     # Where the OpenAI-compatible HTTP API listens, HOST:PORT.
     listen: str = "127.0.0.1:8000"
+    # The registry's deadline for one routing hint; past it the turn is served as plain P/D
+    # (DEGRADED).
     hint_timeout_s: float = 0.5
     # How long a request waits for a ready node when the registry has none for its model
     # (0: refuse it at once).

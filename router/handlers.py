@@ -23,10 +23,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbroker.common import routing
-from kvbroker.common.grpc_client import RegistryCallError
-from kvbroker.common.handles import decode_local_params
-from kvbroker.common.labels import label
+from kvbroker.common.client.grpc_client import RegistryCallError
+from kvbroker.common.rules import routing
+from kvbroker.common.rules.handles import decided_params, decode_local_params
+from kvbroker.common.rules.labels import label
+from kvbroker.router import placement
 from kvbroker.router.auth import SCOPE_KEY, Authenticate, Tenant
 from kvbroker.router.errors import (
     UPSTREAM_ANSWER,
@@ -240,7 +241,9 @@ class Handlers:
             # A decode node that retains takes the turn as its own (its prefix cache, and
             # the turn retained for the next); one that does not computes it as any request.
             plan.path = "DECODE_LOCAL"
-            return None, decode_local_params() if routing.retains_kv(plan.decode) else None
+            return None, decode_local_params() if routing.retains_kv(
+                plan.decode
+            ) else decided_params()
         try:
             return fallback, await self.router.prefill(fallback, path, completion, None)
         except httpx.HTTPError as error:
@@ -332,6 +335,35 @@ class Handlers:
                 ) from None
         return await self._lease_call(self.router.stub.RenewLease(renew, timeout=2), session)
 
+    async def placement(self, request: Request) -> Response:
+        """Where the conversation's next turn should go, as the affinity headers other
+        routers honour (``router/placement.py``); the headers are also the response's own."""
+        tenant = _tenant(request)
+        query = request.query_params
+        session = session_id(query.get("session_id", ""), limit=tenant.id_limit)
+        tokens = query.get("prompt_tokens", "0")
+        if not tokens.isdigit() or int(tokens) >= 1 << 32:
+            raise invalid_request(
+                "prompt_tokens must be a whole number of tokens",
+                ErrorCode.INVALID_VALUE,
+                "prompt_tokens",
+            )
+        asked = registry_pb2.GetRoutingHintRequest(
+            conversation_id=tenant.conversation(session),
+            model=query.get("model", ""),
+            dry_run=True,
+            prompt_tokens=int(tokens),
+        )
+        try:
+            hint = await self.router.hints.hint(asked)
+        except RegistryCallError as error:
+            message = error.message or error.code().name
+            raise ApiError(
+                503, message, ErrorType.UNAVAILABLE, ErrorCode.REGISTRY_UNAVAILABLE
+            ) from error
+        body = placement.answer(session, hint)
+        return JSONResponse(body, headers=body["headers"])
+
     async def close_session(self, request: Request) -> Response:
         """Explicit close: D frees the conversation's blocks at once."""
         tenant = _tenant(request)
@@ -398,6 +430,7 @@ def build_app(router: Router) -> Starlette:
             Route("/v1/models", _guarded(handlers.models), methods=["GET"]),
             Route("/health", _guarded(handlers.health), methods=["GET"]),
             Route("/metrics", _guarded(handlers.prometheus), methods=["GET"]),
+            Route("/v1/placement", _guarded(handlers.placement), methods=["GET"]),
             # A session id is the client's: whatever the completion routes take (``/`` too,
             # percent-encoded or not), so ``path``, not one segment. The greedy match leaves
             # the last ``/keepalive`` to the route: session "a/keepalive" is

@@ -32,16 +32,17 @@ import httpx
 import structlog
 from starlette.responses import Response
 
-from kvbroker.common import routing
-from kvbroker.common.grpc_client import (
+from kvbroker.common.client.grpc_client import (
     RegistryCallError,
     RegistryEndpoint,
     open_channel,
     registry_stub,
 )
-from kvbroker.common.handles import prefill_params
-from kvbroker.common.hint_batcher import HintBatcher
-from kvbroker.common.labels import label
+from kvbroker.common.client.hint_batcher import HintBatcher
+from kvbroker.common.rules import routing
+from kvbroker.common.rules.handles import prefill_params
+from kvbroker.common.rules.labels import label
+from kvbroker.common.rules.prompt_size import PromptSize, PromptText
 from kvbroker.router.auth import ApiKeys
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.errors import (
@@ -50,7 +51,6 @@ from kvbroker.router.errors import (
     upstream_failed,
 )
 from kvbroker.router.metrics import RouterMetrics
-from kvbroker.router.prompt_size import PromptSize, PromptText
 from kvbroker.router.requests import (
     Completion,
     encode,

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbroker.common import ids
+from kvbroker.common.rules import ids
+from kvbroker.common.rules.prompt_size import PromptText
 from kvbroker.router.errors import ApiError, ErrorCode, ErrorType, invalid_request
-from kvbroker.router.prompt_size import PromptText
 from kvbroker.v1 import registry_pb2
 
 SESSION_HEADER = "x-session-id"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.router.auth import ApiKeys
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.handlers import build_app

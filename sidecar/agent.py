@@ -21,15 +21,15 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import structlog
 
-from kvbroker.common.clock import from_duration
-from kvbroker.common.grpc_client import (
+from kvbroker.common.client.grpc_client import (
     RegistryEndpoint,
     from_grpc_error,
     open_channel,
     registry_stub,
 )
-from kvbroker.common.routing import read_refusal
-from kvbroker.common.tasks import until_first_exits
+from kvbroker.common.process.tasks import until_first_exits
+from kvbroker.common.rules.clock import from_duration
+from kvbroker.common.rules.routing import read_refusal
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.sidecar.engine_probe import EngineProbe
 from kvbroker.sidecar.metrics import SidecarMetrics
@@ -73,6 +73,8 @@ class Agent:
         self._heartbeat_interval_s = 2.0
         # The registry session being set up or running, if any.
         self._current: Session | None = None
+        # The model the node registered as serving ("" until it has registered).
+        self._model = ""
         self._probe = EngineProbe(config, self.metrics)
 
     # ------------------------------------------------------------ engine side
@@ -122,6 +124,27 @@ class Agent:
         refusal = read_refusal(response.lease, epoch)
         return refusal is None, refusal or ""
 
+    async def resolve_handle(
+        self, request: sidecar_pb2.ResolveHandleRequest, timeout_s: float
+    ) -> registry_pb2.RoutingHint:
+        """The registry's hint for a turn another router placed on this node (its engine got
+        it with a session id and no kvbroker handle). Raises ``grpc.aio.AioRpcError`` as the
+        registry answered, and ``SessionLostError`` with no live session."""
+        session = self._current
+        if session is None or not session.live or not self._model:
+            raise SessionLostError("the sidecar has no registry session")
+        response: registry_pb2.GetRoutingHintResponse = await session.stub.GetRoutingHint(
+            registry_pb2.GetRoutingHintRequest(
+                conversation_id=request.conversation_id,
+                model=self._model,
+                prompt_tokens=request.prompt_tokens,
+                path=request.path,
+                on_node_id=self.config.node_id,
+            ),
+            timeout=min(timeout_s, RPC_TIMEOUT_S),
+        )
+        return response.hint
+
     # ------------------------------------------------------------ registry side
 
     def node_spec(self, model: str) -> node_pb2.NodeSpec:
@@ -143,6 +166,13 @@ class Agent:
             incarnation=self.incarnation,
             prefix_caching=self.config.prefix_caching,
             kv_retention=self.engine.kv_retention,
+            vllm_version=self.engine.vllm_version,
+            nixl_connector_version=self.engine.nixl_connector_version,
+            registration_generation=self.engine.registration_generation,
+            kv_device=self.engine.kv_device,
+            gateway_endpoint=self.config.gateway_endpoint,
+            dynamo_worker_id=self.config.dynamo_worker_id,
+            kubernetes_pod=self.config.kubernetes_pod,
         )
 
     async def run(self) -> None:
@@ -201,6 +231,7 @@ class Agent:
             model = self.config.model or (self.engine.model if self.engine else "")
             if not model:
                 model = await self._probe.served_model()
+            self._model = model
             if self._replaced is not None:
                 await self._end_replaced(stub, self._replaced)
             response = await stub.RegisterNode(

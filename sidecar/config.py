@@ -10,8 +10,11 @@ from kvbroker.v1 import node_pb2
 
 @dataclass(frozen=True)
 class SidecarConfig:
+    # The node's id in the registry (a Kubernetes pod's name); its credential names it.
     node_id: str
+    # Prefill, decode or both: which legs the registry routes to the node.
     role: node_pb2.NodeRole
+    # The engine's (vLLM's) HTTP base URL, probed for /health, /metrics and /v1/models.
     engine_url: str
     # Served model; when empty, the engine's own report (or /v1/models) names it.
     model: str = ""
@@ -20,11 +23,21 @@ class SidecarConfig:
     # Whether the engine caches prefixes (vLLM does unless started with
     # --no-enable-prefix-caching): the planner counts a prefill node's own cache only then.
     prefix_caching: bool = True
+    # The engine's address as a gateway sees it ("10.0.0.7:8000"; empty: advertise_url's or
+    # engine_url's host and port), for placement hints that name endpoints.
+    gateway_endpoint: str = ""
+    # The engine's worker instance id in NVIDIA Dynamo, for Dynamo's pin headers.
+    dynamo_worker_id: str = ""
+    # The engine's pod as "namespace/name", for llm-d's session-affinity header.
+    kubernetes_pod: str = ""
+    # The most retention events one report to the registry carries (the rest go in the next).
     max_batch: int = 512
+    # The first wait before reconnecting to the registry after a failure; it doubles each try.
     backoff_initial_s: float = 0.1
     # Short: after a registry failover the holder's replay is what lets its KV be reused
     # again, and one reconnect a second per node is nothing to a registry.
     backoff_max_s: float = 1.0
+    # How long one probe of the engine's /health waits for an answer.
     health_timeout_s: float = 1.0
     # Health probes in a row that must time out before the node is reported not ready.
     unready_after_timeouts: int = 3

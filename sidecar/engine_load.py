@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbroker.common.engine_metrics import Totals, TotalsReader
+from kvbroker.common.rules.engine_metrics import Totals, TotalsReader
 from kvbroker.v1 import node_pb2
 
 # NodeLoad's counts are uint32: a figure beyond this cannot be sent (the proto refuses it).

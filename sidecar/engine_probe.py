@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import structlog
 
-from kvbroker.common.engine_metrics import WorkMeter
+from kvbroker.common.rules.engine_metrics import WorkMeter
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.sidecar.engine_load import parse_vllm_load
 from kvbroker.sidecar.metrics import SidecarMetrics

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvbroker.sidecar.agent import Agent
+from kvbroker.sidecar.session import RPC_TIMEOUT_S, SessionLostError
 from kvbroker.v1 import sidecar_pb2, sidecar_pb2_grpc
 
 
@@ -50,6 +51,23 @@ class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id is required")
         usable, reason = await self.agent.check_lease(request.lease_id, request.epoch)
         return sidecar_pb2.CheckLeaseResponse(usable=usable, reason=reason)
+
+    async def ResolveHandle(
+        self, request: sidecar_pb2.ResolveHandleRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.ResolveHandleResponse:
+        if not request.conversation_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "conversation_id is required")
+        remaining = context.time_remaining()
+        try:
+            hint = await self.agent.resolve_handle(
+                request, remaining if remaining is not None else RPC_TIMEOUT_S
+            )
+        except SessionLostError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except grpc.aio.AioRpcError as error:
+            # The registry's own answer (a bad conversation id, an unknown node), as it gave it.
+            await context.abort(error.code(), error.details() or "")
+        return sidecar_pb2.ResolveHandleResponse(hint=hint)
 
     async def WatchDeadlines(
         self, request: sidecar_pb2.WatchDeadlinesRequest, context: grpc.aio.ServicerContext

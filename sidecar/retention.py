@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from kvbroker.common.batcher import Batcher
-from kvbroker.common.labels import label
-from kvbroker.common.retention_mirror import RetentionMirror
+from kvbroker.common.client.batcher import Batcher
+from kvbroker.common.rules.labels import label
+from kvbroker.common.rules.retention_mirror import RetentionMirror
 from kvbroker.sidecar.metrics import SidecarMetrics
 from kvbroker.sidecar.session import RPC_TIMEOUT_S, Session
 from kvbroker.v1 import lease_pb2, registry_pb2

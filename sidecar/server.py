@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.common.metrics_http import MetricsTls, serve_metrics
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.metrics_http import MetricsTls, serve_metrics
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.sidecar.local import SidecarServicer
