@@ -1,0 +1,42 @@
+"""The placement hop's settings with their defaults, apart from the server so that the CLI can
+show them as its flags' defaults without importing gRPC's server side."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+# The gRPC service Envoy's ext_proc filter calls.
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# The dynamic metadata namespace GIE's endpoint-picker protocol reads the endpoint subset an
+# earlier filter restricts the picker to (key ``x-gateway-destination-endpoint-subset``).
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+
+
+class Mode(StrEnum):
+    """What the hop writes on a request whose conversation holds KV somewhere."""
+
+    # llm-d (and any GIE endpoint picker): the endpoint subset as Envoy dynamic metadata, for
+    # the picker's ext_proc to read, plus the affinity headers.
+    PRE_EPP = "pre-epp"
+    # Dynamo's frontend: its pin headers only.
+    DYNAMO_HEADERS = "dynamo-headers"
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    # Where the external processor's gRPC server listens, HOST:PORT.
+    listen: str = "127.0.0.1:9002"
+    # What the hop writes: the subset hint for a GIE picker, or Dynamo's pin headers.
+    mode: Mode = Mode.PRE_EPP
+    # The registry's deadline for one hint. Past it the request goes on unchanged (the
+    # fleet's router places it as it would): the hop sits on every request's path, so it
+    # waits tens of milliseconds at most.
+    hint_timeout_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.hint_timeout_s) and self.hint_timeout_s > 0):
+            raise ValueError(
+                f"hint_timeout_s must be a positive number of seconds, not {self.hint_timeout_s}"
+            )

@@ -1,0 +1,144 @@
+"""Envoy's external processing protocol (``envoy.service.ext_proc.v3.ExternalProcessor``) as
+the placement hop speaks it: for each request, read the session id from its headers, ask the
+registry's dry-run hint where the conversation's KV is, and write the answer as the hints the
+fleet's router honours (``kvbroker.common.rules.placement``).
+
+Only request headers are asked for (the Envoy filter's processing mode sends them and skips
+everything else), so bodies and server-sent event streams never pass through the hop. The hop
+fails open: when the registry is slow (past ``hint_timeout_s``), away or answers that nothing
+is retained, the request goes on exactly as sent and the fleet's router places it as it would.
+The engine the turn reaches resolves its own handle (``engine_ext/session_reuse.py``), so
+reuse stays correct whatever is picked; the hop only makes it likely to be fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+import structlog
+from google.protobuf import struct_pb2
+
+from kvbroker.common.rules.labels import label
+from kvbroker.common.rules.placement import DYNAMO_PINS, SUBSET_HEADER, pinned_endpoints, pins
+from kvbroker.gateway.config import SUBSET_NAMESPACE, Mode, PlacementConfig
+from kvbroker.gateway.envoy_v3.envoy.config.core.v3 import base_pb2
+from kvbroker.gateway.envoy_v3.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kvbroker.v1 import registry_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+
+log = structlog.get_logger("kvbroker.gateway")
+
+# The session id, as engines read it (vLLM's ``X-Session-ID``) first, then the agents' own
+# session headers in the order llm-d's ``agent-identity`` plugin reads them: Claude Code,
+# OpenCode, Codex.
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-claude-code-session-id",
+    "x-session-affinity",
+    "session-id",
+    "session_id",
+)
+# Dynamo's pin headers, which ``dynamo-headers`` mode writes of the placement's headers.
+
+
+def request_headers(message: ep.HttpHeaders) -> dict[str, str]:
+    """The request's headers by lower-case name; Envoy sends values as raw bytes."""
+    return {
+        h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value
+        for h in message.headers.headers
+    }
+
+
+def session_of(headers: Mapping[str, str]) -> str:
+    """The conversation the request continues: the first session header with a value."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name, "").strip()
+        if value:
+            return value
+    return ""
+
+
+def placement(hint: registry_pb2.RoutingHint, mode: Mode) -> ep.HeadersResponse:
+    """The mutation that steers the request to the nodes the hint names (none for a turn
+    that reuses nothing)."""
+    headers = pins(hint)
+    if mode is Mode.DYNAMO_HEADERS:
+        headers = {name: value for name, value in headers.items() if name in DYNAMO_PINS}
+    mutation = ep.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+            for name, value in headers.items()
+        ]
+    )
+    return ep.HeadersResponse(response=ep.CommonResponse(header_mutation=mutation))
+
+
+def subset_metadata(hint: registry_pb2.RoutingHint) -> struct_pb2.Struct | None:
+    """The endpoint subset as the dynamic metadata GIE's pickers read; None for no pin."""
+    endpoints = pinned_endpoints(hint)
+    if not endpoints:
+        return None
+    metadata = struct_pb2.Struct()
+    metadata.get_or_create_struct(SUBSET_NAMESPACE)[SUBSET_HEADER] = endpoints
+    return metadata
+
+
+class PlacementProcessor:
+    """One ext_proc stream per HTTP request; one hint per stream."""
+
+    def __init__(self, stub: RegistryServiceStub, config: PlacementConfig) -> None:
+        self.stub = stub
+        self.config = config
+
+    async def process(
+        self, requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        async for request in requests:
+            phase = request.WhichOneof("request")
+            if phase == "request_headers":
+                yield await self.on_request_headers(request.request_headers)
+            else:
+                # Not asked for (the filter's processing mode skips them); were a filter
+                # configured to send them, each passes unchanged.
+                yield _unchanged(phase)
+
+    async def on_request_headers(self, message: ep.HttpHeaders) -> ep.ProcessingResponse:
+        session = session_of(request_headers(message))
+        if not session:
+            return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+        asked = registry_pb2.GetRoutingHintRequest(conversation_id=session, dry_run=True)
+        try:
+            answered: registry_pb2.GetRoutingHintResponse = await self.stub.GetRoutingHint(
+                asked, timeout=self.config.hint_timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            # Slow, away or refusing: the request goes on as sent.
+            log.debug(
+                "placement_open", session=session, code=error.code().name, why=error.details()
+            )
+            return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+        hint = answered.hint
+        answer = ep.ProcessingResponse(request_headers=placement(hint, self.config.mode))
+        metadata = subset_metadata(hint) if self.config.mode is Mode.PRE_EPP else None
+        if metadata is not None:
+            answer.dynamic_metadata.CopyFrom(metadata)
+        log.debug(
+            "placement",
+            session=session,
+            decision=label(registry_pb2.HintDecision, hint.decision),
+            decode=hint.decode.node_id,
+        )
+        return answer
+
+
+def _unchanged(phase: str | None) -> ep.ProcessingResponse:
+    """The answer that lets a message other than the request headers pass unchanged: the
+    empty response of the same phase (the response's fields are named as the request's)."""
+    answer = ep.ProcessingResponse()
+    if phase is not None:
+        getattr(answer, phase).SetInParent()
+    return answer
