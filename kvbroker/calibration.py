@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvbroker.common.costs import DEFAULT_COSTS, Costs
-from kvbroker.common.engine_metrics import blocks, read_totals
+from kvbroker.common.rules.costs import DEFAULT_COSTS, Costs
+from kvbroker.common.rules.engine_metrics import blocks, read_totals
 
 PROBE_TOKENS = (64, 512, 2048)
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]

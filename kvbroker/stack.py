@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.local_etcd import LocalEtcd
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import (
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import (
     Announces,
     Answers,
     ChildProcess,
@@ -31,7 +31,7 @@ from kvbroker.common.supervisor import (
     start_together,
     stop_all,
 )
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.v1.node_pb2 import NODE_STATE_READY
 from kvbroker.v1.registry_pb2 import ListNodesRequest, ListNodesResponse
 
@@ -53,6 +53,9 @@ def make_test_model() -> Path:
 def registry_command(listen: str, *flags: str) -> list[str]:
     """`kvbroker registry serve` on ``listen``, logging JSON."""
     return [KVBROKER, "registry", "serve", "--listen", listen, "--log-format", "json", *flags]
+
+
+SESSION_REUSE_MIDDLEWARE = "kvbroker.engine_ext.session_reuse.SessionReuse"
 
 
 def sidecar_command(
@@ -285,6 +288,8 @@ class Stack:
             *(("--block-size", str(self.config.block_size)) if self.config.block_size else ()),
             caching,
             "--kv-transfer-config", self._kv_transfer_config(engine),
+            # Behind a router other than kvbroker's, the engine resolves handles itself.
+            "--middleware", SESSION_REUSE_MIDDLEWARE,
             *self.config.engine_args,
         ]  # fmt: skip
 

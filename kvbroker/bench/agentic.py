@@ -46,7 +46,7 @@ from kvbroker.bench.agentic_report import AgenticRecord, ArmResult
 from kvbroker.bench.multiturn import ContextBuilder
 from kvbroker.bench.retention import Conversation, Gap
 from kvbroker.bench.turns import measured_turn
-from kvbroker.common.engine_metrics import read_gauges
+from kvbroker.common.rules.engine_metrics import read_gauges
 from kvbroker.stack import Stack
 
 # An agent in a tool call renews its lease this often (compressed seconds; the registry's

@@ -24,6 +24,7 @@ from kvbroker.bench.agentic_config import (
     AgenticConfig,
     fixed_ttl_registry_flags,
 )
+from kvbroker.bench.plotting import ready_plotting
 from kvbroker.bench.stats import quantile
 
 
@@ -161,9 +162,7 @@ def write(results: Sequence[ArmResult], config: AgenticConfig, output: Path) -> 
 
 
 def plot(results: Sequence[ArmResult], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    ready_plotting()
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 

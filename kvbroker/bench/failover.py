@@ -41,12 +41,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.bench.failover_engine import MODEL, SimEngine, Tally
 from kvbroker.bench.failover_report import SoakReport
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.local_etcd import LocalEtcd
-from kvbroker.common.ports import free_port
-from kvbroker.common.routing import LIVE_LEASE_STATES
-from kvbroker.common.supervisor import ChildProcess, stop_all
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import ChildProcess, stop_all
+from kvbroker.common.process.tasks import poll_until
+from kvbroker.common.rules.routing import LIVE_LEASE_STATES
 from kvbroker.controlplane.server import SERVICE_NAME
 from kvbroker.stack import router_command, router_routing
 from kvbroker.testing.processes import RegistryProcess, sidecar_process

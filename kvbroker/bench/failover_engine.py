@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvbroker.common.clock import to_duration
-from kvbroker.common.engine_link import EngineLink
-from kvbroker.common.handles import EPOCH_KEY, LEASE_ID_KEY
-from kvbroker.common.retention_deadline import (
+from kvbroker.common.client.engine_link import EngineLink
+from kvbroker.common.rules.clock import to_duration
+from kvbroker.common.rules.handles import EPOCH_KEY, LEASE_ID_KEY
+from kvbroker.common.rules.retention_deadline import (
     LeaseDeadline,
     RetentionDeadline,
     first_deadline,

@@ -5,8 +5,8 @@ Arms: ``planner`` (the registry chooses), ``read``, ``decode-local`` and ``recom
 turn asks for that path with ``x-kvbroker-path``; it is taken when eligible, and the path
 actually taken is recorded; ``read`` falls back to RECOMPUTE, so it is vLLM's own P/D
 router), and ``off`` (no session id: plain P/D, no reuse). Axes: the context length, and the
-size of the new suffix (a one-line question or a bulk tool result).
-The stack runs with P's own prefix cache on or off (``--prefill-cache``).
+size of the new suffix (a one-line question or a bulk tool result). The stack runs with P's
+own prefix cache on or off (``--prefill-cache``); arms behind other routers: ``routers``.
 
 Fairness, because the arms are compared with one another on a shared, drifting machine:
 every measured follow-up is the second turn of its own conversation, and at each point and
@@ -35,13 +35,24 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvbroker.bench.stats import quantile
+from kvbroker.bench.plotting import ready_plotting
+from kvbroker.bench.routers import (
+    FOREIGN_ARMS,
+    router_comparisons,
+    router_rows,
+    router_targets,
+    router_urls,
+    sends_session,
+)
+from kvbroker.bench.stats import quantile, ratio
 from kvbroker.bench.turns import TurnRecord, measured_turn
 from kvbroker.stack import KVBROKER, Stack
 
 # The path each fixed arm asks for; "planner" asks for none, "off" sends no session id.
 FIXED_PATHS = {"read": "READ", "decode-local": "DECODE_LOCAL", "recompute": "RECOMPUTE"}
 ARMS = ("planner", *FIXED_PATHS, "off")
+# With the arms behind other routers (``bench/routers.py``).
+ALL_ARMS = (*ARMS, *FOREIGN_ARMS)
 # New suffix sizes, in tokens: a one-line question and a bulk tool result.
 SUFFIX_TOKENS = {"one-line": 16, "bulk": 1500}
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 6144)
@@ -98,13 +109,13 @@ class MultiturnConfig:
     repeats: int = 2 * len(ARMS)
     max_tokens: int = 16
     # Measure the nodes' costs (`kvbroker calibrate`) after the warm-up, as an operator
-    # would: otherwise the planner estimates from kvbroker.common.costs' defaults.
+    # would: otherwise the planner estimates from kvbroker.common.rules.costs' defaults.
     calibrate: bool = False
     suffix_tokens: Mapping[str, int] = field(default_factory=lambda: dict(SUFFIX_TOKENS))
 
     def __post_init__(self) -> None:
-        if not self.arms or any(arm not in ARMS for arm in self.arms):
-            raise ValueError(f"arms {list(self.arms)}: choose from {', '.join(ARMS)}")
+        if not self.arms or any(arm not in ALL_ARMS for arm in self.arms):
+            raise ValueError(f"arms {list(self.arms)}: choose from {', '.join(ALL_ARMS)}")
         for name, values in (("arms", self.arms), ("suffixes", self.suffixes),
                              ("lengths", self.lengths)):  # fmt: skip
             if len(set(values)) != len(values):
@@ -143,8 +154,11 @@ async def run_multiturn(
     config.check_fits(stack.config.max_model_len)
     records: list[TurnRecord] = []
     points = [(length, suffix) for length in config.lengths for suffix in config.suffixes]
-    async with httpx.AsyncClient(timeout=600) as client:
-        tokens_per_char = await _warm_up(stack, client, config)
+    async with (
+        httpx.AsyncClient(timeout=600) as client,
+        router_urls(stack, config.arms, stack.config.workdir) as urls,
+    ):
+        tokens_per_char = await _warm_up(stack, client, config, urls)
         if config.calibrate:
             await _calibrate(stack, console)
         with Progress(console=console) as progress:
@@ -155,19 +169,23 @@ async def run_multiturn(
                         # The same seed for every arm: the same conversation.
                         seed = index * config.repeats + repetition
                         conversation = _Conversation(arm, length, suffix, repetition, seed)
-                        records += await conversation.run(stack, client, config, tokens_per_char)
+                        records += await conversation.run(
+                            stack, client, config, tokens_per_char, urls[arm]
+                        )
                     progress.advance(task)
     return records
 
 
-async def _warm_up(stack: Stack, client: httpx.AsyncClient, config: MultiturnConfig) -> float:
+async def _warm_up(
+    stack: Stack, client: httpx.AsyncClient, config: MultiturnConfig, urls: Mapping[str, str]
+) -> float:
     """One unrecorded conversation per arm at the shortest length, so that no arm pays the
     engines' first requests on a path; returns the characters-to-tokens ratio the measured
     conversations' text is built with (one ratio for all, so that all arms get the same)."""
     tokens_per_char = ContextBuilder(-1).tokens_per_char
     for arm in config.arms:
         conversation = _Conversation(arm, min(config.lengths), config.suffixes[0], -1, -1)
-        (opening, _) = await conversation.run(stack, client, config, tokens_per_char)
+        (opening, _) = await conversation.run(stack, client, config, tokens_per_char, urls[arm])
         tokens_per_char = opening.input_num_tokens / conversation.opening_chars
     return tokens_per_char
 
@@ -209,7 +227,7 @@ class _Conversation:
     @property
     def session(self) -> str | None:
         """The session id sent: none for reuse off (plain P/D)."""
-        return None if self.arm == "off" else self.name
+        return self.name if sends_session(self.arm) else None
 
     async def run(
         self,
@@ -217,23 +235,25 @@ class _Conversation:
         client: httpx.AsyncClient,
         config: MultiturnConfig,
         tokens_per_char: float,
+        url: str,
     ) -> tuple[TurnRecord, TurnRecord]:
         builder = ContextBuilder(self.seed, tokens_per_char)
         # The arm's own first line (the same length for every arm): its blocks' hashes, and so
         # every later block's, are its own.
-        opening = f"Conversation {ARMS.index(self.arm)}.\n{builder.text(self.length)}"
+        opening = f"Conversation {ALL_ARMS.index(self.arm)}.\n{builder.text(self.length)}"
         self.opening_chars = len(opening)
         messages = [{"role": "user", "content": opening}]
         answer, first = await measured_turn(
-            client, stack, messages, self.session, config.max_tokens
+            client, stack, messages, self.session, config.max_tokens, base_url=url
         )
         messages += [
             {"role": "assistant", "content": answer},
             {"role": "user", "content": builder.text(config.suffix_tokens[self.suffix])},
         ]
         await asyncio.sleep(THINK_S)
+        fixed = FIXED_PATHS.get(self.arm)
         _, follow_up = await measured_turn(
-            client, stack, messages, self.session, config.max_tokens, FIXED_PATHS.get(self.arm)
+            client, stack, messages, self.session, config.max_tokens, fixed, url
         )
         if self.session is not None:
             await client.delete(f"{stack.router_url}/v1/sessions/{self.session}")
@@ -267,12 +287,6 @@ class Spread:
         ordered = sorted(values)
         q1, q3 = (quantile(ordered, q, parts=4) for q in (0.25, 0.75))
         return cls(len(ordered), statistics.median(ordered), q1, q3, ordered[0], ordered[-1])
-
-
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None:
-        return None
-    return numerator / denominator
 
 
 def targets(row: Mapping[str, Any], longest: bool) -> dict[str, bool | None]:
@@ -311,7 +325,7 @@ def summarise(records: Sequence[TurnRecord]) -> list[dict[str, Any]]:
                 "input_tokens": statistics.median(r.input_num_tokens for r in chosen),
                 "paths": dict(Counter(r.path for r in chosen)),
             }
-            for arm in ARMS
+            for arm in ALL_ARMS
             if (chosen := by_arm.get(arm))
         }
         median = {arm: figures["median_ms"] for arm, figures in arms.items()}
@@ -325,16 +339,17 @@ def summarise(records: Sequence[TurnRecord]) -> list[dict[str, Any]]:
             ),
             "arms": arms,
             "best_fixed_arm": best,
-            "planner_vs_best": _ratio(median.get("planner"), median.get(best or "")),
-            "planner_vs_off": _ratio(median.get("planner"), median.get("off")),
-            "read_vs_planner": _ratio(median.get("read"), median.get("planner")),
+            "planner_vs_best": ratio(median.get("planner"), median.get(best or "")),
+            "planner_vs_off": ratio(median.get("planner"), median.get("off")),
+            "read_vs_planner": ratio(median.get("read"), median.get("planner")),
             # Every planner follow-up took the best fixed arm's path: then a gap between the
             # two is no wrong choice, but noise or the cost of planning.
             "planner_took_best_path": best is not None
             and "planner" in arms
             and set(arms["planner"]["paths"]) == {FIXED_PATHS[best]},
+            **router_rows(median),
         }
-        row["targets"] = targets(row, length == longest)
+        row["targets"] = {**targets(row, length == longest), **router_targets(row)}
         rows.append(row)
     return rows
 
@@ -347,7 +362,8 @@ def verdict(rows: Sequence[Mapping[str, Any]]) -> dict[str, bool | None]:
         for name, value in row["targets"].items():
             if value is not None:
                 held[name].append(value)
-    names = ("within_best", "not_slower_than_off", "speedup_over_read")
+    names = ["within_best", "not_slower_than_off", "speedup_over_read"]
+    names += [name for name in held if name not in names]
     return {name: all(held[name]) if held[name] else None for name in names}
 
 
@@ -377,7 +393,7 @@ def _comparisons(row: Mapping[str, Any], arm: str) -> list[tuple[str, bool | Non
         found.append(
             (f"read/planner {_times(row['read_vs_planner'])}", verdicts["speedup_over_read"])
         )
-    return found
+    return found + router_comparisons(row, arm)
 
 
 def print_table(rows: Sequence[Mapping[str, Any]], console: Console) -> None:
@@ -440,17 +456,17 @@ def write(
 
 def plot(rows: Sequence[Mapping[str, Any]], output: Path, title: str) -> Path:
     """TTFT by arm and context length, one panel per suffix size: medians, IQR as bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    ready_plotting()
     import matplotlib.pyplot as plt
 
     suffixes = [s for s in SUFFIX_TOKENS if any(r["suffix"] == s for r in rows)]
     fig, axes = plt.subplots(1, len(suffixes), figsize=(5.5 * len(suffixes), 4.4), squeeze=False)
-    styles = dict(zip(ARMS, ("o-", "s--", "^--", "v--", "x:"), strict=True))
+    styles = dict(
+        zip(ALL_ARMS, ("o-", "s--", "^--", "v--", "x:", "D-", "d:", "P-", "p:"), strict=True)
+    )
     for ax, suffix in zip(axes[0], suffixes, strict=True):
         chosen = [r for r in rows if r["suffix"] == suffix]
-        for arm in ARMS:
+        for arm in ALL_ARMS:
             points = [(r["length"], r["arms"][arm]) for r in chosen if arm in r["arms"]]
             if not points:
                 continue

@@ -19,7 +19,6 @@ serve` in its own process:
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 import uuid
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbroker.bench.cpu import cpu_seconds
 from kvbroker.bench.registry_report import LoadResult, summarise
 from kvbroker.bench.registry_workers import (
     BLOCK_SIZE,
@@ -38,9 +38,9 @@ from kvbroker.bench.registry_workers import (
     saturation_worker,
 )
 from kvbroker.bench.stats import quantile
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.hint_batcher import HintBatcher
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.hint_batcher import HintBatcher
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import node_pb2, registry_pb2
 
@@ -95,15 +95,10 @@ class MeasuredRegistry:
 
             await poll_until(answers, within_s, "the registry replica leading", every_s=0.2)
 
-    def _cpu_seconds(self) -> float:
-        """User and system CPU the process has used so far."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def cpu_meter(self) -> Callable[[], float]:
         """Starts measuring; the returned call gives the cores the process used since."""
-        cpu, started = self._cpu_seconds(), time.perf_counter()
-        return lambda: (self._cpu_seconds() - cpu) / (time.perf_counter() - started)
+        cpu, started = cpu_seconds(self.process.pid), time.perf_counter()
+        return lambda: (cpu_seconds(self.process.pid) - cpu) / (time.perf_counter() - started)
 
     def rss_mib(self) -> float:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():

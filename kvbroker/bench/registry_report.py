@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbroker.bench.plotting import ready_plotting
 from kvbroker.bench.registry_workers import HINT_RPC
 from kvbroker.bench.stats import quantile
 
@@ -49,9 +50,7 @@ def summarise(
 def write(report: dict[str, Any], output: Path) -> list[Path]:
     output.mkdir(parents=True, exist_ok=True)
     (output / "registry.json").write_text(json.dumps(report, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
+    ready_plotting()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))

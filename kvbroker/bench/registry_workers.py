@@ -17,9 +17,9 @@ from typing import Any
 
 import uvloop
 
-from kvbroker.common.batcher import Batcher
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.common.client.batcher import Batcher
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.hint_batcher import HintBatcher
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 BLOCK_SIZE = 128  # vLLM's CPU default; a 4k-token conversation has 32 blocks

@@ -25,6 +25,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvbroker.bench.plotting import ready_plotting
+
 
 @dataclass(frozen=True)
 class TraceConfig:
@@ -179,9 +181,7 @@ def report(
 
 
 def _plot(baseline: Outcome, sweep: Sequence[Outcome], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    ready_plotting()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -41,3 +41,10 @@ def quantile(
         ordered = sorted(values)
         return float(ordered[min(int(q * len(ordered)), len(ordered) - 1)])
     return statistics.quantiles(values, n=parts, method="inclusive")[cut - 1]
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, or None when either was not measured."""
+    if numerator is None or denominator is None:
+        return None
+    return numerator / denominator

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kvbroker.common.engine_metrics import Totals, read_totals
+from kvbroker.common.rules.engine_metrics import Totals, read_totals
 from kvbroker.stack import Stack
 
 
@@ -109,10 +109,11 @@ async def streamed_turn(
     session: str | None,
     max_tokens: int,
     path: str | None = None,
+    base_url: str | None = None,
 ) -> Streamed:
-    """One chat turn through the stack's router, streamed, at temperature 0: the session id
-    (if any) in the body and in ``X-Session-ID``, as agent frameworks send it; ``path`` asks
-    the planner for a path (``x-kvbroker-path``)."""
+    """One chat turn through the stack's router (or the router at ``base_url``), streamed, at
+    temperature 0: the session id (if any) in the body and in ``X-Session-ID``, as agent
+    frameworks send it; ``path`` asks the planner for a path (``x-kvbroker-path``)."""
     body: dict[str, Any] = {
         "model": stack.config.served_model,
         "messages": messages,
@@ -125,7 +126,8 @@ async def streamed_turn(
     if session is not None:
         body["session_id"] = session
         headers["x-session-id"] = session
-    return await stream_chat(client, f"{stack.router_url}/v1/chat/completions", body, headers)
+    url = f"{base_url or stack.router_url}/v1/chat/completions"
+    return await stream_chat(client, url, body, headers)
 
 
 async def measured_turn(
@@ -135,12 +137,13 @@ async def measured_turn(
     session: str | None,
     max_tokens: int,
     path: str | None = None,
+    base_url: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """Streams one chat completion through the stack's router (asking for ``path``, if given);
-    returns the answer and its measurements."""
+    """Streams one chat completion through the stack's router, or the router at ``base_url``
+    (asking for ``path``, if given); returns the answer and its measurements."""
     prefill_url = stack.url(stack.prefill)
     before = await prefill_totals(client, prefill_url)
-    turn = await streamed_turn(client, stack, messages, session, max_tokens, path)
+    turn = await streamed_turn(client, stack, messages, session, max_tokens, path, base_url)
     if turn.status != 200:
         raise RuntimeError(f"router answered {turn.status}: {turn.error!r}")
     after = await prefill_totals(client, prefill_url)

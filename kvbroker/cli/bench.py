@@ -15,12 +15,22 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvbroker.bench.plotting import PlottingUnavailable, ready_plotting
 from kvbroker.bench.retention import TraceConfig
 from kvbroker.cli.options import finite, positive_seconds, seconds
 from kvbroker.cli.output import fail, say
 from kvbroker.cli.stack import Switch, run_with_stack
 
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+
+
+def _plots_or_fail() -> None:
+    """Stops a benchmark that ends in a plot before it runs when matplotlib (the bench extra)
+    is missing, rather than after minutes of work."""
+    try:
+        ready_plotting()
+    except PlottingUnavailable as error:
+        fail(str(error))
 
 
 @bench_app.command("multiturn")
@@ -35,6 +45,14 @@ def bench_multiturn(
             "(reuse off: plain P/D)."
         ),
     ] = "planner,read,decode-local,recompute,off",
+    router: Annotated[
+        str,
+        typer.Option(
+            help="Routers in front of the engines: kvbroker (its router, with --arms), "
+            "vllm-router (the real one) and proxy (vLLM's example P/D proxy); each other "
+            "router adds two arms, reuse on and off, compared with kvbroker's planner."
+        ),
+    ] = "kvbroker",
     suffix: Annotated[
         str, typer.Option(help="New suffix sizes: one-line (a question), bulk (a tool result).")
     ] = "one-line,bulk",
@@ -58,6 +76,7 @@ def bench_multiturn(
 ) -> None:
     """A follow-up's TTFT by path (the planner, each fixed path, reuse off), context length
     and new suffix size, the arms interleaved: JSON, a chart, a table with the targets."""
+    _plots_or_fail()
     from kvbroker.bench.multiturn import (
         MultiturnConfig,
         plot,
@@ -66,20 +85,25 @@ def bench_multiturn(
         summarise,
         write,
     )
+    from kvbroker.bench.routers import arms_of
     from kvbroker.stack import StackConfig
 
     try:
         config = MultiturnConfig(
             lengths=tuple(int(n) for n in lengths.split(",")),
             suffixes=_names(suffix),
-            arms=_names(arms),
+            arms=arms_of(_names(router), _names(arms)),
             repeats=repeats,
             max_tokens=max_tokens,
             calibrate=calibrate,
         )
         config.check_fits(StackConfig.max_model_len)
     except ValueError as error:
-        fail(f"{error} (--lengths {lengths!r}, --suffix {suffix!r}, --arms {arms!r})", 2)
+        fail(
+            f"{error} (--lengths {lengths!r}, --suffix {suffix!r}, --arms {arms!r}, "
+            f"--router {router!r})",
+            2,
+        )
     cache = prefill_cache is Switch.on
 
     async def body(stack: Any, console: Console) -> None:
@@ -93,6 +117,7 @@ def bench_multiturn(
             "max_tokens": config.max_tokens,
             "calibrated": config.calibrate,
             "suffix_tokens": {name: config.suffix_tokens[name] for name in config.suffixes},
+            "routers": list(_names(router)),
         }
         written = [*write(records, rows, output, meta)]
         title = f"Follow-up TTFT by path (P's prefix cache {prefill_cache.value}, CPU)"
@@ -121,6 +146,7 @@ def bench_retention(
     seed: Annotated[int, typer.Option(help="Trace seed.")] = TraceConfig.seed,
 ) -> None:
     """Simulate decode retention on an agentic trace: fixed TTL vs kvbroker idle leases."""
+    _plots_or_fail()
     from kvbroker.bench.retention import report, simulate
 
     config = TraceConfig(conversations=conversations, seed=seed)
@@ -148,6 +174,7 @@ def bench_registry(
     ] = False,
 ) -> None:
     """Registry latency and throughput over gRPC, RSS per lease, and restart recovery."""
+    _plots_or_fail()
     try:
         rate_list = [float(r) for r in rates.split(",")]
         points = [int(p) for p in memory_points.split(",") if p]
@@ -164,7 +191,7 @@ def bench_registry(
             return await run_registry_bench(
                 rate_list, live_leases, points, restart_leases, seconds, progress=progress
             )
-        from kvbroker.common.local_etcd import LocalEtcd
+        from kvbroker.common.process.local_etcd import LocalEtcd
 
         with tempfile.TemporaryDirectory(prefix="kvbroker-bench-etcd-") as workdir:
             server = LocalEtcd(Path(workdir))
@@ -326,6 +353,7 @@ def bench_agentic(
 ) -> None:
     """Concurrent agent sessions on a small decode KV cache: no reuse, vLLM's fixed TTL and
     kvbroker on the same trace; TTFT, reuse rate and stalls per arm."""
+    _plots_or_fail()
     from kvbroker.bench.agentic import run_agentic
     from kvbroker.bench.agentic_config import ARMS, AgenticConfig
     from kvbroker.bench.agentic_report import print_table, summarise
@@ -367,3 +395,102 @@ def bench_agentic(
         say(console, message, "red")
     if errors:
         fail(f"{len(errors)} sessions ended on a failed request (all in summary.json)")
+
+
+@bench_app.command("nixl-read")
+def bench_nixl_read(
+    output: Annotated[Path, typer.Option(help="Where the JSON and the plot go.")] = Path(
+        "results/nixl-read"
+    ),
+    device: Annotated[
+        str,
+        typer.Option(help="cuda: both processes' caches in GPU 0's memory; cpu: in DRAM."),
+    ] = "cuda",
+    tokens: Annotated[
+        str, typer.Option(help="Tokens per READ, comma-separated (2k = 2048).")
+    ] = "2k,4k,8k,16k,24k",
+    layouts: Annotated[
+        str, typer.Option(help="Cache layouts: split (vLLM 0.32), packed (vLLM 0.33).")
+    ] = "split,packed",
+    forms: Annotated[
+        str, typer.Option(help="Descriptor forms: scattered, adjacent, strided, contiguous.")
+    ] = "scattered,adjacent,strided,contiguous",
+    layers: Annotated[int, typer.Option(min=1, help="Layers (Qwen2.5-32B: 64).")] = 64,
+    kv_heads: Annotated[int, typer.Option(min=1, help="KV heads per layer.")] = 8,
+    head_dim: Annotated[int, typer.Option(min=1, help="Head dimension.")] = 128,
+    block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block.")] = 16,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed READs per point.")] = 2,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed READs per point.")] = 7,
+    seed: Annotated[int, typer.Option(help="Seed for block ids and cache contents.")] = 0,
+) -> None:
+    """One NIXL READ of a conversation's KV blocks between two processes, by cache layout and
+    descriptor form (bf16, needs torch and nixl, not vLLM): a table, JSON and a plot."""
+    from kvbroker.bench.nixl_layout import ReadConfig
+    from kvbroker.bench.nixl_read import print_table, run_reads, tokens_list, write
+
+    try:
+        config = ReadConfig(
+            device=device,
+            tokens=tokens_list(tokens),
+            layouts=_names(layouts),
+            forms=_names(forms),
+            layers=layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            warmup=warmup,
+            repeats=repeats,
+            seed=seed,
+        )
+    except ValueError as error:
+        fail(str(error), 2)
+    console = Console()
+    try:
+        report = run_reads(config, partial(say, console), output)
+    except (ValueError, RuntimeError, TimeoutError) as error:
+        fail(str(error))
+    print_table(report, console)
+    console.print(Text(f"written: {', '.join(str(p) for p in write(report, output))}"))
+
+
+@bench_app.command("placement")
+def bench_placement(
+    output: Annotated[Path, typer.Option(help="Where the JSON and the plot go.")] = Path(
+        "results/placement"
+    ),
+    rate: Annotated[
+        float, typer.Option(min=1, help="Offered requests per second, open loop, per arm.")
+    ] = 200.0,
+    seconds: Annotated[
+        float, typer.Option(callback=positive_seconds, help="Seconds of load per arm.")
+    ] = 20.0,
+    hint_timeout: Annotated[
+        float,
+        typer.Option(callback=positive_seconds, help="The hop's registry deadline, s."),
+    ] = 0.02,
+) -> None:
+    """Latency a request gains from the placement hop (kvbroker's Envoy ext_proc): Envoy with
+    and without it, on loopback, the arms interleaved."""
+    from kvbroker.bench.placement import PlacementBenchConfig, run, write
+
+    console = Console()
+    config = PlacementBenchConfig(rate=rate, seconds=seconds, hint_timeout_s=hint_timeout)
+    report = run(config, progress=partial(say, console))
+    table = Table(title=f"Envoy on loopback, {rate:.0f} req/s", title_justify="left")
+    # Short headers: a console that is not a terminal is 80 columns wide.
+    columns = ("hop", "requests", "errors", "done/s", "p50 ms", "p99 ms", "hop cpu", "reg cpu")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in report["arms"]:
+        table.add_row(
+            row["arm"], str(row["requests"]), str(row["errors"]), f"{row['throughput']:.0f}",
+            f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}",
+            f"{row['hop_cpu_ms']:.2f}", f"{row['registry_cpu_ms']:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"added by the hop: p50 {report['added_p50_ms']:+.2f} ms, "
+        f"p99 {report['added_p99_ms']:+.2f} ms (cpu: ms of CPU per request)"
+    )
+    paths = write(report, output)
+    console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))

@@ -18,9 +18,9 @@ from kvbroker.cli.options import (
     TimeoutOpt,
 )
 from kvbroker.cli.output import OutputFormat, emit_table, fail, render
-from kvbroker.common.clock import to_timestamp
-from kvbroker.common.costs import Costs
-from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.rules.clock import to_timestamp
+from kvbroker.common.rules.costs import Costs
 from kvbroker.v1 import node_pb2, registry_pb2
 
 

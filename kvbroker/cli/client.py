@@ -23,13 +23,13 @@ from kvbroker.cli.options import (
     bearer_token,
 )
 from kvbroker.cli.output import fail, fail_rpc
-from kvbroker.common.grpc_client import (
+from kvbroker.common.client.grpc_client import (
     DEFAULT_REGISTRY_ADDRESS,
     RegistryEndpoint,
     open_channel,
     registry_stub,
 )
-from kvbroker.common.tls_files import TlsFileError, load_tls_context
+from kvbroker.common.process.tls_files import TlsFileError, load_tls_context
 
 T = TypeVar("T")
 

@@ -13,8 +13,8 @@ from kvbroker.cli.options import (
     TimeoutOpt,
 )
 from kvbroker.cli.output import OutputFormat, emit_fields, render, to_dict
-from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.common.labels import label
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.rules.labels import label
 from kvbroker.v1 import registry_pb2
 
 

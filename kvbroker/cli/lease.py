@@ -23,10 +23,10 @@ from kvbroker.cli.output import (
     to_dict,
     when,
 )
-from kvbroker.common import retention_value
-from kvbroker.common.clock import to_duration
-from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.common.labels import by_lower_label, label
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.rules import retention_value
+from kvbroker.common.rules.clock import to_duration
+from kvbroker.common.rules.labels import by_lower_label, label
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 lease_app = typer.Typer(help="Inspect and manage leases.", no_args_is_help=True)
@@ -46,7 +46,7 @@ def _live(lease: lease_pb2.Lease) -> bool:
 
 
 def _rank_fields(lease: lease_pb2.Lease) -> list[str]:
-    """Idle time, chance of a next turn and value (kvbroker.common.retention_value)."""
+    """Idle time, chance of a next turn and value (kvbroker.common.rules.retention_value)."""
     if not _live(lease):
         return ["-", "-", "-"]
     rank = retention_value.of_lease(lease)

@@ -14,6 +14,7 @@ from kvbroker.cli.calibrate import calibrate
 from kvbroker.cli.hint import hint
 from kvbroker.cli.lease import lease_app
 from kvbroker.cli.node import node_app
+from kvbroker.cli.placement import placement_app
 from kvbroker.cli.registry import registry_app
 from kvbroker.cli.router import router_app
 from kvbroker.cli.sidecar import sidecar_app
@@ -30,6 +31,7 @@ app.add_typer(lease_app, name="lease")
 app.add_typer(node_app, name="node")
 app.add_typer(sidecar_app, name="sidecar")
 app.add_typer(router_app, name="router")
+app.add_typer(placement_app, name="placement")
 app.command("up")(up)
 app.command("demo")(demo)
 app.add_typer(bench_app, name="bench")

@@ -27,9 +27,9 @@ from kvbroker.cli.output import (
     to_dict,
     when,
 )
-from kvbroker.common.costs import DEFAULT_COSTS, Costs
-from kvbroker.common.grpc_client import RegistryEndpoint, replica_away
-from kvbroker.common.labels import by_lower_label, label
+from kvbroker.common.client.grpc_client import RegistryEndpoint, replica_away
+from kvbroker.common.rules.costs import Costs, default_costs, device_of
+from kvbroker.common.rules.labels import by_lower_label, label
 from kvbroker.v1 import node_pb2, registry_pb2
 
 node_app = typer.Typer(help="Inspect and manage nodes.", no_args_is_help=True)
@@ -119,7 +119,7 @@ def node_ls(
 def _cost_rows(node: node_pb2.Node) -> list[list[str]]:
     """Each cost figure as calibrated (or the default), and the live factor on it."""
     calibrated = node.cost.HasField("calibrated_time")
-    costs = Costs.of(node.cost) if calibrated else DEFAULT_COSTS
+    costs = Costs.of(node.cost) if calibrated else default_costs(device_of(node.spec.kv_device))
     source = when(node.cost.calibrated_time) if calibrated else "default"
     factors = node.cost_correction
     figures = [

@@ -11,8 +11,8 @@ from typing import Annotated, cast
 import typer
 
 from kvbroker.cli.output import OutputFormat, fail
-from kvbroker.common.logging import LogFormat, configure_logging
-from kvbroker.common.tls_files import TlsFileError, check_certificates
+from kvbroker.common.process.logging import LogFormat, configure_logging
+from kvbroker.common.process.tls_files import TlsFileError, check_certificates
 
 # The longest duration a flag may give (ten years): protobuf Durations and gRPC deadlines
 # overflow not far above it, and nothing the registry keeps or a call waits for is longer.
@@ -158,7 +158,10 @@ MetricsListenOpt = Annotated[
         envvar="KVBROKER_METRICS_LISTEN", callback=host_port, help="Prometheus HTTP HOST:PORT."
     ),
 ]
-LogLevelOpt = Annotated[str, typer.Option(envvar="KVBROKER_LOG_LEVEL")]
+LogLevelOpt = Annotated[
+    str,
+    typer.Option(envvar="KVBROKER_LOG_LEVEL", help="debug, info, warning, error or critical."),
+]
 DEFAULT_LOG_LEVEL = "info"
 LogFormatOpt = Annotated[
     str, typer.Option(envvar="KVBROKER_LOG_FORMAT", help="auto, json or console.")

@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvbroker.common.clock import from_duration, from_timestamp
-from kvbroker.common.grpc_client import AWAY_CODES, NOT_SERVING, from_grpc_error
-from kvbroker.common.labels import label
+from kvbroker.common.client.grpc_client import AWAY_CODES, NOT_SERVING, from_grpc_error
+from kvbroker.common.rules.clock import from_duration, from_timestamp
+from kvbroker.common.rules.labels import label
 from kvbroker.v1 import registry_pb2
 
 # Exit codes: 0 ok, 1 the registry refused the request, 2 usage error (typer's), 3 the registry

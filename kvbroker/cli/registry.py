@@ -25,10 +25,10 @@ from kvbroker.cli.options import (
     seconds,
 )
 from kvbroker.cli.output import fail
-from kvbroker.common.grpc_client import DEFAULT_REGISTRY_ADDRESS
-from kvbroker.common.ports import ensure_free
+from kvbroker.common.client.grpc_client import DEFAULT_REGISTRY_ADDRESS
+from kvbroker.common.process.ports import ensure_free
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.planner import PlannerConfig
+from kvbroker.controlplane.placement.planner import PlannerConfig
 
 registry_app = typer.Typer(help="Run the registry.", no_args_is_help=True)
 
@@ -46,8 +46,16 @@ def registry_serve(
     metrics_listen: MetricsListenOpt = None,
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
-    tls_cert: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_CERT")] = None,
-    tls_key: Annotated[Path | None, typer.Option(envvar="KVBROKER_TLS_KEY")] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_TLS_CERT", help="The registry's server certificate (PEM): serve TLS."
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(envvar="KVBROKER_TLS_KEY", help="The private key of --tls-cert (PEM)."),
+    ] = None,
     tls_client_ca: Annotated[
         Path | None,
         typer.Option(
@@ -210,8 +218,8 @@ def registry_serve(
     except ValueError as error:
         fail(str(error), 2)
     # Imported here so that the operator commands start fast.
-    from kvbroker.controlplane.etcd_store import EtcdEndpoints
     from kvbroker.controlplane.server import ServerOptions, TlsFiles, serve_forever
+    from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints
 
     if store != "memory":
         try:
@@ -262,8 +270,8 @@ def registry_credential(
     holds only the token's SHA-256)."""
     import secrets
 
-    from kvbroker.common.credentials import token_digest
-    from kvbroker.controlplane.identity import Principal
+    from kvbroker.common.process.credentials import token_digest
+    from kvbroker.controlplane.api.identity import Principal
 
     # The holder as the registry will read it back from the file, or refused here.
     try:

@@ -19,7 +19,7 @@ from kvbroker.cli.options import (
     seconds,
 )
 from kvbroker.cli.output import fail
-from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.router.config import RouterConfig
 
 router_app = typer.Typer(help="Run the KV-aware OpenAI-compatible proxy.", no_args_is_help=True)

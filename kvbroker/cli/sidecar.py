@@ -21,11 +21,11 @@ from kvbroker.cli.options import (
     host_port,
 )
 from kvbroker.cli.output import fail
-from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.common.labels import by_lower_label
-from kvbroker.common.metrics_http import MetricsTls
-from kvbroker.common.ports import ensure_free
-from kvbroker.common.tls_files import TlsFileError
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.metrics_http import MetricsTls
+from kvbroker.common.process.ports import ensure_free
+from kvbroker.common.process.tls_files import TlsFileError
+from kvbroker.common.rules.labels import by_lower_label
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.v1 import node_pb2
 
@@ -81,6 +81,28 @@ def sidecar_run(
             help="The engine caches prefixes: off when vLLM runs with --no-enable-prefix-caching.",
         ),
     ] = SidecarConfig.prefix_caching,
+    gateway_endpoint: Annotated[
+        str,
+        typer.Option(
+            envvar="KVBROKER_GATEWAY_ENDPOINT",
+            help="The engine's ip:port as the gateway sees it, for placement hints "
+            "[default: from --advertise-url or --engine-url].",
+        ),
+    ] = SidecarConfig.gateway_endpoint,
+    dynamo_worker_id: Annotated[
+        str,
+        typer.Option(
+            envvar="KVBROKER_DYNAMO_WORKER_ID",
+            help="The engine's Dynamo worker instance id, for Dynamo's pin headers.",
+        ),
+    ] = SidecarConfig.dynamo_worker_id,
+    kubernetes_pod: Annotated[
+        str,
+        typer.Option(
+            envvar="KVBROKER_KUBERNETES_POD",
+            help="The engine's pod as namespace/name, for llm-d's session-affinity header.",
+        ),
+    ] = SidecarConfig.kubernetes_pod,
     metrics_listen: MetricsListenOpt = None,
     metrics_tls_cert: Annotated[
         Path | None,
@@ -124,6 +146,9 @@ def sidecar_run(
         model=model,
         advertise_url=advertise_url,
         prefix_caching=prefix_caching,
+        gateway_endpoint=gateway_endpoint,
+        dynamo_worker_id=dynamo_worker_id,
+        kubernetes_pod=kubernetes_pod,
     )
     if (metrics_tls_cert is None) != (metrics_tls_key is None):
         fail("--metrics-tls-cert and --metrics-tls-key go together", 2)

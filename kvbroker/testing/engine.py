@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvbroker.common.ports import free_port
+from kvbroker.common.process.ports import free_port
 
 
 class FakeEngine:

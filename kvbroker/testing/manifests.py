@@ -25,11 +25,13 @@ from typing import Any
 
 import yaml  # type: ignore[import-untyped]
 
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Answers, ChildProcess, Probe, http_ok, stop_all
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import Answers, ChildProcess, Probe, http_ok, stop_all
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")
+# The namespace the local cluster's pods are in (the manifests name none: kubectl's current).
+NAMESPACE = "default"
 MAKE_SECRETS = DEPLOY / "make-secrets.sh"
 
 # The wrapper that reads a node's token from its Secret key into KVBROKER_TOKEN and then runs
@@ -292,7 +294,11 @@ class LocalCluster:
             source = entry["valueFrom"]
             if "fieldRef" in source:
                 path = source["fieldRef"]["fieldPath"]
-                env[name] = {"status.podIP": "127.0.0.1", "metadata.name": pod.name}[path]
+                env[name] = {
+                    "status.podIP": "127.0.0.1",
+                    "metadata.name": pod.name,
+                    "metadata.namespace": NAMESPACE,
+                }[path]
             elif "secretKeyRef" in source:
                 ref = source["secretKeyRef"]
                 env[name] = self._secrets[ref["name"]][ref["key"]]

@@ -1,12 +1,12 @@
 """kvbroker's own servers as child processes of a test or benchmark, ready once they have
-announced themselves (see kvbroker.common.supervisor)."""
+announced themselves (see kvbroker.common.process.supervisor)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Announces, ChildProcess
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import Announces, ChildProcess
 from kvbroker.stack import registry_command, sidecar_command
 
 

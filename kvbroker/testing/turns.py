@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import httpx
 
 from kvbroker.bench.turns import streamed_turn
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.stack import Stack
 from kvbroker.v1 import lease_pb2, registry_pb2
 

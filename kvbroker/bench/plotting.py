@@ -1,0 +1,29 @@
+"""The benchmarks' plots. matplotlib is the ``bench`` extra, not a dependency of the package a
+server installs (the images carry no plotting stack), so every plot readies it here: one place
+that picks the file backend and turns its absence into a sentence naming the extra. Callers
+import ``matplotlib.pyplot`` only after ``ready_plotting`` returned, and commands that plot call
+it before they run, so that a missing extra is found before a long benchmark, not after it."""
+
+from __future__ import annotations
+
+BENCH_EXTRA = "kvbroker[bench]"
+
+
+class PlottingUnavailable(RuntimeError):
+    """matplotlib is not installed: the ``bench`` extra is missing."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"the benchmarks' plots need matplotlib, which is not installed: "
+            f"pip install '{BENCH_EXTRA}'"
+        )
+
+
+def ready_plotting() -> None:
+    """Makes matplotlib draw into files (no display on a server); PlottingUnavailable when it
+    is not installed."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise PlottingUnavailable() from error
+    matplotlib.use("Agg")
