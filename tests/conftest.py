@@ -18,9 +18,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.local_etcd import LocalEtcd
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.stack import KVBROKER
@@ -48,17 +48,22 @@ LAYERS = {
     "test_admission_blocks": "unit",
     "test_agentic_bench": "unit",
     "test_batcher": "unit",
+    "test_bench_nixl_read": "integration",
     "test_calibration": "integration",
     "test_checkpoints": "unit",
     "test_codec": "unit",
+    "test_connector_metrics": "unit",
     "test_connector_scheduler": "unit",
     "test_cost_correction": "unit",
+    "test_demo": "unit",
     "test_deadlines": "unit",
+    "test_docs_reference": "unit",
     "test_drain_unit": "unit",
     "test_engine_load": "unit",
     "test_engine_rules": "unit",
     "test_engine_work": "unit",
     "test_labels": "unit",
+    "test_layers": "unit",
     "test_multiturn_bench": "unit",
     "test_planner": "unit",
     "test_ports": "unit",
@@ -78,12 +83,19 @@ LAYERS = {
     "test_stats_bench": "unit",
     "test_testmodel": "unit",
     "test_vllm_compat": "unit",
+    "test_vllm_handles": "unit",
+    "test_vllm_surface": "unit",
     "test_cli": "integration",
+    "test_wheel": "integration",
     "test_deploy": "integration",
     "test_drain": "integration",
     "test_election": "integration",
     "test_error_reasons": "integration",
+    "test_forwarder": "integration",
     "test_turns": "integration",
+    "test_registry_placed": "integration",
+    "test_placement": "integration",
+    "test_gateway": "integration",
     "test_identity": "integration",
     "test_leader_resilience": "integration",
     "test_long_context": "integration",
@@ -100,9 +112,13 @@ LAYERS = {
     "test_store_conformance": "conformance",
     "test_e2e": "e2e",
     "test_e2e_deploy": "e2e",
+    "test_e2e_images": "e2e",
     "test_e2e_faults": "e2e",
     "test_e2e_faults_mixed": "e2e",
     "test_e2e_faults_reuse_off": "e2e",
+    "test_e2e_fleets": "e2e",
+    "test_e2e_gateway": "e2e",
+    "test_e2e_metrics": "e2e",
     "test_e2e_paths": "e2e",
     "test_e2e_pressure": "e2e",
     "test_e2e_replicas": "e2e",

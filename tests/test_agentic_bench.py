@@ -19,7 +19,7 @@ from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, summarise, w
 from kvbroker.bench.retention import Conversation, Gap
 from kvbroker.bench.stats import quantile
 from kvbroker.cli.bench import bench_agentic
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.process.tasks import poll_until
 
 
 def test_compress_scales_caps_gaps_and_cuts_turns() -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvbroker.common.batcher import Batcher
+from kvbroker.common.client.batcher import Batcher
 from tests.conftest import eventually
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvbroker.calibration import Probe, fit_prefill, read_cost_us_per_block
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, node_spec
 from kvbroker.testing.processes import RegistryProcess

@@ -1,4 +1,4 @@
-"""Prefix hashes at checkpoints (``kvbroker.common.checkpoints``): what a hint carries stays
+"""Prefix hashes at checkpoints (``kvbroker.common.rules.checkpoints``): what a hint carries stays
 small at any context length, and the prefix check on them is sound (never more than the
 tokens that really match) and loses at most one stride of blocks."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbroker.common.checkpoints import MAX_CHECKPOINTS, Checkpoints, checkpoint_blocks, thin
+from kvbroker.common.rules.checkpoints import MAX_CHECKPOINTS, Checkpoints, checkpoint_blocks, thin
 from kvbroker.engine_ext.prefix import prefix_hashes, verified_prefix_tokens
 
 BLOCK = 16

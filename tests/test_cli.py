@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from kvbroker.cli.sidecar import Role
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.labels import by_lower_label
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.tasks import poll_until
+from kvbroker.common.rules.labels import by_lower_label
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess

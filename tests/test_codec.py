@@ -8,9 +8,9 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.common.costs import Costs
-from kvbroker.controlplane import codec
-from kvbroker.controlplane.model import (
+from kvbroker.common.rules.costs import Costs
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.model import (
     ACTIVE,
     BUDGET,
     CLAIMED,
@@ -37,7 +37,7 @@ from kvbroker.controlplane.model import (
     Node,
     NodeLoad,
 )
-from kvbroker.controlplane.state_cache import RecordKind, decode
+from kvbroker.controlplane.storage.state_cache import RecordKind, decode
 from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2
 

@@ -34,8 +34,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, Slid
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvbroker.common import handles
-from kvbroker.common.engine_link import EngineLink, LeaseAnswer
+from kvbroker.common.client.engine_link import EngineLink, LeaseAnswer
+from kvbroker.common.rules import handles
 from kvbroker.engine_ext import vllm_compat
 from kvbroker.engine_ext.connector import NixlConnector
 from kvbroker.engine_ext.prefix import prefix_hashes
@@ -87,6 +87,9 @@ def engine_config(
             max_num_batched_tokens=1024,
             max_model_len=1024,
             is_encoder_decoder=False,
+            # One batch in flight, as on CPU, where these tests began: on a CUDA build vLLM
+            # 0.33+ turns async scheduling on by default, and retained-tail copies off with it.
+            async_scheduling=False,
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         kv_transfer_config=KVTransferConfig(

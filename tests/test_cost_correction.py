@@ -1,25 +1,30 @@
-"""A node's live cost correction (``controlplane/cost_correction.py``): the weighted average of
-observed over predicted time, clamped, blind to tiny samples; and as the registry keeps it
-(on a fake clock, no server): the costs the planner weighs follow it, a calibration resets it."""
+"""A node's live cost correction (``controlplane/sessions/cost_correction.py``): the weighted
+average of observed over predicted time, clamped, blind to tiny samples; and as the registry
+keeps it (on a fake clock, no server): the costs the planner weighs follow it, a calibration
+resets it."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.common.clock import to_timestamp
-from kvbroker.common.costs import DEFAULT_COSTS, Costs
-from kvbroker.controlplane.cost_correction import (
+from kvbroker.common.rules.clock import to_timestamp
+from kvbroker.common.rules.costs import DEFAULT_COSTS, Costs
+from kvbroker.controlplane.errors import InvalidArgument
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.answers import Correction
+from kvbroker.controlplane.records.model import EngineWork, NodeLoad
+from kvbroker.controlplane.sessions.cost_correction import (
     MAX_FACTOR,
     MIN_FACTOR,
     WEIGHT,
     CostCorrection,
     planned_costs,
 )
-from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.v1 import node_pb2
 from tests.test_registry_unit import Harness
 
@@ -32,18 +37,16 @@ COSTS = Costs(
 )
 
 
-def prefills(requests: int, tokens_each: int, seconds: float) -> node_pb2.EngineWork:
-    return node_pb2.EngineWork(
+def prefills(requests: int, tokens_each: int, seconds: float) -> EngineWork:
+    return EngineWork(
         prefills=requests,
         prefill_computed_tokens=requests * tokens_each,
         prefill_seconds=seconds,
     )
 
 
-def reads(transfers: int, blocks_each: int, seconds: float) -> node_pb2.EngineWork:
-    return node_pb2.EngineWork(
-        reads=transfers, read_blocks=transfers * blocks_each, read_seconds=seconds
-    )
+def reads(transfers: int, blocks_each: int, seconds: float) -> EngineWork:
+    return EngineWork(reads=transfers, read_blocks=transfers * blocks_each, read_seconds=seconds)
 
 
 def test_one_sample_moves_the_factor_a_weight_of_the_way_in_log() -> None:
@@ -78,7 +81,7 @@ def test_tiny_samples_and_empty_parts_move_nothing() -> None:
     fast = Costs(0.1, 10.0, 0.0, 0.1, 10.0)
     assert not correction.observe(prefills(1, 10, 5.0), fast)
     assert not correction.observe(reads(1, 1, 5.0), fast)
-    assert not correction.observe(node_pb2.EngineWork(), COSTS)
+    assert not correction.observe(EngineWork(), COSTS)
     assert not correction.observe(prefills(4, 400, 0.0), COSTS)  # no time: no measurement
     assert correction == CostCorrection()
 
@@ -86,10 +89,8 @@ def test_tiny_samples_and_empty_parts_move_nothing() -> None:
 def test_cached_tokens_are_priced_as_context() -> None:
     with_context = Costs(10.0, 100.0, 1000.0, 5.0, 500.0)
     correction = CostCorrection()
-    work = prefills(2, 100, 0.0)
-    work.prefill_cached_tokens = 2 * 1000
     # Each request: 10 + 100 * 0.1 + 100 * 1000 * 1000 / 1e6 = 120 ms; 240 ms for both.
-    work.prefill_seconds = 0.240
+    work = replace(prefills(2, 100, 0.0), prefill_cached_tokens=2 * 1000, prefill_seconds=0.240)
     correction.observe(work, with_context)
     assert correction.prefill == pytest.approx(1.0)
     assert correction.prefill_samples == 1
@@ -121,7 +122,7 @@ def test_the_factors_stay_in_range_whatever_is_reported(
 ) -> None:
     correction = CostCorrection()
     for requests, tokens, seconds, transfers, blocks, read_seconds in samples:
-        work = node_pb2.EngineWork(
+        work = EngineWork(
             prefills=requests,
             prefill_computed_tokens=tokens,
             prefill_seconds=seconds,
@@ -143,25 +144,26 @@ async def test_the_registry_scales_a_node_s_costs_and_a_calibration_resets_them(
     # 4 requests of 400 tokens at the defaults: 4 * (25 + 180) = 820 ms predicted.
     slow = prefills(4, 400, 1.64)
     for _ in range(3):
-        await h.registry.heartbeat(spec.node_id, spec.incarnation, True, node_pb2.NodeLoad(), slow)
+        await h.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), slow)
     factor = 2 ** (1 - (1 - WEIGHT) ** 3)
     assert runtime.costs.prefill_us_per_token == pytest.approx(
         DEFAULT_COSTS.prefill_us_per_token * factor
     )
     assert runtime.costs.read_us_per_block == DEFAULT_COSTS.read_us_per_block
     view = await h.registry.get_node(spec.node_id)
-    assert view.cost_correction.prefill == pytest.approx(factor)
-    assert (view.cost_correction.read, view.cost_correction.prefill_samples) == (1.0, 3)
-    assert (view.cost.prefill_us_per_token, view.cost.HasField("calibrated_time")) == (0, False)
+    correction = view.cost_correction
+    assert correction is not None and correction.prefill == pytest.approx(factor)
+    assert (correction.read, correction.prefill_samples) == (1.0, 3)
+    assert view.cost is None  # no calibrated profile: the defaults apply
 
     profile = node_pb2.CostProfile(
         prefill_fixed_ms=5.0, prefill_us_per_token=200.0, calibrated_time=to_timestamp(1.0)
     )
-    view = await h.registry.set_cost_profile(spec.node_id, profile)
-    assert view.cost_correction == node_pb2.CostCorrection(prefill=1.0, read=1.0)
+    view = await h.registry.set_cost_profile(spec.node_id, codec.cost_of(profile))
+    assert view.cost_correction == Correction(prefill=1.0, read=1.0)
     assert runtime.costs == Costs.of(profile)
     # Against the new profile: 4 * (5 + 80) = 340 ms predicted, 1.64 s observed: clamped to 4.
-    await h.registry.heartbeat(spec.node_id, spec.incarnation, True, node_pb2.NodeLoad(), slow)
+    await h.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), slow)
     assert runtime.costs.prefill_fixed_ms == pytest.approx(5.0 * MAX_FACTOR**WEIGHT)
 
 
@@ -171,5 +173,5 @@ async def test_work_that_cannot_be_is_refused_and_moves_nothing() -> None:
     spec = h.prefill
     bad = prefills(4, 400, float("nan"))
     with pytest.raises(InvalidArgument, match="not a finite non-negative"):
-        await h.registry.heartbeat(spec.node_id, spec.incarnation, True, node_pb2.NodeLoad(), bad)
+        await h.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), bad)
     assert h.registry.nodes.runtime[spec.node_id].correction == CostCorrection()

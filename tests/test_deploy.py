@@ -21,10 +21,10 @@ from typer._click.exceptions import UsageError
 from typer.core import TyperGroup
 
 from kvbroker.cli.main import app
-from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import ChildProcess, http_ok
-from kvbroker.controlplane.etcd_store import EtcdEndpoints
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import ChildProcess, http_ok
+from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints
 from kvbroker.stack import router_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.manifests import (

@@ -15,8 +15,8 @@ import pytest
 
 from kvbroker.bench.failover import Fleet, SoakConfig, fleet_for_tests
 from kvbroker.bench.failover_engine import SimEngine
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.handles import LEASE_ID_KEY
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.rules.handles import LEASE_ID_KEY
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.conftest import eventually, run_cli
 

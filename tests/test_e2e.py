@@ -21,10 +21,10 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.handles import prefill_params
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Announces, ChildProcess, http_ok
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import Announces, ChildProcess, http_ok
+from kvbroker.common.rules.handles import prefill_params
 from kvbroker.engine_ext.testmodel import corpus
 from kvbroker.stack import KVBROKER, Stack, StackConfig, router_command
 from kvbroker.testing.turns import retained_after

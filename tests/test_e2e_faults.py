@@ -18,7 +18,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.turns import ask, checked_turn, current_lease, retained_after
 from kvbroker.v1 import lease_pb2

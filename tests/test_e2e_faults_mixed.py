@@ -11,7 +11,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.turns import checked_turn
 from kvbroker.v1 import node_pb2, registry_pb2

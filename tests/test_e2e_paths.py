@@ -20,8 +20,8 @@ import pytest_asyncio
 from rich.console import Console
 
 from kvbroker.bench.multiturn import ARMS, FIXED_PATHS, MultiturnConfig, run_multiturn, summarise
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.turns import current_lease as newest_lease
 from kvbroker.testing.turns import retained_after

@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 import aetcd
 import pytest
 
-from kvbroker.common.local_etcd import LocalEtcd
-from kvbroker.controlplane.election import Election, Term
+from kvbroker.common.process.local_etcd import LocalEtcd
 from kvbroker.controlplane.errors import StoreUnavailable
-from kvbroker.controlplane.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
-from kvbroker.controlplane.model import Node
-from kvbroker.controlplane.state_cache import StateCache
-from kvbroker.controlplane.store import Deposed
+from kvbroker.controlplane.records.model import Node
+from kvbroker.controlplane.replication.election import Election, Term
+from kvbroker.controlplane.storage.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.storage.state_cache import StateCache
+from kvbroker.controlplane.storage.store import Deposed
 from kvbroker.testing.factories import node_spec
 from tests.conftest import eventually
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbroker.common.engine_link import LeaseAnswer
-from kvbroker.common.retention_deadline import (
+from kvbroker.common.client.engine_link import LeaseAnswer
+from kvbroker.common.rules.retention_deadline import (
     LeaseDeadline,
     RetentionDeadline,
     first_deadline,

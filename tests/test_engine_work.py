@@ -1,5 +1,5 @@
-"""The engine's work between two /metrics readings (``kvbroker.common.engine_metrics``, read by
-``sidecar.engine_load.parse_vllm_load``): counter deltas, a restart resetting the baseline,
+"""The engine's work between two /metrics readings (``kvbroker.common.rules.engine_metrics``,
+read by ``sidecar.engine_load.parse_vllm_load``): counter deltas, a restart resetting the baseline,
 nothing for an interval with no work, and bad samples costing the totals, never the probe."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker.calibration import read_cost_us_per_block
-from kvbroker.common.engine_metrics import (
+from kvbroker.common.rules.engine_metrics import (
     Totals,
     WorkMeter,
     read_gauges,

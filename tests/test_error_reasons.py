@@ -13,22 +13,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbroker.common.grpc_client import (
+from kvbroker.common.client.grpc_client import (
     RegistryCallError,
     RegistryEndpoint,
     from_grpc_error,
     open_channel,
     registry_stub,
 )
-from kvbroker.common.hint_batcher import HintBatcher
-from kvbroker.common.tasks import poll_until
-from kvbroker.controlplane.cached_store import MemoryStore
+from kvbroker.common.client.hint_batcher import HintBatcher
+from kvbroker.common.process.tasks import poll_until
+from kvbroker.controlplane.api.service import RegistryServicer
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.hints import cached_hint
 from kvbroker.controlplane.metrics import RegistryMetrics
+from kvbroker.controlplane.placement.hints import cached_hint
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.server import RunningRegistry
-from kvbroker.controlplane.service import RegistryServicer
+from kvbroker.controlplane.storage.cached_store import MemoryStore
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.proxy import Router
 from kvbroker.testing.factories import Heartbeats, grant, hint, node_spec, register

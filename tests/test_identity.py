@@ -1,4 +1,4 @@
-"""Identities (``controlplane/identity.py``): a node's credential binds it to its node id, a
+"""Identities (``controlplane/api/identity.py``): a node's credential binds it to its node id, a
 router's to routing, incarnations are not handed to readers, one command stream per node, and
 mTLS names callers by their certificate, between replicas too. Real registry processes, a real
 sidecar, real certificates (openssl)."""
@@ -18,26 +18,26 @@ import grpc
 import httpx
 import pytest
 
-from kvbroker.common.credentials import token_digest
-from kvbroker.common.engine_link import EngineLink
-from kvbroker.common.grpc_client import (
+from kvbroker.common.client.engine_link import EngineLink
+from kvbroker.common.client.grpc_client import (
     RegistryEndpoint,
     from_grpc_error,
     open_channel,
     registry_stub,
 )
-from kvbroker.common.local_etcd import LocalEtcd
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Announces, ChildProcess
-from kvbroker.common.tasks import poll_until
-from kvbroker.controlplane.errors import PermissionDenied
-from kvbroker.controlplane.identity import (
+from kvbroker.common.process.credentials import token_digest
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import Announces, ChildProcess
+from kvbroker.common.process.tasks import poll_until
+from kvbroker.controlplane.api.identity import (
     Credentials,
     Principal,
     Role,
     authorize,
     sees_incarnation,
 )
+from kvbroker.controlplane.errors import PermissionDenied
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, TlsFiles, start_registry
 from kvbroker.stack import KVBROKER, router_command, router_routing, sidecar_command
 from kvbroker.testing.engine import FakeEngine
@@ -63,9 +63,15 @@ def test_a_node_acts_only_as_itself() -> None:
     with pytest.raises(PermissionDenied):
         authorize(node, "RegisterNode", registry_pb2.RegisterNodeRequest(spec=node_spec("d-1")))
     authorize(node, "GetLease", registry_pb2.GetLeaseRequest(lease_id="x"))  # the read check
-    for method in ("RevokeLease", "GetRoutingHint"):
+    with pytest.raises(PermissionDenied):
+        authorize(node, "RevokeLease", registry_pb2.RevokeLeaseRequest())
+    # A hint only for a turn another router placed on itself (its engine resolving a handle).
+    authorize(node, "GetRoutingHint", registry_pb2.GetRoutingHintRequest(on_node_id="decode-0"))
+    for placed_on in ("", "decode-1"):
         with pytest.raises(PermissionDenied):
-            authorize(node, method, registry_pb2.RevokeLeaseRequest())
+            authorize(
+                node, "GetRoutingHint", registry_pb2.GetRoutingHintRequest(on_node_id=placed_on)
+            )
     # It drains itself (its preStop hook), never another node.
     authorize(node, "DrainNode", registry_pb2.DrainNodeRequest(node_id="decode-0"))
     with pytest.raises(PermissionDenied, match="as node 'decode-1'"):

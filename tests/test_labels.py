@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
-from kvbroker.common.labels import by_lower_label, label
+from kvbroker.common.rules.labels import by_lower_label, label
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 
 _ENUMS = [

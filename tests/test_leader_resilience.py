@@ -12,15 +12,17 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from kvbroker.common.local_etcd import LocalEtcd
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import InvalidArgument
-from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
-from kvbroker.controlplane.lease_ids import TERM_SHIFT
+from kvbroker.controlplane.records.answers import LeaseAnswer
+from kvbroker.controlplane.records.lease_ids import TERM_SHIFT
 from kvbroker.controlplane.registry import Registry
-from kvbroker.controlplane.replica import Replica, ReplicaOptions
-from kvbroker.controlplane.store import WriteLimits
+from kvbroker.controlplane.replication.replica import Replica, ReplicaOptions
+from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.storage.store import WriteLimits
 from kvbroker.testing.factories import block_hashes, handle, node_spec, replayed
 from kvbroker.v1 import lease_pb2, node_pb2
 from tests.conftest import eventually
@@ -62,7 +64,7 @@ async def _stays_leader_through_a_refused_record(store: EtcdStore, blocks: int) 
         decode = node_spec("decode-0")
         await registry.register_node(decode)
 
-        async def grant(conversation: str, request: str, blocks: int) -> lease_pb2.Lease:
+        async def grant(conversation: str, request: str, blocks: int) -> LeaseAnswer:
             # Block ids make the record large (prefix hashes are thinned to checkpoints).
             tokens = blocks * decode.block_size
             return await registry.grant_lease(
@@ -148,7 +150,7 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
         for i, store in enumerate(stores)
     ]
 
-    async def grant(registry: Registry, spec: node_pb2.NodeSpec, request: str) -> lease_pb2.Lease:
+    async def grant(registry: Registry, spec: node_pb2.NodeSpec, request: str) -> LeaseAnswer:
         tokens = 4 * spec.block_size
         return await registry.grant_lease(
             "c",
@@ -159,8 +161,8 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
             tokens,
         )
 
-    async def replay(registry: Registry, spec: node_pb2.NodeSpec, lease: lease_pb2.Lease) -> int:
-        event = replayed(lease)
+    async def replay(registry: Registry, spec: node_pb2.NodeSpec, lease: LeaseAnswer) -> int:
+        event = replayed(convert.lease_message(lease))
         answer = await registry.report_retention(
             spec.node_id, spec.incarnation, [event], full_snapshot=True
         )

@@ -3,7 +3,7 @@ context length, through a real registry and a real router (fake engines: the poi
 control plane's messages, not the model).
 
 A 128k-token conversation is 8,192 blocks. Its handle's block ids must travel (P reads them),
-but its prefix hashes travel as checkpoints (``kvbroker.common.checkpoints``), and a batch of
+but its prefix hashes travel as checkpoints (``kvbroker.common.rules.checkpoints``), and a batch of
 hints or a page of leases stops at a byte budget instead of passing gRPC's 4 MiB limit.
 """
 
@@ -16,13 +16,13 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.common.ports import free_port
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.ports import free_port
 from kvbroker.controlplane.config import GRPC_MAX_RECEIVE_BYTES, MAX_HINT_BATCH, RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument
-from kvbroker.controlplane.planner import PlannerConfig
+from kvbroker.controlplane.placement.planner import PlannerConfig
+from kvbroker.controlplane.records.validation import Validation
 from kvbroker.controlplane.server import RunningRegistry
-from kvbroker.controlplane.validation import Validation
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.handlers import build_app
 from kvbroker.router.proxy import Router

@@ -24,6 +24,7 @@ from kvbroker.bench.multiturn import (
     verdict,
     write,
 )
+from kvbroker.bench.routers import arms_of
 from kvbroker.bench.turns import TurnRecord
 from kvbroker.cli.bench import bench_multiturn
 
@@ -224,3 +225,41 @@ def test_cli_defaults_match_the_config() -> None:
     assert options["repeats"].default == defaults.repeats
     assert options["max_tokens"].default == defaults.max_tokens
     assert options["calibrate"].default == defaults.calibrate
+
+
+def test_routers_add_their_arms_and_targets(tmp_path: Path) -> None:
+    """Behind other routers: each adds its reuse and reuse-off arms; its reuse arm is judged
+    against kvbroker's planner (within 15 %) and against its own reuse off (never slower)."""
+    assert arms_of(["kvbroker", "vllm-router"], ["planner", "off"]) == (
+        "planner",
+        "off",
+        "vllm-router",
+        "vllm-router-off",
+    )
+    assert arms_of(["proxy"], ["planner", "off"]) == ("proxy", "proxy-off")
+    with pytest.raises(ValueError, match="routers"):
+        arms_of(["envoy"], ["planner"])
+    assert MultiturnConfig(arms=arms_of(["kvbroker", "proxy"], ["planner", "off"])).arms
+    records = [
+        *(record("planner", ms, "DECODE_LOCAL") for ms in (60, 70, 80)),
+        *(record("read", ms, "READ") for ms in (100, 110, 120)),
+        *(record("off", ms, "RECOMPUTE") for ms in (400, 420, 440)),
+        *(record("vllm-router", ms, "?") for ms in (125, 130, 135)),
+        *(record("vllm-router-off", ms, "?") for ms in (410, 430, 450)),
+        *(record("proxy", ms, "?") for ms in (150, 160, 170)),
+        *(record("proxy-off", ms, "?") for ms in (100, 110, 120)),
+    ]
+    (row,) = summarise(records)
+    assert row["vllm-router_vs_read"] == pytest.approx(130 / 110)
+    assert row["vllm-router_vs_planner"] == pytest.approx(130 / 70)
+    assert row["vllm-router_vs_off"] == pytest.approx(130 / 430)
+    assert row["targets"]["vllm-router_within_kvbroker"] is False  # 1.18x
+    assert row["targets"]["vllm-router_not_slower_than_off"] is True
+    assert row["targets"]["proxy_not_slower_than_off"] is False
+    assert verdict([row])["proxy_within_kvbroker"] is False
+    console = Console(record=True, width=200)
+    print_table([row], console)
+    shown = console.export_text()
+    assert "vllm-router/kvbroker-read 1.18x" in shown and "proxy/off 1.45x" in shown
+    assert "vllm-router/kvbroker 1.86x" in shown  # shown beside the planner, not judged
+    assert plot([row], tmp_path, "routers").exists()

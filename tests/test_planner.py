@@ -1,5 +1,5 @@
-"""Each turn's path (``controlplane/planner.py``): the cost model alone, and as the registry
-applies it to a hint (on a fake clock, no server)."""
+"""Each turn's path (``controlplane/placement/planner.py``): the cost model alone, and as the
+registry applies it to a hint (on a fake clock, no server)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbroker.common.clock import to_timestamp
-from kvbroker.common.costs import DEFAULT_COSTS, Costs
-from kvbroker.common.labels import label
-from kvbroker.controlplane import planner
+from kvbroker.common.rules.clock import to_timestamp
+from kvbroker.common.rules.costs import DEFAULT_COSTS, Costs
+from kvbroker.common.rules.labels import label
 from kvbroker.controlplane.errors import InvalidArgument
-from kvbroker.controlplane.planner import PlannerConfig, Prefill, Turn, TurnRequest
+from kvbroker.controlplane.placement import planner
+from kvbroker.controlplane.placement.planner import PlannerConfig, Prefill, Turn, TurnRequest
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.model import NodeLoad
 from kvbroker.controlplane.registry import Registry
 from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -245,7 +247,7 @@ async def test_a_recompute_choice_claims_nothing() -> None:
         prefill_fixed_ms=5, prefill_us_per_token=50, read_fixed_ms=900, read_us_per_block=900,
         calibrated_time=to_timestamp(h.clock.t),
     )  # fmt: skip
-    await h.registry.set_cost_profile("prefill-0", slow)
+    await h.registry.set_cost_profile("prefill-0", codec.cost_of(slow))
     hint = await reused(h, TurnRequest(prompt_tokens=4000, new_tokens=3900))
     assert hint.decision == registry_pb2.HINT_DECISION_RECOMPUTE
     assert hint.path == registry_pb2.TURN_PATH_RECOMPUTE
@@ -271,17 +273,18 @@ async def test_cost_profiles_are_checked_stored_and_survive_re_registration() ->
     h = Harness()
     await h.fleet()
     profile = node_pb2.CostProfile(prefill_fixed_ms=1.5, calibrated_time=to_timestamp(1.0))
-    node = await h.registry.set_cost_profile("decode-0", profile)
-    assert node.cost.prefill_fixed_ms == 1.5
+    node = await h.registry.set_cost_profile("decode-0", codec.cost_of(profile))
+    assert node.cost is not None and node.cost.costs.prefill_fixed_ms == 1.5
     for bad in (
         node_pb2.CostProfile(prefill_fixed_ms=float("nan"), calibrated_time=to_timestamp(1.0)),
         node_pb2.CostProfile(read_us_per_block=-1, calibrated_time=to_timestamp(1.0)),
         node_pb2.CostProfile(prefill_fixed_ms=1.0),  # not said when it was measured
     ):
         with pytest.raises(InvalidArgument):
-            await h.registry.set_cost_profile("decode-0", bad)
+            await h.registry.set_cost_profile("decode-0", codec.cost_of(bad))
     await h.registry.register_node(h.decode)  # the same engine again
-    assert (await h.registry.get_node("decode-0")).cost.prefill_fixed_ms == 1.5
+    stored = (await h.registry.get_node("decode-0")).cost
+    assert stored is not None and stored.costs.prefill_fixed_ms == 1.5
     costs = h.registry.nodes.runtime["decode-0"].costs
     assert costs is not None and costs.prefill_fixed_ms == 1.5
 
@@ -297,7 +300,7 @@ async def test_a_turn_that_just_finished_does_not_count_as_load() -> None:
     h = Harness()
     await h.fleet()
     await h.registry.heartbeat(
-        h.decode.node_id, h.decode.incarnation, True, node_pb2.NodeLoad(running_requests=1)
+        h.decode.node_id, h.decode.incarnation, True, NodeLoad(running_requests=1)
     )
     await h.grant("conv-1", "req-1")  # that turn finished: its blocks are retained
     hint = await reused(h, TurnRequest(prompt_tokens=1600, new_tokens=1500), dry_run=True)
@@ -350,7 +353,7 @@ async def test_the_registry_remembers_which_prefill_node_computed_each_prompt() 
     assert again.prefill.node_id == first.prefill.node_id
     assert {e.prefill_node_id for e in again.estimates} >= {first.prefill.node_id}
     caching = h.prefill if first.prefill.node_id == h.prefill.node_id else other
-    await h.registry.heartbeat(caching.node_id, caching.incarnation, False, node_pb2.NodeLoad())
+    await h.registry.heartbeat(caching.node_id, caching.incarnation, False, NodeLoad())
     assert cached() is None  # not READY
     restarted = node_spec(caching.node_id, node_pb2.NODE_ROLE_PREFILL, port=5704)
     restarted.prefix_caching = True

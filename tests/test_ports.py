@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from kvbroker.common import ports
+from kvbroker.common.process import ports
 
 
 def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:

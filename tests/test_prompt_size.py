@@ -1,9 +1,9 @@
-"""The router's prompt-size estimates (``router/prompt_size.py``): the new suffix is what follows
+"""Prompt-size estimates (``kvbroker/common/rules/prompt_size.py``): the new suffix is what follows
 the last answer, and the characters-to-tokens ratio is learned from prefill legs."""
 
 from __future__ import annotations
 
-from kvbroker.router.prompt_size import TOKENS_PER_MESSAGE, PromptSize, PromptText
+from kvbroker.common.rules.prompt_size import TOKENS_PER_MESSAGE, PromptSize, PromptText
 
 CHAT = {
     "messages": [

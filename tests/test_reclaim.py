@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 
-from kvbroker.common.clock import from_duration
+from kvbroker.common.rules.clock import from_duration
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.testing.factories import Heartbeats, hint, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2

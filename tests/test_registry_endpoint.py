@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbroker.common.grpc_client import RegistryEndpoint
+from kvbroker.common.client.grpc_client import RegistryEndpoint
 
 
 @pytest.mark.parametrize(

@@ -12,15 +12,15 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvbroker.common.grpc_client import (
+from kvbroker.common.client.grpc_client import (
     REPLICA_BACKOFF_S,
     RegistryEndpoint,
     from_grpc_error,
     open_channel,
     registry_stub,
 )
-from kvbroker.common.ports import free_port
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.controlplane.errors import (
     NoLeader,
     NoReadyNode,

@@ -8,9 +8,9 @@ import grpc
 import httpx
 import pytest
 
-from kvbroker.common.clock import from_duration, from_timestamp
-from kvbroker.common.grpc_client import from_grpc_error
-from kvbroker.common.hint_batcher import HintBatcher
+from kvbroker.common.client.grpc_client import from_grpc_error
+from kvbroker.common.client.hint_batcher import HintBatcher
+from kvbroker.common.rules.clock import from_duration, from_timestamp
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.testing.factories import (
     Heartbeats,

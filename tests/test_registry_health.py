@@ -13,10 +13,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.bench.failover import registry_replica
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.local_etcd import LocalEtcd
-from kvbroker.common.supervisor import stop_all
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.common.process.supervisor import stop_all
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.controlplane.server import SERVICE_NAME
 from kvbroker.v1 import registry_pb2
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import httpx
 
-from kvbroker.common.engine_link import EngineLink
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import ChildProcess, stop_all
-from kvbroker.common.tasks import poll_until
+from kvbroker.common.client.engine_link import EngineLink
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import ChildProcess, stop_all
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.stack import router_command, router_routing
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.processes import sidecar_process

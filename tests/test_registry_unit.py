@@ -8,12 +8,15 @@ import asyncio
 
 import pytest
 
-from kvbroker.common.clock import from_duration
-from kvbroker.controlplane.cached_store import MemoryStore
+from kvbroker.common.rules.clock import from_duration
+from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyNode, SessionLost
-from kvbroker.controlplane.lease_ids import TERM_SHIFT, next_epoch
+from kvbroker.controlplane.records.answers import LeaseAnswer
+from kvbroker.controlplane.records.lease_ids import TERM_SHIFT, next_epoch
+from kvbroker.controlplane.records.model import NodeLoad
 from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.storage.cached_store import MemoryStore
 from kvbroker.testing.factories import block_hashes, handle, node_spec, replayed
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
@@ -64,7 +67,7 @@ class Harness:
 
     async def grant(
         self, conversation: str, request_id: str, ttl: float | None = None
-    ) -> lease_pb2.Lease:
+    ) -> LeaseAnswer:
         return await self.registry.grant_lease(
             conversation,
             self.decode.node_id,
@@ -77,7 +80,7 @@ class Harness:
 
     async def heartbeat(self, *specs: node_pb2.NodeSpec) -> None:
         for spec in specs:
-            await self.registry.heartbeat(spec.node_id, spec.incarnation, True, node_pb2.NodeLoad())
+            await self.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad())
 
     async def next_command(self) -> registry_pb2.LeaseCommand:
         commands = self.registry.watch_commands(self.decode.node_id, self.decode.incarnation)
@@ -88,7 +91,7 @@ async def test_a_lease_expires_when_its_ttl_runs_out() -> None:
     h = Harness()
     await h.fleet()
     lease = await h.grant("c", "req-1", ttl=10)
-    assert from_duration(lease.time_to_live) == pytest.approx(10)
+    assert lease.time_to_live == pytest.approx(10)
     await h.advance(9.9)
     assert (await h.registry.get_lease(lease.lease_id)).state == ACTIVE
     await h.advance(0.2)
@@ -110,13 +113,13 @@ async def test_no_lease_outlives_the_holder_engine_s_hard_cap() -> None:
     h.decode.retention_hard_cap.FromSeconds(45)
     await h.fleet()
     idle = await h.grant("c", "req-1")
-    assert from_duration(idle.time_to_live) == pytest.approx(45)
+    assert idle.time_to_live == pytest.approx(45)
     asked = await h.grant("d", "req-2", ttl=600)
-    assert from_duration(asked.time_to_live) == pytest.approx(45)
+    assert asked.time_to_live == pytest.approx(45)
     kept = await h.registry.renew_lease(asked.lease_id, ttl=3600)
-    assert from_duration(kept.time_to_live) == pytest.approx(45)
+    assert kept.time_to_live == pytest.approx(45)
     short = await h.grant("e", "req-3", ttl=10)
-    assert from_duration(short.time_to_live) == pytest.approx(10)
+    assert short.time_to_live == pytest.approx(10)
     await h.advance(45.1)
     assert (await h.registry.get_lease(kept.lease_id)).state == lease_pb2.LEASE_STATE_EXPIRED
 
@@ -231,7 +234,7 @@ async def test_a_successor_offers_a_holder_s_leases_only_after_its_replay() -> N
     hint = await successor.routing_hint("c", "", dry_run=True)
     assert hint.decision == registry_pb2.HINT_DECISION_RECOMPUTE
     assert hint.consistency == registry_pb2.HINT_CONSISTENCY_DEGRADED
-    replay = replayed(lease)
+    replay = replayed(convert.lease_message(lease))
     response = await successor.report_retention(
         h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True
     )
@@ -268,7 +271,7 @@ async def test_after_a_restart_a_new_grant_fences_an_older_replay() -> None:
             await registry.register_node(spec)
         return registry
 
-    async def grant(registry: Registry, spec: node_pb2.NodeSpec, request: str) -> lease_pb2.Lease:
+    async def grant(registry: Registry, spec: node_pb2.NodeSpec, request: str) -> LeaseAnswer:
         return await registry.grant_lease(
             "c", spec.node_id, spec.incarnation, handle(request, 64, spec), block_hashes(64), 64
         )
@@ -277,7 +280,7 @@ async def test_after_a_restart_a_new_grant_fences_an_older_replay() -> None:
     restarted = await started(term=3)
     new = await grant(restarted, decodes[1], "req-2")
     assert new.epoch > old.epoch
-    replay = replayed(old)
+    replay = replayed(convert.lease_message(old))
     answer = await restarted.report_retention(
         decodes[0].node_id, decodes[0].incarnation, [replay], full_snapshot=True
     )

@@ -17,12 +17,12 @@ import httpx
 import pytest
 
 from kvbroker.bench.failover import SoakConfig, fleet_for_tests, registry_replica, run_soak
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.local_etcd import LocalEtcd
-from kvbroker.common.ports import free_port
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.common.process.ports import free_port
 from kvbroker.controlplane.errors import StoreUnavailable
-from kvbroker.controlplane.etcd_store import EtcdEndpoints, EtcdStore
-from kvbroker.controlplane.model import Node
+from kvbroker.controlplane.records.model import Node
+from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints, EtcdStore
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.conftest import eventually

@@ -12,10 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbroker.controlplane.cached_store import MemoryStore
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument, RegistryError
+from kvbroker.controlplane.records.model import NodeLoad
 from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.storage.cached_store import MemoryStore
 from kvbroker.testing.factories import block_hashes, handle, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
@@ -110,7 +111,7 @@ async def test_nan_and_out_of_range_loads_are_refused() -> None:
     h = Harness()
     await h.fleet()
     for usage in (math.nan, math.inf, -0.5, 1.5):
-        load = node_pb2.NodeLoad(kv_cache_usage=usage)
+        load = NodeLoad(kv_cache_usage=usage)
         await refused(h, h.registry.heartbeat(h.decode.node_id, h.decode.incarnation, True, load))
 
 
@@ -345,7 +346,7 @@ async def test_fuzz_heartbeat(
 ) -> None:
     h = Harness()
     await h.fleet()
-    load = node_pb2.NodeLoad(kv_cache_usage=usage, running_requests=running)
+    load = NodeLoad(kv_cache_usage=usage, running_requests=running)
     await _called(h, h.registry.heartbeat(node_id, incarnation, ready, load))
     await _called(h, h.registry.heartbeat(h.decode.node_id, h.decode.incarnation, ready, load))
 

@@ -3,7 +3,7 @@ supersedes."""
 
 from __future__ import annotations
 
-from kvbroker.common.retention_mirror import RetentionMirror
+from kvbroker.common.rules.retention_mirror import RetentionMirror
 from kvbroker.v1 import lease_pb2, registry_pb2
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbroker.common.retention_value import RetentionValue
+from kvbroker.common.rules.retention_value import RetentionValue
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.idle_ttl import IdleTtl
+from kvbroker.controlplane.sessions.idle_ttl import IdleTtl
 from kvbroker.engine_ext.pressure import (
     BUDGET,
     PRESSURE,

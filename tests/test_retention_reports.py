@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvbroker.common.clock import to_duration
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.rules.clock import to_duration
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.testing.factories import block_hashes, handle, hint, node_spec, register

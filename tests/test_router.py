@@ -24,11 +24,11 @@ from starlette.routing import Route
 from typer.testing import CliRunner
 
 from kvbroker.cli.main import app as cli
-from kvbroker.common.credentials import token_digest
-from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.common.handles import decode_local_params
-from kvbroker.common.ids import MAX_ID_LENGTH
-from kvbroker.common.ports import free_port
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.credentials import token_digest
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.rules.handles import DECIDED_KEY, decode_local_params
+from kvbroker.common.rules.ids import MAX_ID_LENGTH
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.router.auth import ApiKeys, Tenant
@@ -131,7 +131,8 @@ async def test_two_legs_with_session_and_handle(fleet: Fleet, stub: RegistryServ
         prefill_leg = next(p for p in fleet.prefills if p.received).received[-1]
         assert prefill_leg["max_tokens"] == 1
         assert prefill_leg["kv_transfer_params"] == {"do_remote_decode": True,
-                                                     "do_remote_prefill": False}  # fmt: skip
+                                                     "do_remote_prefill": False,
+                                                     DECIDED_KEY: True}  # fmt: skip
         decode_leg = fleet.decode.received[-1]
         assert decode_leg["session_id"] == "conv-1"
         assert decode_leg["max_tokens"] == 5

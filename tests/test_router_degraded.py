@@ -21,9 +21,9 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 from structlog.testing import capture_logs
 
-from kvbroker.common.grpc_client import RegistryEndpoint
-from kvbroker.common.handles import decode_local_params
-from kvbroker.common.ports import free_port
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.rules.handles import decided_params, decode_local_params
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.handlers import build_app
@@ -185,7 +185,8 @@ async def test_with_no_prefill_node_answering_the_decode_node_computes_the_turn(
     if retains:
         assert decode_leg["kv_transfer_params"] == decode_local_params()
     else:
-        assert "kv_transfer_params" not in decode_leg
+        # Marked as kvbroker's decision, so the engine does not resolve it again.
+        assert decode_leg["kv_transfer_params"] == decided_params()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbroker.common.ids import MAX_ID_LENGTH
+from kvbroker.common.rules.ids import MAX_ID_LENGTH
 from kvbroker.router.errors import ApiError
 from kvbroker.router.requests import MAX_JSON_DEPTH, encode, parse_completion, read_body
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbroker.common import routing
+from kvbroker.common.rules import routing
 from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 

@@ -15,11 +15,11 @@ import grpc
 import httpx
 import pytest
 
-from kvbroker.common.clock import to_duration, to_timestamp
-from kvbroker.common.engine_link import Deadline, EngineLink
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.ports import free_port
-from kvbroker.common.supervisor import Announces, ChildProcess
+from kvbroker.common.client.engine_link import Deadline, EngineLink
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import Announces, ChildProcess
+from kvbroker.common.rules.clock import to_duration, to_timestamp
 from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.config import SidecarConfig

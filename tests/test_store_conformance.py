@@ -18,14 +18,14 @@ from pathlib import Path
 import aetcd
 import pytest
 
-from kvbroker.common.local_etcd import LocalEtcd
-from kvbroker.common.tasks import poll_until
-from kvbroker.controlplane import codec
-from kvbroker.controlplane.cached_store import CachedStore, MemoryStore
-from kvbroker.controlplane.election import Election
-from kvbroker.controlplane.etcd_store import ETCD_DEFAULT_LIMITS, EtcdEndpoints, EtcdStore
-from kvbroker.controlplane.model import Conversation, KvHandle, Lease, Node, NodeLoad
-from kvbroker.controlplane.store import CommitTooLarge, Deposed, WriteLimits
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.common.process.tasks import poll_until
+from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.records.model import Conversation, KvHandle, Lease, Node, NodeLoad
+from kvbroker.controlplane.replication.election import Election
+from kvbroker.controlplane.storage.cached_store import CachedStore, MemoryStore
+from kvbroker.controlplane.storage.etcd_store import ETCD_DEFAULT_LIMITS, EtcdEndpoints, EtcdStore
+from kvbroker.controlplane.storage.store import CommitTooLarge, Deposed, WriteLimits
 from kvbroker.testing.factories import block_hashes, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.common.supervisor import (
+from kvbroker.common.process.supervisor import (
     Announces,
     Answers,
     ChildProcess,

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.testing.factories import grant, node_spec, register
 from kvbroker.v1 import node_pb2, registry_pb2

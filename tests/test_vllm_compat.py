@@ -1,6 +1,7 @@
 """The compat module: its version gate (engine_ext loads only into the vLLM series it was
-written against, and says which versions are involved when it refuses), and how an idle step
-finds the engine core's loop and waits on it."""
+written against, and says which versions are involved when it refuses), what it answers per
+release (sleep mode, the registration generation), and how an idle step finds the engine
+core's loop and waits on it."""
 
 from __future__ import annotations
 
@@ -11,25 +12,36 @@ from typing import Any
 
 import pytest
 
+from kvbroker.engine_ext import vllm_compat
+from kvbroker.engine_ext.connector import NixlConnector
+from kvbroker.engine_ext.engine_info import engine_info
 from kvbroker.engine_ext.vllm_compat import (
     SUPPORTED_VLLM,
+    VLLM_SERIES,
     EngineLoop,
-    check_vllm_version,
     find_engine_loop,
+    vllm_series,
 )
+from tests.test_connector_scheduler import engine_config, real_scheduler
 
 
-@pytest.mark.parametrize(
-    "installed", [SUPPORTED_VLLM, f"{SUPPORTED_VLLM}.0", f"{SUPPORTED_VLLM}.2rc1"]
-)
-def test_releases_of_the_supported_series_are_accepted(installed: str) -> None:
-    check_vllm_version(installed)
+@pytest.mark.parametrize("series", SUPPORTED_VLLM)
+@pytest.mark.parametrize("release", ["", ".0", ".2rc1"])
+def test_releases_of_every_supported_series_are_accepted(series: str, release: str) -> None:
+    assert vllm_series(series + release) == series
 
 
-@pytest.mark.parametrize("installed", ["0.33.0", "0.31.9", "0.3.2", "0.320.0", "1.0.0"])
-def test_other_versions_are_refused_naming_both(installed: str) -> None:
-    with pytest.raises(ImportError, match=rf"supports vLLM {SUPPORTED_VLLM}\.x.*vLLM {installed} "):
-        check_vllm_version(installed)
+@pytest.mark.parametrize("installed", ["0.35.0", "0.31.9", "0.3.2", "0.320.0", "1.0.0"])
+def test_other_versions_are_refused_naming_the_supported_ones(installed: str) -> None:
+    with pytest.raises(
+        ImportError, match=rf"supports vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x, but vLLM {installed} "
+    ):
+        vllm_series(installed)
+
+
+def test_the_installed_vllm_is_one_of_the_supported_series() -> None:
+    assert VLLM_SERIES in SUPPORTED_VLLM
+    assert vllm_compat.VLLM_VERSION.startswith(VLLM_SERIES)
 
 
 class _Scheduler:
@@ -75,3 +87,35 @@ def test_an_idle_wait_ends_when_a_request_is_queued_or_at_its_timeout() -> None:
     assert time.monotonic() - started < 2.0
     loop.wait_for_input(5.0)  # already queued: no wait at all
     assert time.monotonic() - started < 2.0
+
+
+def test_a_retaining_engine_refuses_sleep_mode() -> None:
+    """vLLM 0.33+ asks the connector class at start when --enable-sleep-mode is set; a
+    sleeping engine would discard KV held under live leases, so the answer is no."""
+    config = engine_config("kv_consumer", True, {"bidirectional_kv_xfer": True})
+    assert config.kv_transfer_config is not None
+    assert not NixlConnector.supports_sleep_mode(config.kv_transfer_config)
+
+
+@pytest.mark.skipif(VLLM_SERIES == "0.32", reason="vLLM 0.32 has no sleep-mode question")
+def test_an_engine_that_retains_nothing_keeps_vllm_s_answer() -> None:
+    config = engine_config("kv_producer", False, {"bidirectional_kv_xfer": False})
+    assert config.kv_transfer_config is not None
+    vllm_answer = getattr(vllm_compat.VllmNixlPullConnector, "supports_sleep_mode")  # noqa: B009 - 0.33+ only; typing reads 0.32
+    assert NixlConnector.supports_sleep_mode(config.kv_transfer_config) == vllm_answer(
+        config.kv_transfer_config
+    )
+
+
+def test_the_engine_reports_its_vllm_and_handshake_versions() -> None:
+    """What the registry plans compatible reads from (docs/vllm-versions.md)."""
+    config = engine_config("kv_consumer", True, {"bidirectional_kv_xfer": True})
+    scheduler = real_scheduler(config, num_blocks=64)
+    try:
+        info = engine_info(config, scheduler.kv_cache_config, budget_blocks=8, hard_cap_s=60.0)
+    finally:
+        scheduler.shutdown()
+    assert info.vllm_version == vllm_compat.VLLM_VERSION
+    assert info.nixl_connector_version == {"0.32": 14, "0.33": 15, "0.34": 16}[VLLM_SERIES]
+    # One worker (tp 1, pp 1): vLLM 0.33+ counts its first publish; 0.32 has no generations.
+    assert info.registration_generation == (0 if VLLM_SERIES == "0.32" else 1)

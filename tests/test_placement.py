@@ -1,0 +1,94 @@
+"""``GET /v1/placement`` on kvbroker's router, against a real registry: the affinity headers
+llm-d and Dynamo honour, for the nodes that hold a conversation's KV; none for a turn that
+reuses nothing; the registry's dry run (no lease claimed); bad input refused alone."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.ports import free_port
+from kvbroker.controlplane.server import RunningRegistry
+from kvbroker.router.config import RouterConfig
+from kvbroker.router.handlers import build_app
+from kvbroker.router.proxy import Router
+from kvbroker.testing.engine import serving
+from kvbroker.testing.factories import Heartbeats, grant, node_spec
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+
+
+@pytest.fixture
+async def router_url(registry_server: RunningRegistry) -> AsyncIterator[str]:
+    router = Router(RegistryEndpoint.parse(registry_server.address), RouterConfig())
+    port = free_port()
+    async with serving(build_app(router), port):
+        yield f"http://127.0.0.1:{port}"
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+async def test_placement_pins_the_nodes_holding_the_kv(
+    stub: RegistryServiceStub, router_url: str
+) -> None:
+    decode = node_spec("decode-0")
+    decode.kubernetes_pod, decode.dynamo_worker_id = "llm/decode-0", "7587890"
+    decode.gateway_endpoint = "10.0.0.7:8000"
+    prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+    prefill.kubernetes_pod, prefill.dynamo_worker_id = "llm/prefill-0", "7587891"
+    async with Heartbeats(stub, decode, prefill), httpx.AsyncClient() as http:
+        new = await http.get(f"{router_url}/v1/placement", params={"session_id": "conv-1"})
+        assert new.status_code == 200, new.text
+        assert new.json()["headers"] == {}  # nothing retained: the fleet's router decides
+        assert new.json()["decision"] == "MISS"
+        assert "x-session-token" not in new.headers
+
+        lease = await grant(stub, decode, "conv-1", "req-1", tokens=512)
+        short = await http.get(
+            f"{router_url}/v1/placement", params={"session_id": "conv-1", "prompt_tokens": 540}
+        )
+        body = short.json()
+        assert (body["path"], body["decode"], body["retained_tokens"]) == (
+            "DECODE_LOCAL",
+            "decode-0",
+            512,
+        )
+        assert short.headers["x-session-token"] == b64("llm/decode-0")
+        assert short.headers["x-worker-instance-id"] == "7587890"
+        assert short.headers["x-gateway-destination-endpoint-subset"] == "10.0.0.7:8000"
+        assert "x-prefill-instance-id" not in short.headers  # no prefill leg
+
+        bulk = await http.get(
+            f"{router_url}/v1/placement",
+            params={"session_id": "conv-1", "prompt_tokens": 512 + 5000},
+        )
+        assert bulk.json()["path"] == "READ"
+        assert bulk.headers["x-session-token-prefill"] == b64("llm/prefill-0")
+        assert bulk.headers["x-prefill-instance-id"] == "7587891"
+        assert bulk.headers["x-gateway-destination-endpoint-subset"] == (
+            "10.0.0.7:8000,127.0.0.1:6700"
+        )
+        # A dry run: the engine the turn reaches claims the lease for itself.
+        listed = await stub.GetLease(
+            registry_pb2.GetLeaseRequest(lease_id=lease.lease_id), timeout=5
+        )
+        assert listed.lease.state == lease_pb2.LEASE_STATE_ACTIVE
+
+
+async def test_placement_refuses_bad_input_alone(
+    stub: RegistryServiceStub, router_url: str
+) -> None:
+    decode, prefill = node_spec("decode-0"), node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL)
+    async with Heartbeats(stub, decode, prefill), httpx.AsyncClient() as http:
+        for params in ({}, {"session_id": "x" * 5000}, {"session_id": "c", "prompt_tokens": "-3"}):
+            refused = await http.get(f"{router_url}/v1/placement", params=params)
+            assert refused.status_code == 400, (params, refused.text)
+            assert refused.json()["error"]["type"] == "invalid_request_error"
+        fine = await http.get(f"{router_url}/v1/placement", params={"session_id": "c"})
+        assert fine.status_code == 200
