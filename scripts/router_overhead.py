@@ -17,8 +17,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvbroker.common.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.ports import free_port
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.ports import free_port
 from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.handlers import build_app

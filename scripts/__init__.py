@@ -1,0 +1,1 @@
+"""Tools run from the repository (benchmark helpers, the documentation site's generator)."""
