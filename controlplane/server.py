@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvbroker.common.client.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
+from kvbroker.common.process.heap import freeze_startup_heap
 from kvbroker.common.process.metrics_http import MetricsTls, serve_metrics
 from kvbroker.common.process.tls_files import check_certificates, load_tls_context
 from kvbroker.controlplane.api.identity import Credentials
@@ -220,6 +221,7 @@ async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> Non
 async def serve_forever(options: ServerOptions) -> None:
     """Runs until SIGINT/SIGTERM; prints one JSON line with the addresses once serving."""
     running = await start_registry(options)
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,6 +16,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.heap import freeze_startup_heap
 from kvbroker.gateway.config import EXT_PROC_SERVICE, PlacementConfig
 from kvbroker.gateway.envoy_v3.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvbroker.gateway.ext_proc import PlacementProcessor
@@ -73,6 +74,7 @@ async def start_placement(endpoint: RegistryEndpoint, config: PlacementConfig) -
 async def serve_forever(endpoint: RegistryEndpoint, config: PlacementConfig) -> None:
     """Runs until SIGINT/SIGTERM; prints one JSON line with the address once serving."""
     running = await start_placement(endpoint, config)
+    freeze_startup_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
