@@ -23,7 +23,7 @@ from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import uvloop
@@ -41,6 +41,8 @@ from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import node_pb2
 
 ARMS = ("without", "with")
+Upstream = Literal["direct", "picker"]
+UPSTREAMS: tuple[Upstream, ...] = ("direct", "picker")
 CHAT = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -50,6 +52,9 @@ class PlacementBenchConfig:
     seconds: float = 20.0  # per arm
     conversations: int = 50  # conversations holding KV (the other half of requests is new)
     hint_timeout_s: float = 0.02
+    # "direct": Envoy answers each request itself after the hop, so the arms differ by the hop
+    # alone; "picker": the whole llm-d chain, a picker stand-in and fake engines behind Envoy.
+    upstream: Upstream = "direct"
 
 
 @dataclass(frozen=True)
@@ -145,15 +150,19 @@ async def run_placement_bench(
         )  # fmt: skip
         await hop.start()
         stack.push_async_callback(hop.stop)
-        backends = ChildProcess(
-            "backends",
-            [sys.executable, "-m", "kvbroker.bench.placement"],
-            workdir / "backends.log",
-            ready=[Announces()],
-        )
-        await backends.start()
-        stack.push_async_callback(backends.stop)
-        endpoints, picker = backends.announced["engines"], backends.announced["picker"]
+        if config.upstream == "picker":
+            backends = ChildProcess(
+                "backends",
+                [sys.executable, "-m", "kvbroker.bench.placement"],
+                workdir / "backends.log",
+                ready=[Announces()],
+            )
+            await backends.start()
+            stack.push_async_callback(backends.stop)
+            endpoints, picker = backends.announced["engines"], backends.announced["picker"]
+        else:
+            # Addresses only the hop's answers name: nothing is sent to them.
+            endpoints, picker = ["127.0.0.1:5601", "127.0.0.1:5611"], None
         envoys = {
             "without": Envoy(workdir, picker, None),
             "with": Envoy(workdir, picker, hop_address),

@@ -468,13 +468,24 @@ def bench_placement(
         float,
         typer.Option(callback=positive_seconds, help="The hop's registry deadline, s."),
     ] = 0.02,
+    upstream: Annotated[
+        str,
+        typer.Option(
+            help="direct: Envoy answers each request itself after the hop (what the hop alone "
+            "adds); picker: a picker stand-in and fake engines behind Envoy, llm-d's chain."
+        ),
+    ] = "direct",
 ) -> None:
     """Latency a request gains from the placement hop (kvbroker's Envoy ext_proc): Envoy with
     and without it, on loopback, the arms interleaved."""
-    from kvbroker.bench.placement import PlacementBenchConfig, run, write
+    from kvbroker.bench.placement import UPSTREAMS, PlacementBenchConfig, run, write
 
     console = Console()
-    config = PlacementBenchConfig(rate=rate, seconds=seconds, hint_timeout_s=hint_timeout)
+    if upstream not in UPSTREAMS:
+        fail(f"--upstream must be one of {', '.join(UPSTREAMS)}, not {upstream!r}")
+    config = PlacementBenchConfig(
+        rate=rate, seconds=seconds, hint_timeout_s=hint_timeout, upstream=upstream
+    )
     report = run(config, progress=partial(say, console))
     table = Table(title=f"Envoy on loopback, {rate:.0f} req/s", title_justify="left")
     # Short headers: a console that is not a terminal is 80 columns wide.

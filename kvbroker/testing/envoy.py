@@ -16,6 +16,7 @@ reference picker does. For the tests and ``kvbroker bench placement``.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import itertools
 import json
@@ -40,6 +41,8 @@ from kvbroker.gateway.envoy_v3.envoy.type.v3 import http_status_pb2
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # GIE conformance's hook: the picker picks the endpoint this header names.
 TEST_SELECTION_HEADER = "test-epp-endpoint-selection"
+# What Envoy answers itself when it has no picker (base64, as the bootstrap's bytes are).
+DIRECT_ANSWER = base64.b64encode(b'{"object": "chat.completion", "choices": []}').decode()
 _TYPE = "type.googleapis.com/"
 
 
@@ -216,28 +219,36 @@ def _ext_proc(cluster: str, metadata: dict[str, Any], fail_open: bool) -> dict[s
 
 
 def envoy_config(
-    listen_port: int, admin_port: int, picker: str, placement: str | None, picker_fail_open: bool
+    listen_port: int,
+    admin_port: int,
+    picker: str | None,
+    placement: str | None,
+    picker_fail_open: bool,
 ) -> dict[str, Any]:
     """Envoy's bootstrap: the listener, the two ext_proc hops (the placement hop only when
-    ``placement`` is given) and the ORIGINAL_DST cluster the picker's header steers."""
+    ``placement`` is given) and the ORIGINAL_DST cluster the picker's header steers. Without a
+    ``picker``, Envoy answers every request itself (200, ``DIRECT_ANSWER``) after the hop: the
+    chain that measures what the hop alone adds."""
     filters = []
-    clusters = [_grpc_cluster("picker", picker)]
+    clusters = []
     if placement is not None:
         # The hop fails open: Envoy goes on without it when it is away or slow.
         filters.append(
             _ext_proc("placement", {"receiving_namespaces": {"untyped": [SUBSET_NAMESPACE]}}, True)
         )
         clusters.append(_grpc_cluster("placement", placement))
-    filters.append(
-        _ext_proc(
-            "picker",
-            {
-                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]},
-                "receiving_namespaces": {"untyped": ["envoy.lb"]},
-            },
-            picker_fail_open,
+    if picker is not None:
+        filters.append(
+            _ext_proc(
+                "picker",
+                {
+                    "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]},
+                    "receiving_namespaces": {"untyped": ["envoy.lb"]},
+                },
+                picker_fail_open,
+            )
         )
-    )
+        clusters.append(_grpc_cluster("picker", picker))
     filters.append(
         {
             "name": "envoy.filters.http.router",
@@ -256,6 +267,11 @@ def envoy_config(
             },
         }
     )
+    route: dict[str, Any] = (
+        {"route": {"cluster": "original_destination_cluster", "timeout": "60s"}}
+        if picker is not None
+        else {"direct_response": {"status": 200, "body": {"inline_bytes": DIRECT_ANSWER}}}
+    )
     manager = {
         "@type": _TYPE
         + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -265,12 +281,7 @@ def envoy_config(
                 {
                     "name": "engines",
                     "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"prefix": "/"},
-                            "route": {"cluster": "original_destination_cluster", "timeout": "60s"},
-                        }
-                    ],
+                    "routes": [{"match": {"prefix": "/"}, **route}],
                 }
             ]
         },
@@ -310,7 +321,7 @@ class Envoy(ChildProcess):
     def __init__(
         self,
         workdir: Path,
-        picker: str,
+        picker: str | None,
         placement: str | None,
         picker_fail_open: bool = False,
         concurrency: int = 1,
