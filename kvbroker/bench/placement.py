@@ -31,13 +31,11 @@ import uvloop
 from kvbroker.bench.cpu import cpu_seconds
 from kvbroker.bench.stats import quantile
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import Announces, ChildProcess
-from kvbroker.stack import KVBROKER
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.envoy import Envoy, SubsetPicker
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
-from kvbroker.testing.processes import RegistryProcess
+from kvbroker.testing.processes import PlacementProcess, RegistryProcess
 from kvbroker.v1 import node_pb2
 
 ARMS = ("without", "with")
@@ -140,14 +138,12 @@ async def run_placement_bench(
         registry = RegistryProcess(log=workdir / "registry.log")
         await registry.start()
         stack.push_async_callback(registry.stop)
-        hop_address = f"127.0.0.1:{free_port()}"
-        hop = ChildProcess(
-            "placement",
-            [KVBROKER, "placement", "serve", "--listen", hop_address, "--registry",
-             registry.address, "--hint-timeout", str(config.hint_timeout_s)],
-            workdir / "placement.log",
-            ready=[Announces()],
-        )  # fmt: skip
+        hop = PlacementProcess(
+            registry.address,
+            "--hint-timeout",
+            str(config.hint_timeout_s),
+            log=workdir / "placement.log",
+        )
         await hop.start()
         stack.push_async_callback(hop.stop)
         if config.upstream == "picker":
@@ -165,7 +161,7 @@ async def run_placement_bench(
             endpoints, picker = ["127.0.0.1:5601", "127.0.0.1:5611"], None
         envoys = {
             "without": Envoy(workdir, picker, None),
-            "with": Envoy(workdir, picker, hop_address),
+            "with": Envoy(workdir, picker, hop.address),
         }
         for envoy in envoys.values():
             await envoy.start()

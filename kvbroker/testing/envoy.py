@@ -12,6 +12,11 @@ forwarded ``envoy.lb.subset_hint`` metadata, answers 503 when none of its endpoi
 honours the conformance suite's ``test-epp-endpoint-selection`` header, and writes the
 destination as a header and as ``envoy.lb`` metadata. Otherwise it goes round-robin, as GIE's
 reference picker does. For the tests and ``kvbroker bench placement``.
+
+Without a picker the chain is the hop alone, then either Envoy's own answer (what the hop adds,
+measured) or one ``upstream`` that places requests itself, as Dynamo's frontend does from the
+pin headers the hop wrote. ``Envoy.forwarded`` reads back, from Envoy's access log, the headers
+each request went on with after the hops: what the hop wrote, seen from outside it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import itertools
 import json
 import os
 import shutil
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,18 +169,13 @@ class SubsetPicker:
             await self._server.stop(0.1)
 
 
-def _grpc_cluster(name: str, address: str) -> dict[str, Any]:
+def _static_cluster(name: str, address: str, grpc: bool = True) -> dict[str, Any]:
+    """One fixed endpoint; HTTP/2 for a gRPC server (an ext_proc), else Envoy's default."""
     host, port = address.rsplit(":", 1)
-    return {
+    cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [
@@ -191,6 +191,28 @@ def _grpc_cluster(name: str, address: str) -> dict[str, Any]:
                     ]
                 }
             ],
+        },
+    }
+    if grpc:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster
+
+
+def _access_log(path: Path, headers: Sequence[str]) -> dict[str, Any]:
+    """One JSON line per request: its status and ``headers`` as they went upstream (after the
+    hops' mutations; null when absent)."""
+    fields = {"status": "%RESPONSE_CODE%", **{name: f"%REQ({name})%" for name in headers}}
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": _TYPE + "envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(path),
+            "log_format": {"json_format": fields},
         },
     }
 
@@ -224,11 +246,14 @@ def envoy_config(
     picker: str | None,
     placement: str | None,
     picker_fail_open: bool,
+    upstream: str | None = None,
+    access_log: tuple[Path, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Envoy's bootstrap: the listener, the two ext_proc hops (the placement hop only when
     ``placement`` is given) and the ORIGINAL_DST cluster the picker's header steers. Without a
-    ``picker``, Envoy answers every request itself (200, ``DIRECT_ANSWER``) after the hop: the
-    chain that measures what the hop alone adds."""
+    ``picker``, Envoy sends every request after the hop to ``upstream`` when given, else
+    answers it itself (200, ``DIRECT_ANSWER``): the chain that measures what the hop alone
+    adds. ``access_log``: where to log which request headers (``_access_log``)."""
     filters = []
     clusters = []
     if placement is not None:
@@ -236,7 +261,7 @@ def envoy_config(
         filters.append(
             _ext_proc("placement", {"receiving_namespaces": {"untyped": [SUBSET_NAMESPACE]}}, True)
         )
-        clusters.append(_grpc_cluster("placement", placement))
+        clusters.append(_static_cluster("placement", placement))
     if picker is not None:
         filters.append(
             _ext_proc(
@@ -248,7 +273,7 @@ def envoy_config(
                 picker_fail_open,
             )
         )
-        clusters.append(_grpc_cluster("picker", picker))
+        clusters.append(_static_cluster("picker", picker))
     filters.append(
         {
             "name": "envoy.filters.http.router",
@@ -267,11 +292,12 @@ def envoy_config(
             },
         }
     )
-    route: dict[str, Any] = (
-        {"route": {"cluster": "original_destination_cluster", "timeout": "60s"}}
-        if picker is not None
-        else {"direct_response": {"status": 200, "body": {"inline_bytes": DIRECT_ANSWER}}}
-    )
+    route: dict[str, Any] = {"route": {"cluster": "original_destination_cluster", "timeout": "60s"}}
+    if picker is None and upstream is not None:
+        clusters.append(_static_cluster("upstream", upstream, grpc=False))
+        route = {"route": {"cluster": "upstream", "timeout": "60s"}}
+    elif picker is None:
+        route = {"direct_response": {"status": 200, "body": {"inline_bytes": DIRECT_ANSWER}}}
     manager = {
         "@type": _TYPE
         + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -287,6 +313,8 @@ def envoy_config(
         },
         "http_filters": filters,
     }
+    if access_log is not None:
+        manager["access_log"] = [_access_log(*access_log)]
     return {
         "admin": {
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
@@ -316,7 +344,9 @@ def envoy_config(
 
 
 class Envoy(ChildProcess):
-    """Envoy with ``envoy_config``'s chain, ready once its admin says so."""
+    """Envoy with ``envoy_config``'s chain, ready once its admin says so. With
+    ``logged_headers``, it logs those headers of every request as it went upstream
+    (``forwarded``)."""
 
     def __init__(
         self,
@@ -325,11 +355,19 @@ class Envoy(ChildProcess):
         placement: str | None,
         picker_fail_open: bool = False,
         concurrency: int = 1,
+        upstream: str | None = None,
+        logged_headers: Sequence[str] = (),
     ) -> None:
         self.port, admin = free_port(), free_port()
+        self.access_log = workdir / f"envoy-{self.port}-access.jsonl"
+        logged = (self.access_log, logged_headers) if logged_headers else None
         config = workdir / f"envoy-{self.port}.json"
         config.write_text(
-            json.dumps(envoy_config(self.port, admin, picker, placement, picker_fail_open))
+            json.dumps(
+                envoy_config(
+                    self.port, admin, picker, placement, picker_fail_open, upstream, logged
+                )
+            )
         )
         argv = [
             envoy_binary(),
@@ -338,6 +376,9 @@ class Envoy(ChildProcess):
             "--disable-hot-restart",
             "--concurrency",
             str(concurrency),
+            # The access log reaches its file within this, not Envoy's default 10 s.
+            "--file-flush-interval-msec",
+            "50",
             "-l",
             "warning",
         ]
@@ -347,3 +388,10 @@ class Envoy(ChildProcess):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def forwarded(self) -> list[dict[str, Any]]:
+        """The access log so far, one entry a request, oldest first (Envoy writes it within
+        50 ms of each request's end: wait for the count expected)."""
+        if not self.access_log.exists():
+            return []
+        return [json.loads(line) for line in self.access_log.read_text().splitlines() if line]

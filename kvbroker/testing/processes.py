@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import Announces, ChildProcess
-from kvbroker.stack import registry_command, sidecar_command
+from kvbroker.stack import KVBROKER, registry_command, sidecar_command
 
 
 class RegistryProcess(ChildProcess):
@@ -19,6 +19,16 @@ class RegistryProcess(ChildProcess):
     ) -> None:
         self.address = listen or f"127.0.0.1:{free_port()}"
         super().__init__(name, registry_command(self.address, *flags), log, ready=[Announces()])
+
+
+class PlacementProcess(ChildProcess):
+    """`kvbroker placement serve` against ``registry`` with ``flags``, on a loopback port
+    chosen once (``address``, what Envoy's ext_proc cluster points at)."""
+
+    def __init__(self, registry: str, *flags: str, log: Path | None = None) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        argv = [KVBROKER, "placement", "serve", "--listen", self.address, "--registry", registry]
+        super().__init__("placement", [*argv, *flags], log, ready=[Announces()])
 
 
 def sidecar_process(
