@@ -112,6 +112,8 @@ LAYERS = {
     "test_store_conformance": "conformance",
     "test_e2e": "e2e",
     "test_e2e_deploy": "e2e",
+    # Dynamo's mocker workers stand in for engines: no vLLM, so it runs with the fast layers.
+    "test_e2e_dynamo": "integration",
     "test_e2e_images": "e2e",
     "test_e2e_faults": "e2e",
     "test_e2e_faults_mixed": "e2e",
