@@ -62,7 +62,9 @@ async def test_placement_pins_the_nodes_holding_the_kv(
         assert short.headers["x-session-token"] == b64("llm/decode-0")
         assert short.headers["x-worker-instance-id"] == "7587890"
         assert short.headers["x-gateway-destination-endpoint-subset"] == "10.0.0.7:8000"
-        assert "x-prefill-instance-id" not in short.headers  # no prefill leg
+        assert "x-session-token-prefill" not in short.headers  # no prefill leg for llm-d
+        # Dynamo's disaggregated frontend needs its prefill pin beside the decode pin.
+        assert short.headers["x-prefill-instance-id"] == "7587891"
 
         bulk = await http.get(
             f"{router_url}/v1/placement",

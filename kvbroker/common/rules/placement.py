@@ -6,7 +6,8 @@ any gateway hop that sets them on a request.
   ``namespace/name``, read by its session-affinity filter and scorer), and
   ``x-gateway-destination-endpoint-subset`` (the endpoints its picker may choose from: the
   decode node alone for DECODE_LOCAL, with the prefill node for READ);
-- Dynamo: ``x-worker-instance-id`` / ``x-prefill-instance-id`` (its pin headers);
+- Dynamo: ``x-worker-instance-id`` / ``x-prefill-instance-id`` (its pin headers; both for
+  DECODE_LOCAL too when the prefill node is a Dynamo worker, as its frontend needs);
 - any router: ``x-kvbroker-decode`` / ``x-kvbroker-prefill`` (node ids).
 
 A turn that reuses nothing gets no pins: the fleet's router places it as it would.
@@ -55,15 +56,18 @@ def pins(hint: registry_pb2.RoutingHint) -> dict[str, str]:
     headers = {"x-kvbroker-decode": decode.node_id}
     if decode.kubernetes_pod:
         headers["x-session-token"] = _encoded(decode.kubernetes_pod)
+    prefill = hint.prefill
     if decode.dynamo_worker_id:
         headers[DYNAMO_DECODE_PIN] = decode.dynamo_worker_id
+    # A disaggregated Dynamo frontend refuses a decode pin without a prefill pin (400) and
+    # cannot skip the prefill leg of a pinned turn, so where the prefill node is a Dynamo
+    # worker a DECODE_LOCAL turn is pinned as a READ through it.
+    if prefill.dynamo_worker_id and (hint.path == READ or decode.dynamo_worker_id):
+        headers[DYNAMO_PREFILL_PIN] = prefill.dynamo_worker_id
     if hint.path == READ:
-        prefill = hint.prefill
         headers["x-kvbroker-prefill"] = prefill.node_id
         if prefill.kubernetes_pod:
             headers["x-session-token-prefill"] = _encoded(prefill.kubernetes_pod)
-        if prefill.dynamo_worker_id:
-            headers[DYNAMO_PREFILL_PIN] = prefill.dynamo_worker_id
     headers[SUBSET_HEADER] = ",".join(endpoints)
     return headers
 
