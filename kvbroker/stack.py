@@ -149,6 +149,10 @@ class StackConfig:
     # CPU binding of the two engines; on a 2-core host one core each.
     prefill_cpus: str = "0"
     decode_cpus: str = "1" if (os.cpu_count() or 1) > 1 else "0"
+    # vLLM's KV cache events (BlockStored, BlockRemoved, AllBlocksCleared), what llm-d's
+    # precise prefix-cache scorer and Dynamo's KV indexer subscribe to: each engine publishes
+    # them over ZMQ on its own ipc socket in the workdir (Stack.kv_events_endpoint).
+    kv_events: bool = False
 
 
 class Stack:
@@ -246,6 +250,21 @@ class Stack:
             }
         )
 
+    def kv_events_endpoint(self, engine: EngineSpec) -> str:
+        """The ZMQ endpoint the engine publishes its KV cache events on (bound by vLLM, with
+        ``kv_events`` on): a SUB socket connects to it."""
+        return f"ipc://{self.config.workdir / f'{engine.name}-kv-events.ipc'}"
+
+    def _kv_events_args(self, engine: EngineSpec) -> tuple[str, ...]:
+        if not self.config.kv_events:
+            return ()
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.kv_events_endpoint(engine),
+        }
+        return ("--kv-events-config", json.dumps(config))
+
     def engine_env(self, engine: EngineSpec) -> dict[str, str]:
         return {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -290,6 +309,7 @@ class Stack:
             "--kv-transfer-config", self._kv_transfer_config(engine),
             # Behind a router other than kvbroker's, the engine resolves handles itself.
             "--middleware", SESSION_REUSE_MIDDLEWARE,
+            *self._kv_events_args(engine),
             *self.config.engine_args,
         ]  # fmt: skip
 
@@ -427,4 +447,7 @@ class Stack:
             "model_dir": str(self.model_dir),
             "reuse": self.config.reuse,
             "logs": str(self.config.workdir),
+            "kv_events": {e.name: self.kv_events_endpoint(e) for e in self.engines}
+            if self.config.kv_events
+            else None,
         }

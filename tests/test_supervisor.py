@@ -4,6 +4,7 @@ failing fast (its engines replaced by such children)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -226,3 +227,24 @@ def test_both_engines_get_the_stacks_block_size(
     stack = Stack(StackConfig(workdir=tmp_path, model_dir=tmp_path, block_size=block_size))
     for engine in (stack.prefill, stack.decode):
         assert _flag(stack.engine_argv(engine), "--block-size") == passed, engine.role
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_kv_events_give_each_engine_its_own_publisher_socket(tmp_path: Path, on: bool) -> None:
+    """With kv_events each engine publishes on an ipc socket of its own in the workdir (a
+    bound endpoint: vLLM binds ipc and wildcard ones, connects to others); without, no flag."""
+    stack = Stack(StackConfig(workdir=tmp_path, model_dir=tmp_path, kv_events=on))
+    endpoints = set()
+    for engine in (stack.prefill, stack.decode):
+        given = _flag(stack.engine_argv(engine), "--kv-events-config")
+        if not on:
+            assert given is None
+            continue
+        assert given is not None
+        config = json.loads(given)
+        assert config == {"enable_kv_cache_events": True, "publisher": "zmq",
+                          "endpoint": stack.kv_events_endpoint(engine)}  # fmt: skip
+        assert config["endpoint"].startswith(f"ipc://{tmp_path}/")
+        endpoints.add(config["endpoint"])
+    assert len(endpoints) == (2 if on else 0)
+    assert (stack.describe()["kv_events"] is None) is not on

@@ -43,6 +43,13 @@ def up(
     ] = 1,
     token: TokenOpt = None,
     token_file: TokenFileOpt = None,
+    kv_events: Annotated[
+        Switch,
+        typer.Option(
+            help="vLLM's KV cache events from every engine, over ZMQ on an ipc socket in "
+            "--workdir each (the JSON line lists them under kv_events)."
+        ),
+    ] = Switch.off,
 ) -> None:
     """Start registry, prefill and decode vLLM servers with sidecars, and the router, on this
     machine; print one JSON line when ready; stop everything on Ctrl-C or SIGTERM."""
@@ -53,7 +60,7 @@ def up(
 
     run_with_stack(
         reuse is Switch.on, model, workdir, serve, Console(stderr=True), replicas,
-        bearer_token(token, token_file),
+        bearer_token(token, token_file), kv_events=kv_events is Switch.on,
     )  # fmt: skip
 
 
@@ -66,6 +73,7 @@ def run_with_stack(
     replicas: int = 1,
     token: str | None = None,
     prefill_prefix_caching: bool = False,
+    kv_events: bool = False,
 ) -> None:
     """Starts the stack, runs ``body(stack, console)``, and always stops the stack: when the
     body ends, fails, or Ctrl-C / SIGTERM arrives (also while the engines are starting)."""
@@ -93,6 +101,7 @@ def run_with_stack(
                 registry_replicas=replicas,
                 token=token,
                 prefill_prefix_caching=prefill_prefix_caching,
+                kv_events=kv_events,
             ),
             progress=partial(say, console),
         )
