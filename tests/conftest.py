@@ -115,6 +115,7 @@ LAYERS = {
     # Dynamo's mocker workers stand in for engines: no vLLM, so it runs with the fast layers.
     "test_e2e_dynamo": "integration",
     "test_e2e_images": "e2e",
+    "test_e2e_kv_events": "e2e",
     "test_e2e_faults": "e2e",
     "test_e2e_faults_mixed": "e2e",
     "test_e2e_faults_reuse_off": "e2e",
