@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 import httpx
 import uvloop
+from rich.console import Console
+from rich.table import Table
 
 from kvbroker.bench.cpu import cpu_seconds
 from kvbroker.bench.stats import quantile
@@ -221,6 +223,27 @@ async def run_placement_bench(
 def run(config: PlacementBenchConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvbroker-bench-placement-") as workdir:
         return uvloop.run(run_placement_bench(config, Path(workdir), progress))
+
+
+def print_table(report: dict[str, Any], console: Console) -> None:
+    """Both arms, and what the hop added; cpu: ms of CPU per request."""
+    rate, upstream = report["config"]["rate"], report["config"]["upstream"]
+    table = Table(title=f"Envoy on loopback, {rate:.0f} req/s, {upstream}", title_justify="left")
+    # Short headers: a console that is not a terminal is 80 columns wide.
+    columns = ("hop", "requests", "errors", "done/s", "p50 ms", "p99 ms", "hop cpu", "reg cpu")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in report["arms"]:
+        table.add_row(
+            row["arm"], str(row["requests"]), str(row["errors"]), f"{row['throughput']:.0f}",
+            f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}",
+            f"{row['hop_cpu_ms']:.2f}", f"{row['registry_cpu_ms']:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"added by the hop: p50 {report['added_p50_ms']:+.2f} ms, "
+        f"p99 {report['added_p99_ms']:+.2f} ms (cpu: ms of CPU per request)"
+    )
 
 
 def write(report: dict[str, Any], output: Path) -> list[Path]:

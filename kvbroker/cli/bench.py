@@ -478,7 +478,13 @@ def bench_placement(
 ) -> None:
     """Latency a request gains from the placement hop (kvbroker's Envoy ext_proc): Envoy with
     and without it, on loopback, the arms interleaved."""
-    from kvbroker.bench.placement import UPSTREAMS, PlacementBenchConfig, run, write
+    from kvbroker.bench.placement import (
+        UPSTREAMS,
+        PlacementBenchConfig,
+        print_table,
+        run,
+        write,
+    )
 
     console = Console()
     if upstream not in UPSTREAMS:
@@ -487,21 +493,6 @@ def bench_placement(
         rate=rate, seconds=seconds, hint_timeout_s=hint_timeout, upstream=upstream
     )
     report = run(config, progress=partial(say, console))
-    table = Table(title=f"Envoy on loopback, {rate:.0f} req/s", title_justify="left")
-    # Short headers: a console that is not a terminal is 80 columns wide.
-    columns = ("hop", "requests", "errors", "done/s", "p50 ms", "p99 ms", "hop cpu", "reg cpu")
-    for column in columns:
-        table.add_column(column, justify="right")
-    for row in report["arms"]:
-        table.add_row(
-            row["arm"], str(row["requests"]), str(row["errors"]), f"{row['throughput']:.0f}",
-            f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}",
-            f"{row['hop_cpu_ms']:.2f}", f"{row['registry_cpu_ms']:.2f}",
-        )  # fmt: skip
-    console.print(table)
-    console.print(
-        f"added by the hop: p50 {report['added_p50_ms']:+.2f} ms, "
-        f"p99 {report['added_p99_ms']:+.2f} ms (cpu: ms of CPU per request)"
-    )
+    print_table(report, console)
     paths = write(report, output)
     console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))
