@@ -97,11 +97,15 @@ def test_a_retaining_engine_refuses_sleep_mode() -> None:
     assert not NixlConnector.supports_sleep_mode(config.kv_transfer_config)
 
 
-@pytest.mark.skipif(VLLM_SERIES == "0.32", reason="vLLM 0.32 has no sleep-mode question")
 def test_an_engine_that_retains_nothing_keeps_vllm_s_answer() -> None:
     config = engine_config("kv_producer", False, {"bidirectional_kv_xfer": False})
     assert config.kv_transfer_config is not None
-    vllm_answer = getattr(vllm_compat.VllmNixlPullConnector, "supports_sleep_mode")  # noqa: B009 - 0.33+ only; typing reads 0.32
+    vllm_answer = getattr(vllm_compat.VllmNixlPullConnector, "supports_sleep_mode", None)
+    if vllm_answer is None:
+        # vLLM 0.32 asks connectors no sleep-mode question, so kvbroker's answer is never
+        # read there; 0.33 and 0.34 (``make compat``) check the answer itself.
+        assert VLLM_SERIES == "0.32"
+        return
     assert NixlConnector.supports_sleep_mode(config.kv_transfer_config) == vllm_answer(
         config.kv_transfer_config
     )
