@@ -4,9 +4,6 @@ Prometheus endpoint; standalone on the memory store, or one replica of several o
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvbroker.common.client.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
-from kvbroker.common.process.heap import freeze_startup_heap
 from kvbroker.common.process.metrics_http import MetricsTls, serve_metrics
+from kvbroker.common.process.serving import announce_and_serve
 from kvbroker.common.process.tls_files import check_certificates, load_tls_context
 from kvbroker.controlplane.api.identity import Credentials
 from kvbroker.controlplane.api.interface import Leadership, Standalone
@@ -221,16 +218,6 @@ async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> Non
 async def serve_forever(options: ServerOptions) -> None:
     """Runs until SIGINT/SIGTERM; prints one JSON line with the addresses once serving."""
     running = await start_registry(options)
-    freeze_startup_heap()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(
-        json.dumps({"registry": running.address, "metrics": running.metrics_address}),
-        flush=True,
-        file=sys.stdout,
-    )
-    await stop.wait()
+    await announce_and_serve({"registry": running.address, "metrics": running.metrics_address})
     log.info("registry_stopping")
     await running.stop()

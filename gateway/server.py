@@ -5,10 +5,6 @@ config works for it as for a picker."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import signal
-import sys
 from dataclasses import dataclass
 
 import grpc
@@ -16,7 +12,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.common.process.heap import freeze_startup_heap
+from kvbroker.common.process.serving import announce_and_serve
 from kvbroker.gateway.config import EXT_PROC_SERVICE, PlacementConfig
 from kvbroker.gateway.envoy_v3.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvbroker.gateway.ext_proc import PlacementProcessor
@@ -74,11 +70,5 @@ async def start_placement(endpoint: RegistryEndpoint, config: PlacementConfig) -
 async def serve_forever(endpoint: RegistryEndpoint, config: PlacementConfig) -> None:
     """Runs until SIGINT/SIGTERM; prints one JSON line with the address once serving."""
     running = await start_placement(endpoint, config)
-    freeze_startup_heap()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(json.dumps({"placement": running.address}), flush=True, file=sys.stdout)
-    await stop.wait()
+    await announce_and_serve({"placement": running.address})
     await running.stop()
