@@ -19,8 +19,12 @@ def node(
     queued: int = 0,
     state: node_pb2.NodeState = node_pb2.NODE_STATE_READY,
     model: str = "m",
+    retains: bool = True,
 ) -> routing.RoutedNode[node_pb2.Node]:
-    listed = node_pb2.Node(spec=node_spec(node_id, role, model=model), state=state)
+    spec = node_spec(node_id, role, model=model)
+    if not retains:
+        spec.kv_retention = node_pb2.KV_RETENTION_OFF
+    listed = node_pb2.Node(spec=spec, state=state)
     routed = routing.RoutedNode(listed)
     routed.queued = queued
     return routed
@@ -74,6 +78,33 @@ def test_the_holder_is_kept_only_while_it_is_a_candidate() -> None:
     prefill, decode = routing.choose(routes, 0, holder="holder")
     assert (prefill.node_id, decode.node_id) == ("p0", "holder")
     assert routing.choose(routes, 0, holder="gone")[1].node_id == "d0"
+
+
+def test_a_conversation_goes_to_a_retaining_decode_node_as_free_as_any() -> None:
+    """A fleet half retaining (a rollout of reuse): retention on the retaining node is a cache
+    that yields, so it does not push a conversation onto the node that keeps nothing; a turn
+    without a conversation goes by headroom as before; queued work still comes first."""
+    retaining, keeps_nothing = node("d-on"), node("d-off", retains=False)
+    retaining.retained_blocks = retaining.spec.capacity_blocks // 2
+    routes = routing.candidates([node("p0", PREFILL), keeps_nothing, retaining], "m")
+    for turn in range(4):
+        assert routing.choose(routes, turn, conversation=True)[1] is retaining
+        assert routing.choose(routes, turn)[1] is keeps_nothing
+    retaining.queued = 1
+    assert routing.choose(routes, 0, conversation=True)[1] is keeps_nothing
+
+
+def test_a_holder_that_retains_nothing_does_not_keep_its_conversation() -> None:
+    """A conversation that landed on a node that retains nothing (its retaining peer was busy)
+    moves to a retaining node once that is as free: staying would make every turn a MISS."""
+    retaining, keeps_nothing = node("d-on", queued=1), node("d-off", retains=False)
+    routes = routing.candidates([node("p0", PREFILL), keeps_nothing, retaining], "m")
+    assert routing.choose(routes, 0, holder="d-off", conversation=True)[1] is keeps_nothing
+    retaining.queued = 0
+    assert routing.choose(routes, 0, holder="d-off", conversation=True)[1] is retaining
+    keeps_nothing.queued = 0
+    retaining.queued = 5  # a retaining holder is kept however busy (its KV is there)
+    assert routing.choose(routes, 0, holder="d-on", conversation=True)[1] is retaining
 
 
 def test_many_candidates_never_pick_the_one_overloaded_node() -> None:

@@ -86,7 +86,9 @@ class Hints:
             generation = lease.handle.registration_generation
             reuse = routing.registered_anew(lease.lease_id, generation, holder.spec) or reuse
         holder_id = conversation.decode_node_id if conversation is not None else ""
-        prefill, decode = routing.choose(routes, next(self._round_robin), holder=holder_id)
+        prefill, decode = routing.choose(
+            routes, next(self._round_robin), holder=holder_id, conversation=bool(conversation_id)
+        )
         if asked.on_node_id:
             choice = self._placed(
                 conversation_id, model, conversation, lease, reuse, prefill, asked
@@ -365,7 +367,9 @@ async def cached_hint(
         ) from error
     conversation = await store.get_conversation(conversation_id) if conversation_id else None
     holder = conversation.decode_node_id if conversation is not None else ""
-    prefill, decode = routing.choose(routes, turn, holder=holder)
+    prefill, decode = routing.choose(
+        routes, turn, holder=holder, conversation=bool(conversation_id)
+    )
     reuse = routing.leaderless_decision(conversation is not None, why)
     return registry_pb2.RoutingHint(
         decision=reuse.decision,

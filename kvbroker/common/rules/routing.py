@@ -10,7 +10,7 @@ store, no lock, no clock.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Self, TypeVar
 
@@ -204,14 +204,28 @@ def candidates(nodes: Iterable[N], model: str) -> Routes[N]:
 
 def load(node: RoutedNode[Any]) -> tuple[int, float]:
     """Queued work first, then KV headroom: the cache in use as last reported, or what is known
-    to be retained there now, whichever is more (new conversations go where retention leaves
-    room)."""
+    to be retained there now, whichever is more (new work goes where retention leaves room)."""
     return node.pending, max(node.kv_usage, node.retained_fraction)
 
 
-def pick(nodes: Sequence[N], turn: int, prefer: str = "") -> N:
-    """The preferred node if it is among ``nodes``, else the least loaded (ties rotate with
-    ``turn``)."""
+def conversation_load(node: RoutedNode[Any]) -> tuple[int, bool, float]:
+    """``load`` for a conversation's turn, with a retaining node ahead of one that does not
+    retain among equally queued nodes: only a retaining node keeps the turn's KV for the next
+    one, and what it retains is a cache that yields to new work, not a reason to send the
+    conversation elsewhere. Counted as usage here, retention would push every new
+    conversation of a fleet mid-rollout onto the nodes that keep nothing (every turn a MISS)."""
+    pending, usage = load(node)
+    return pending, not node.retains, usage
+
+
+def pick(
+    nodes: Sequence[N],
+    turn: int,
+    prefer: str = "",
+    key: Callable[[RoutedNode[Any]], tuple[Any, ...]] = load,
+) -> N:
+    """The preferred node if it is among ``nodes``, else the least loaded by ``key`` (ties
+    rotate with ``turn``)."""
     if prefer:
         for node in nodes:
             if node.node_id == prefer:
@@ -220,17 +234,27 @@ def pick(nodes: Sequence[N], turn: int, prefer: str = "") -> N:
     if count > EXACT_PICK_LIMIT:
         first = random.randrange(count)
         second = (first + 1 + random.randrange(count - 1)) % count
-        return min(nodes[first], nodes[second], key=load)
+        return min(nodes[first], nodes[second], key=key)
     turn %= count
-    return min([*nodes[turn:], *nodes[:turn]], key=load)
+    return min([*nodes[turn:], *nodes[:turn]], key=key)
 
 
-def choose(routes: Routes[N], turn: int, holder: str = "") -> tuple[N, N]:
-    """The prefill and decode node for a turn: the decode node that holds the conversation's
-    KV (or last served it) while it is READY (not DRAINING), else the least loaded; the least
-    loaded prefill node, among those whose connector the decode node can read from when the
-    fleet is mid-upgrade (any, if none can)."""
-    decode = pick(routes.decodes, turn, prefer=holder)
+def choose(
+    routes: Routes[N], turn: int, holder: str = "", conversation: bool = False
+) -> tuple[N, N]:
+    """The prefill and decode node for a turn.
+
+    The decode node: the one that holds the conversation's KV (or last served it) while it is
+    READY (not DRAINING) and retains KV, else the least loaded (``conversation_load`` for a
+    turn of a ``conversation``, which prefers a retaining node; ``load`` for a turn without
+    one). A holder that retains nothing keeps nothing for the conversation, so it is not kept:
+    a conversation that once landed there moves to a retaining node as soon as one is as free.
+
+    The prefill node: the least loaded, among those whose connector the decode node can read
+    from when the fleet is mid-upgrade (any, if none can)."""
+    decodes = routes.decodes
+    kept = holder if any(d.node_id == holder and d.retains for d in decodes) else ""
+    decode = pick(decodes, turn, prefer=kept, key=conversation_load if conversation else load)
     prefills = routes.prefills
     if routes.mixed:
         prefills = [p for p in prefills if _compatible(p.handshake, decode.handshake)] or prefills
