@@ -163,7 +163,12 @@ class Handlers:
             "x-kvbroker-consistency": plan.consistency,
             PATH_HEADER: plan.path,
             "x-kvbroker-prefill-ms": f"{1000 * (prefill_done - hint_done):.1f}",
+            # Where the turn ran, as the placement pins name nodes: what an operator (or a
+            # test) reads to see where a conversation was placed.
+            "x-kvbroker-decode": plan.decode.node_id,
         }
+        if prefill_node is not None:
+            headers["x-kvbroker-prefill"] = prefill_node.node_id
         leg = self.router.http.build_request(
             "POST",
             plan.decode.http_base_url + path,

@@ -154,11 +154,14 @@ async def test_two_legs_with_session_and_handle(fleet: Fleet, stub: RegistryServ
         second = await client.post(f"{fleet.router_url}/v1/chat/completions", json=body)
         assert second.headers["x-kvbroker-decision"] == "REUSE"
         assert second.headers["x-kvbroker-path"] == "READ"
+        assert second.headers["x-kvbroker-decode"] == fleet.decode_spec.node_id
+        read_into = second.headers["x-kvbroker-prefill"]
         params = next(
             p.received[-1] for p in fleet.prefills if p.received and
             "kvbroker_lease_id" in p.received[-1]["kv_transfer_params"]
         )["kv_transfer_params"]  # fmt: skip
         assert params["kvbroker_lease_id"] == lease.lease_id
+        assert read_into in {p.name for p in fleet.prefills if p.received}
         assert params["kvbroker_epoch"] == lease.epoch
         assert params["remote_request_id"] == "d-req-1"
         assert len(params["kvbroker_block_hashes"]) == len(lease.block_hashes)
@@ -188,6 +191,8 @@ async def test_a_short_follow_up_goes_straight_to_the_holder(
     assert response.status_code == 200
     assert response.headers["x-kvbroker-decision"] == "REUSE"
     assert response.headers["x-kvbroker-path"] == "DECODE_LOCAL"
+    assert response.headers["x-kvbroker-decode"] == fleet.decode_spec.node_id
+    assert "x-kvbroker-prefill" not in response.headers  # no prefill leg
     assert not any(p.received for p in fleet.prefills)
     leg = fleet.decode.received[-1]
     assert leg["session_id"] == "conv-2"
