@@ -90,14 +90,17 @@ def test_a_conversation_goes_to_a_retaining_decode_node_as_free_as_any() -> None
     for turn in range(4):
         assert routing.choose(routes, turn, conversation=True)[1] is retaining
         assert routing.choose(routes, turn)[1] is keeps_nothing
-    retaining.queued = 1
+    retaining.queued = routing.RETAINING_PREFERENCE  # a request or two is counting noise
+    assert routing.choose(routes, 0, conversation=True)[1] is retaining
+    retaining.queued += 1
     assert routing.choose(routes, 0, conversation=True)[1] is keeps_nothing
 
 
 def test_a_holder_that_retains_nothing_does_not_keep_its_conversation() -> None:
     """A conversation that landed on a node that retains nothing (its retaining peer was busy)
     moves to a retaining node once that is as free: staying would make every turn a MISS."""
-    retaining, keeps_nothing = node("d-on", queued=1), node("d-off", retains=False)
+    busy = routing.RETAINING_PREFERENCE + 1
+    retaining, keeps_nothing = node("d-on", queued=busy), node("d-off", retains=False)
     routes = routing.candidates([node("p0", PREFILL), keeps_nothing, retaining], "m")
     assert routing.choose(routes, 0, holder="d-off", conversation=True)[1] is keeps_nothing
     retaining.queued = 0

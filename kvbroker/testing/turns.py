@@ -32,6 +32,9 @@ class Answer:
     decision: str
     consistency: str
     path: str
+    # The nodes the router says the turn ran on ("" for prefill: no prefill leg).
+    decode: str = ""
+    prefill: str = ""
 
 
 async def ask(
@@ -54,6 +57,8 @@ async def ask(
         turn.headers.get("x-kvbroker-decision", ""),
         turn.headers.get("x-kvbroker-consistency", ""),
         turn.headers.get("x-kvbroker-path", ""),
+        turn.headers.get("x-kvbroker-decode", ""),
+        turn.headers.get("x-kvbroker-prefill", ""),
     )
 
 

@@ -208,13 +208,22 @@ def load(node: RoutedNode[Any]) -> tuple[int, float]:
     return node.pending, max(node.kv_usage, node.retained_fraction)
 
 
+# For a conversation's turn, a retaining decode node counts this many requests fewer than it
+# has. The registry's count of a node's requests is off by a request or two between its
+# heartbeats (a turn without a conversation leaves it only at the next heartbeat), and a turn
+# sent to a node that keeps nothing loses the reuse of every later turn until it moves back.
+RETAINING_PREFERENCE = 1
+
+
 def conversation_load(node: RoutedNode[Any]) -> tuple[int, bool, float]:
-    """``load`` for a conversation's turn, with a retaining node ahead of one that does not
-    retain among equally queued nodes: only a retaining node keeps the turn's KV for the next
-    one, and what it retains is a cache that yields to new work, not a reason to send the
-    conversation elsewhere. Counted as usage here, retention would push every new
-    conversation of a fleet mid-rollout onto the nodes that keep nothing (every turn a MISS)."""
+    """``load`` for a conversation's turn: a retaining node ahead of one that does not retain
+    unless it is busier by more than ``RETAINING_PREFERENCE`` requests, as only a retaining
+    node keeps the turn's KV for the next one. What it retains is a cache that yields to new
+    work, not a reason to send the conversation elsewhere: counted as usage here, it would push
+    every new conversation of a fleet mid-rollout onto the nodes that keep nothing."""
     pending, usage = load(node)
+    if node.retains:
+        pending -= RETAINING_PREFERENCE
     return pending, not node.retains, usage
 
 
