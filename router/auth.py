@@ -2,10 +2,12 @@
 conversations only).
 
 With ``--api-keys FILE`` every request but ``/health`` and ``/metrics`` must carry
-``Authorization: Bearer KEY``, OpenAI's convention; the file holds one line per key, ``TENANT
-SHA256_HEX`` (the key's SHA-256, so the file holds no secret; the registry's credentials file
-has the same form and the same reader, ``kvbroker.common.process.credentials``). A request without a
-key, or with one the file does not hold, gets 401 ``invalid_api_key``.
+``Authorization: Bearer KEY``, OpenAI's convention (on Anthropic's Messages routes
+``X-Api-Key: KEY`` too, Anthropic's, which its SDK and Claude Code send with an API key); the
+file holds one line per key, ``TENANT SHA256_HEX`` (the key's SHA-256, so the file holds no
+secret; the registry's credentials file has the same form and the same reader,
+``kvbroker.common.process.credentials``). A request without a key, or with one the file does
+not hold, gets 401 ``invalid_api_key`` (Anthropic's ``authentication_error`` on its routes).
 
 The key's tenant scopes every session id its client gives: the registry is asked about the
 conversation ``TENANT/SESSION``. A tenant name holds no ``/``, so ``TENANT/`` is a prefix no
@@ -30,8 +32,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbroker.common.process.credentials import read_digest_file, token_digest
 from kvbroker.common.rules.ids import MAX_ID_LENGTH
-from kvbroker.router.errors import ApiError, ErrorCode, ErrorType
+from kvbroker.router.errors import ApiError, ErrorCode, ErrorShape, ErrorType
 from kvbroker.router.metrics import RouterMetrics
+from kvbroker.router.requests import error_shape
 
 # Between a tenant and its client's session id in the conversation id the registry sees.
 SEPARATOR = "/"
@@ -39,6 +42,8 @@ SEPARATOR = "/"
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,63}")
 # The paths open without a key: a load balancer's health check and Prometheus.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Anthropic's header for a key (its Messages API's only).
+API_KEY = "x-api-key"
 # Where the middleware leaves a request's tenant for its handler (the ASGI scope).
 SCOPE_KEY = "kvbroker.tenant"
 
@@ -87,14 +92,16 @@ class ApiKeys:
         would refuse every client)."""
         return cls(read_digest_file(path, parse_tenant, "TENANT SHA256_HEX"))
 
-    def tenant(self, authorization: str | None) -> Tenant:
-        """The tenant whose key the ``Authorization`` header carries; else a 401."""
+    def tenant(self, authorization: str | None, api_key: str | None = None) -> Tenant:
+        """The tenant whose key the ``Authorization`` header carries, else the ``X-Api-Key``
+        header; else a 401."""
         scheme, _, key = (authorization or "").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
+        key = key.strip() if scheme.lower() == "bearer" else ""
+        key = key or (api_key or "").strip()
+        if not key:
             raise unauthenticated(
                 "You didn't provide an API key. Provide it in an Authorization header using "
-                "Bearer auth (Authorization: Bearer YOUR_KEY)."
+                "Bearer auth (Authorization: Bearer YOUR_KEY), or in an X-Api-Key header."
             )
         tenant = self.tenants.get(token_digest(key))
         if tenant is None:
@@ -125,11 +132,15 @@ class Authenticate:
         if scope["type"] == "http":
             tenant = OPEN
             if self.keys is not None and scope["path"] not in OPEN_PATHS:
+                headers, path = Headers(scope=scope), scope["path"]
+                shape = error_shape(path)
+                # Anthropic's key header on Anthropic's API only, as each API's clients send.
+                api_key = headers.get(API_KEY) if shape is ErrorShape.ANTHROPIC else None
                 try:
-                    tenant = self.keys.tenant(Headers(scope=scope).get("authorization"))
+                    tenant = self.keys.tenant(headers.get("authorization"), api_key)
                 except ApiError as error:
                     self.metrics.auth_failures.inc()
-                    await error.answer(scope["path"])(scope, receive, send)
+                    await error.answer(path, shape)(scope, receive, send)
                     return
             scope[SCOPE_KEY] = tenant
         await self.app(scope, receive, send)

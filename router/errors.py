@@ -1,21 +1,58 @@
-"""What the router answers instead of a completion, in OpenAI's error shape.
+"""What the router answers instead of a completion, in the shape of the API it was asked in.
 
 Every refusal is an ``ApiError``: an HTTP status, a ``type`` and a machine-readable ``code``
-that clients (and tests) decide on, and a sentence for people. The body is OpenAI's
-``{"error": {"message", "type", "param", "code"}}``. Once a streamed answer has started its
-status line is sent and cannot change, so a failure after that is the same object as a
-server-sent event (``sse``), the way vLLM and OpenAI end a stream that failed.
+that clients (and tests) decide on, and a sentence for people. Its body is in the request's
+API's own shape (``ErrorShape``), since each client's SDK parses only its own: OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` for chat completions, completions and
+Responses; Anthropic's ``{"type": "error", "error": {"type", "message"}}`` for Messages, whose
+``type`` says the HTTP status's meaning in Anthropic's words (``ANTHROPIC_TYPES``). Once a
+streamed answer has started its status line is sent and cannot change, so a failure after that
+is the same object as a server-sent event (``sse``), the way each API ends a stream that failed.
 """
 
 from __future__ import annotations
 
 import json
 from enum import StrEnum
+from typing import Any
 
 import structlog
 from starlette.responses import JSONResponse
 
 log = structlog.get_logger("kvbroker.router")
+
+
+class ErrorShape(StrEnum):
+    """How an API says an error, in a body and at the end of a stream."""
+
+    # Chat completions and completions: ``{"error": {...}}``; a stream ends with it as a
+    # ``data:`` event, then ``[DONE]``.
+    OPENAI = "openai"
+    # The Responses API: the same body; a stream ends with an ``error`` event
+    # (``{"type": "error", "code", "message", "param"}``), and has no ``[DONE]``.
+    OPENAI_RESPONSES = "openai_responses"
+    # Anthropic's Messages API: ``{"type": "error", "error": {"type", "message"}}``, in a
+    # stream as an ``error`` event.
+    ANTHROPIC = "anthropic"
+
+
+# Anthropic's ``error.type`` by HTTP status (docs.anthropic.com/en/api/errors); a status not
+# here is the server's fault, ``api_error``.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_type(status: int) -> str:
+    return ANTHROPIC_TYPES.get(status, "api_error")
 
 
 class ErrorType(StrEnum):
@@ -38,6 +75,11 @@ class ErrorCode(StrEnum):
     INVALID_JSON = "invalid_json"
     INVALID_VALUE = "invalid_value"
     INVALID_SESSION_ID = "invalid_session_id"
+    # A field the API requires is absent.
+    MISSING_FIELD = "missing_required_parameter"
+    # A field the router cannot honour (the Responses API's ``previous_response_id``: the
+    # history it names is on no node the router can tell).
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
     # No API key, or one the router does not hold (401).
     INVALID_API_KEY = "invalid_api_key"
     REQUEST_TOO_LARGE = "request_too_large"
@@ -79,7 +121,10 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers
 
-    def body(self) -> dict[str, dict[str, str | None]]:
+    def body(self, shape: ErrorShape = ErrorShape.OPENAI) -> dict[str, Any]:
+        """The error in ``shape``'s body."""
+        if shape is ErrorShape.ANTHROPIC:
+            return anthropic_error(self.status, self.message)
         return {
             "error": {
                 "message": self.message,
@@ -89,17 +134,52 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status, headers=self.headers)
+    def response(self, shape: ErrorShape = ErrorShape.OPENAI) -> JSONResponse:
+        return JSONResponse(self.body(shape), self.status, headers=self.headers)
 
-    def answer(self, path: str) -> JSONResponse:
+    def answer(self, path: str, shape: ErrorShape = ErrorShape.OPENAI) -> JSONResponse:
         """The response, logged (``log_answer``): what every route answers it with."""
         log_answer(path, self.status, self.code.value, self.message)
-        return self.response()
+        return self.response(shape)
 
-    def sse(self) -> bytes:
-        """The error as a stream's last event but for ``[DONE]``."""
-        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+    def sse(self, shape: ErrorShape = ErrorShape.OPENAI) -> bytes:
+        """The error as the last of a stream's events, as ``shape``'s API ends a stream that
+        failed."""
+        if shape is ErrorShape.ANTHROPIC:
+            return _event("error", self.body(shape))
+        if shape is ErrorShape.OPENAI_RESPONSES:
+            event = {"type": "error", "code": self.code.value, "message": self.message,
+                     "param": self.param}  # fmt: skip
+            return _event("error", event)
+        return b"data: " + json.dumps(self.body(shape)).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body for an answer of ``status``."""
+    return {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
+
+
+def in_shape(status: int, body: bytes, shape: ErrorShape) -> bytes:
+    """An engine's own error answer in ``shape``: as it came, unless the API is Anthropic's and
+    the engine answered in OpenAI's shape (vLLM does for a request its validation refuses
+    before its Messages handler runs)."""
+    if shape is not ErrorShape.ANTHROPIC:
+        return body
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(answer, dict) or answer.get("type") == "error":
+        return body
+    error = answer.get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str):
+        return body
+    return json.dumps(anthropic_error(status, message)).encode()
 
 
 # The reason code logged for an engine's own error answer, passed through as it came.

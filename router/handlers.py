@@ -1,6 +1,8 @@
-"""The router's HTTP face: the OpenAI-compatible endpoints over one ``Router`` (the
-completion routes with their legs and streaming, models, health, metrics, the session routes),
-each guarded so that a bug answers a typed 500 and keeps the connection.
+"""The router's HTTP face: the endpoints over one ``Router`` (the turn routes of every API it
+serves, with their legs and streaming: chat completions, completions, Anthropic's Messages and
+OpenAI's Responses; Messages' token count; models, health, metrics, the session routes), each
+guarded so that a bug answers a typed 500 in the route's API's error shape and keeps the
+connection.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvbroker.router.errors import (
     UPSTREAM_ANSWER,
     ApiError,
     ErrorCode,
+    ErrorShape,
     ErrorType,
     internal_error,
     invalid_request,
@@ -51,11 +54,17 @@ from kvbroker.router.proxy import (
 )
 from kvbroker.router.relay import relay, without_handle
 from kvbroker.router.requests import (
+    APIS,
+    MESSAGES,
     PATH_HEADER,
-    Completion,
+    Api,
+    Required,
+    Turn,
+    check_required,
     encode,
-    parse_completion,
+    error_shape,
     parse_object,
+    parse_turn,
     read_body,
     session_id,
 )
@@ -66,10 +75,10 @@ log = structlog.get_logger("kvbroker.router")
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def _guarded(endpoint: Endpoint) -> Endpoint:
-    """Answers an ``ApiError`` raised anywhere under the endpoint, and anything else (a bug)
-    with a logged traceback and a typed 500, instead of Starlette's plain-text 500 that also
-    drops the client's keep-alive connection."""
+def _guarded(endpoint: Endpoint, shape: ErrorShape = ErrorShape.OPENAI) -> Endpoint:
+    """Answers an ``ApiError`` raised anywhere under the endpoint in ``shape``, and anything
+    else (a bug) with a logged traceback and a typed 500, instead of Starlette's plain-text 500
+    that also drops the client's keep-alive connection."""
 
     @functools.wraps(endpoint)
     async def guarded(request: Request) -> Response:
@@ -77,24 +86,25 @@ def _guarded(endpoint: Endpoint) -> Endpoint:
         try:
             return await endpoint(request)
         except ApiError as error:
-            return error.answer(path)
+            return error.answer(path, shape)
         except UpstreamError as error:
             log_answer(
                 path, error.status, UPSTREAM_ANSWER, error.body[:200].decode(errors="replace")
             )
-            return error.response()
+            return error.response(shape)
         except ClientDisconnect:
             log_answer(path, 400, "client_disconnected", "the client went away mid-request")
             return Response(status_code=400)  # nobody is left to read an answer
         except Exception:
             log.exception("router_bug", path=path)  # the one log of this answer
-            return internal_error().response()
+            return internal_error().response(shape)
 
     return guarded
 
 
 async def _http_exception(request: Request, error: Exception) -> Response:
-    """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+    """Starlette's own refusals (no such route, wrong method) in the shape of the API the
+    path is under."""
     assert isinstance(error, HTTPException)
     codes = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
     api_error = ApiError(
@@ -104,7 +114,7 @@ async def _http_exception(request: Request, error: Exception) -> Response:
         codes.get(error.status_code, ErrorCode.INVALID_VALUE),
         headers=dict(error.headers or {}),
     )
-    return api_error.answer(request.url.path)
+    return api_error.answer(request.url.path, error_shape(request.url.path))
 
 
 class Handlers:
@@ -120,36 +130,33 @@ class Handlers:
             request.stream(), request.headers.get("content-length"), self.config.max_body_bytes
         )
 
-    async def completions(self, request: Request) -> Response:
+    async def turn(self, api: Api, request: Request) -> Response:
+        """A turn of ``api``: planned, then its legs to the engines' own endpoint of the same
+        API, each with ``kv_transfer_params``."""
         started = time.perf_counter()
         tenant = _tenant(request)
-        completion = _scoped(
-            tenant, parse_completion(await self._body(request), request.headers, tenant.id_limit)
+        turn = _scoped(
+            tenant, parse_turn(await self._body(request), request.headers, api, tenant.id_limit)
         )
-        plan = await self._plan(completion)
+        plan = await self._plan(turn)
         self.metrics.hints.labels(plan.decision, plan.consistency).inc()
         hint_done = time.perf_counter()
         self.metrics.overhead_seconds.observe(hint_done - started)
 
-        path = request.url.path
         prefill_node: node_pb2.NodeSpec | None = None
         if plan.path == "DECODE_LOCAL":
             # The holder computes the new suffix against its own cache: no prefill leg.
             kv_params: Any = decode_local_params()
         else:
-            prefill_node, kv_params = await self._prefill_with_fallback(plan, path, completion)
+            prefill_node, kv_params = await self._prefill_with_fallback(plan, turn)
         prefill_done = time.perf_counter()
         if prefill_node is not None:
             self.metrics.prefill_seconds.observe(prefill_done - hint_done)
 
-        decode_body = dict(completion.body)
-        if kv_params is not None:
-            decode_body["kv_transfer_params"] = kv_params
-        if completion.conversation:
-            decode_body["session_id"] = completion.conversation
         log.info(
             "routed",
-            conversation=completion.conversation or None,
+            api=api.name,
+            conversation=turn.conversation or None,
             decision=plan.decision,
             consistency=plan.consistency,
             reason=plan.reason,
@@ -171,13 +178,13 @@ class Handlers:
             headers["x-kvbroker-prefill"] = prefill_node.node_id
         leg = self.router.http.build_request(
             "POST",
-            plan.decode.http_base_url + path,
-            content=encode(decode_body),
+            plan.decode.http_base_url + api.path,
+            content=encode(turn.decode_leg(kv_params)),
             headers=JSON_HEADERS,
         )
         try:
-            if completion.stream:
-                return await self._stream(leg, plan.decode, headers, started, prefill_done)
+            if turn.stream:
+                return await self._stream(leg, plan.decode, headers, started, prefill_done, api)
             response = await self.router.http.send(leg)
             answer = engine_answer(response, "decode", plan.decode)
         except httpx.HTTPError as error:
@@ -193,16 +200,14 @@ class Handlers:
             headers=headers,
         )
 
-    async def _plan(self, completion: Completion) -> Plan:
+    async def _plan(self, turn: Turn) -> Plan:
         """The router's plan, or the registry's refusal as the client's answer."""
         try:
             return await self.router.plan(
-                completion.conversation, completion.model, completion.text, completion.wanted_path
+                turn.conversation, turn.model, turn.text, turn.wanted_path
             )
         except ModelNotFound as error:
-            raise ApiError(
-                404, str(error), ErrorType.INVALID_REQUEST, ErrorCode.MODEL_NOT_FOUND, "model"
-            ) from error
+            raise _model_not_found(str(error)) from error
         except RegistryDown as error:
             raise ApiError(
                 503,
@@ -221,20 +226,20 @@ class Handlers:
             raise ApiError(503, error.message or "no route", ErrorType.UNAVAILABLE, code) from error
 
     async def _prefill_with_fallback(
-        self, plan: Plan, path: str, completion: Completion
+        self, plan: Plan, turn: Turn
     ) -> tuple[node_pb2.NodeSpec | None, Any]:
         """P's params; when P is unreachable, fails mid-answer or does not answer within
         ``prefill_timeout_s``, another ready P recomputes (no reuse), and with none left the
         decode node computes the prompt itself (no prefill node: None, and the plan's path
         becomes DECODE_LOCAL). Either way the turn is served while its decode node is."""
         try:
-            leg = self.router.prefill(plan.prefill, path, completion, plan.lease)
+            leg = self.router.prefill(plan.prefill, turn, plan.lease)
             return plan.prefill, await leg
         except httpx.TransportError as error:
             failed, failure = plan.prefill, error
         except httpx.HTTPError as error:
             raise leg_failed("prefill", plan.prefill, error) from error
-        fallback = self.router.other_prefill(failed.node_id, completion.model)
+        fallback = self.router.other_prefill(failed.node_id, turn.model)
         log.warning(
             "prefill_node_failed",
             node=failed.node_id,
@@ -250,7 +255,7 @@ class Handlers:
                 plan.decode
             ) else decided_params()
         try:
-            return fallback, await self.router.prefill(fallback, path, completion, None)
+            return fallback, await self.router.prefill(fallback, turn, None)
         except httpx.HTTPError as error:
             raise leg_failed("prefill", fallback, error) from error
 
@@ -261,6 +266,7 @@ class Handlers:
         headers: dict[str, str],
         started: float,
         prefill_done: float,
+        api: Api,
     ) -> Response:
         """The decode leg streamed. Until its first chunk has arrived nothing is sent to the
         client, so a failure up to then gets its own status (an engine's error answer, 502,
@@ -286,10 +292,35 @@ class Handlers:
             time.perf_counter() - started
         )
         return StreamingResponse(
-            relay(self.router, response, first, chunks, node, prefill_done),
+            relay(self.router, response, first, chunks, node, prefill_done, api.errors),
             media_type=content_type,
             headers=headers,
         )
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Messages' token count (Claude Code asks it before a turn), answered by a ready
+        prefill engine of the model: no turn, so nothing to plan and nothing retained."""
+        body = parse_object(await self._body(request))
+        check_required(body, _MODEL)
+        model: str = body["model"]
+        node = self.router.other_prefill("", model)
+        if node is None:
+            if not await self.router.may_serve(model):
+                raise _model_not_found(str(ModelNotFound(model)))
+            raise ApiError(
+                503,
+                f"no ready node serves {model} now",
+                ErrorType.UNAVAILABLE,
+                ErrorCode.NO_READY_NODE,
+            )
+        try:
+            response = await self.router.http.post(
+                node.http_base_url + COUNT_TOKENS_PATH, content=encode(body), headers=JSON_HEADERS
+            )
+        except httpx.HTTPError as error:
+            raise leg_failed("token count", node, error) from error
+        engine_answer(response, "token count", node)  # raises unless a 200 with an object
+        return Response(response.content, media_type="application/json")
 
     async def models(self, request: Request) -> Response:
         names = sorted({n.spec.model for n in self.router.known_nodes if n.spec.model})
@@ -399,6 +430,15 @@ class Handlers:
         )
 
 
+# Messages' token count, on the router and on every engine.
+COUNT_TOKENS_PATH = MESSAGES.path + "/count_tokens"
+_MODEL = Required("model", (str,), "a string")
+
+
+def _model_not_found(message: str) -> ApiError:
+    return ApiError(404, message, ErrorType.INVALID_REQUEST, ErrorCode.MODEL_NOT_FOUND, "model")
+
+
 def _tenant(request: Request) -> Tenant:
     """The request's tenant, named by ``Authenticate`` (a KeyError, so a 500, if the request
     did not pass through it: never served as anyone's)."""
@@ -407,16 +447,14 @@ def _tenant(request: Request) -> Tenant:
     return tenant
 
 
-def _scoped(tenant: Tenant, completion: Completion) -> Completion:
-    """The completion with its session id scoped to ``tenant``, as the registry and both legs
-    see it (the decode engine reports its retention under the ``session_id`` it is given)."""
-    conversation = tenant.conversation(completion.conversation)
-    if conversation == completion.conversation:
-        return completion
-    body = dict(completion.body)
-    if "session_id" in body:
-        body["session_id"] = conversation
-    return dataclasses.replace(completion, body=body, conversation=conversation)
+def _scoped(tenant: Tenant, turn: Turn) -> Turn:
+    """The turn with its session id scoped to ``tenant``, as the registry and both legs see it
+    (each leg carries the turn's conversation, ``Turn.prefill_leg`` and ``Turn.decode_leg``,
+    and the decode engine reports its retention under it)."""
+    conversation = tenant.conversation(turn.conversation)
+    if conversation == turn.conversation:
+        return turn
+    return dataclasses.replace(turn, conversation=conversation)
 
 
 _LEASE_CALL_ERRORS = {
@@ -430,8 +468,19 @@ def build_app(router: Router) -> Starlette:
     handlers = Handlers(router)
     return Starlette(
         routes=[
-            Route("/v1/chat/completions", _guarded(handlers.completions), methods=["POST"]),
-            Route("/v1/completions", _guarded(handlers.completions), methods=["POST"]),
+            *(
+                Route(
+                    path,
+                    _guarded(functools.partial(handlers.turn, api), api.errors),
+                    methods=["POST"],
+                )
+                for path, api in APIS.items()
+            ),
+            Route(
+                COUNT_TOKENS_PATH,
+                _guarded(handlers.count_tokens, MESSAGES.errors),
+                methods=["POST"],
+            ),
             Route("/v1/models", _guarded(handlers.models), methods=["GET"]),
             Route("/health", _guarded(handlers.health), methods=["GET"]),
             Route("/metrics", _guarded(handlers.prometheus), methods=["GET"]),

@@ -48,13 +48,12 @@ from kvbroker.router.config import RouterConfig
 from kvbroker.router.errors import (
     ApiError,
     ErrorCode,
+    ErrorShape,
+    in_shape,
     upstream_failed,
 )
 from kvbroker.router.metrics import RouterMetrics
-from kvbroker.router.requests import (
-    Completion,
-    encode,
-)
+from kvbroker.router.requests import Turn, encode
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.router")
@@ -77,14 +76,16 @@ JSON_HEADERS = {"content-type": "application/json"}
 
 class UpstreamError(Exception):
     """An engine's own error answer (a JSON object with a status other than 200): passed
-    through as it is, since it speaks OpenAI's shape already (vLLM's validation errors)."""
+    through as it is, since it speaks the API's shape already (vLLM's validation errors), but
+    for an OpenAI-shaped answer to a Messages request (``errors.in_shape``)."""
 
     def __init__(self, status: int, body: bytes, content_type: str) -> None:
         super().__init__(f"upstream answered {status}")
         self.status, self.body, self.content_type = status, body, content_type
 
-    def response(self) -> Response:
-        return Response(self.body, self.status, media_type=self.content_type)
+    def response(self, shape: ErrorShape = ErrorShape.OPENAI) -> Response:
+        body = in_shape(self.status, self.body, shape)
+        return Response(body, self.status, media_type=self.content_type)
 
 
 class RegistryDown(Exception):
@@ -228,7 +229,7 @@ class Router:
             except RegistryCallError as error:
                 if error.reason != registry_pb2.ERROR_REASON_NO_READY_NODE:
                     raise
-                if not await self._may_serve(model):
+                if not await self.may_serve(model):
                     raise ModelNotFound(model) from error
                 if time.monotonic() + _READY_NODE_POLL_S > deadline:
                     raise
@@ -245,7 +246,7 @@ class Router:
             or any(node.spec.model == model for node in self.known_nodes)
         )
 
-    async def _may_serve(self, model: str) -> bool:
+    async def may_serve(self, model: str) -> bool:
         """``_known_model`` on a fresh list when the last one says no (its nodes may have
         registered since)."""
         if self._known_model(model):
@@ -321,7 +322,8 @@ class Router:
             return None
 
     def other_prefill(self, failed: str, model: str) -> node_pb2.NodeSpec | None:
-        """A ready prefill node other than ``failed``, by the registry's routing rule."""
+        """A ready prefill node other than ``failed`` ("" for any), by the registry's routing
+        rule."""
         others = [
             routed
             for routed in map(routing.RoutedNode.of_node, self.known_nodes)
@@ -335,31 +337,21 @@ class Router:
     # ------------------------------------------------------------ legs
 
     async def prefill(
-        self,
-        node: node_pb2.NodeSpec,
-        path: str,
-        completion: Completion,
-        lease: lease_pb2.Lease | None,
+        self, node: node_pb2.NodeSpec, turn: Turn, lease: lease_pb2.Lease | None
     ) -> Any:
-        """P's ``kv_transfer_params``. Raises ``httpx.HTTPError`` when P cannot be reached or
-        does not answer within ``prefill_timeout_s``."""
-        leg = dict(completion.body)
-        leg.pop("stream", None)
-        leg.pop("stream_options", None)
-        leg["max_tokens"] = 1
-        if "max_completion_tokens" in leg:
-            leg["max_completion_tokens"] = 1
-        leg["kv_transfer_params"] = prefill_params(lease)
+        """P's ``kv_transfer_params``, from the engine's endpoint of the turn's API. Raises
+        ``httpx.HTTPError`` when P cannot be reached or does not answer within
+        ``prefill_timeout_s``."""
         response = await self.http.post(
-            node.http_base_url + path,
-            content=encode(leg),
+            node.http_base_url + turn.api.path,
+            content=encode(turn.prefill_leg(prefill_params(lease))),
             headers=JSON_HEADERS,
             timeout=self._prefill_timeout,
         )
         answer = engine_answer(response, "prefill", node)
-        usage = answer.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            self.prompt_size.learn(completion.text, usage["prompt_tokens"])
+        prompt_tokens = turn.prompt_tokens(answer)
+        if prompt_tokens is not None:
+            self.prompt_size.learn(turn.text, prompt_tokens)
         return answer.get("kv_transfer_params")
 
 

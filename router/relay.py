@@ -1,7 +1,10 @@
 """The decode leg's answer as the client gets it: streamed on as whole server-sent events,
 and never with the decode engine's ``kv_transfer_params`` (its NIXL address, request and
 block ids), whole or streamed: they are no client's business, and the next turn's handle
-comes from the registry. vLLM 0.33 sends them on a stream's last event.
+comes from the registry. Where an API puts them: at the top of a chat completion's,
+completion's, Messages' or Responses' answer; on a chat stream's last event (vLLM 0.33); in the
+``response`` object of a Responses stream's events (``response.completed`` holds the answer
+whole). A Messages stream carries none.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import httpx
 import structlog
 
-from kvbroker.router.errors import internal_error
+from kvbroker.router.errors import ErrorShape, internal_error
 from kvbroker.router.proxy import Router, leg_failed
 from kvbroker.v1 import node_pb2
 
@@ -24,9 +27,18 @@ log = structlog.get_logger("kvbroker.router")
 HANDLE_KEY = "kv_transfer_params"
 
 
+# An object inside an answer or event that is itself an answer (Responses' stream events).
+_NESTED_ANSWER = "response"
+
+
 def without_handle(answer: dict[str, Any]) -> bool:
-    """Removes the decode engine's handle from an answer; whether it had one."""
-    return answer.pop(HANDLE_KEY, None) is not None
+    """Removes the decode engine's handle from an answer or event, and from the answer an
+    event holds; whether it had one."""
+    had = answer.pop(HANDLE_KEY, None) is not None
+    nested = answer.get(_NESTED_ANSWER)
+    if isinstance(nested, dict):
+        had = (nested.pop(HANDLE_KEY, None) is not None) or had
+    return had
 
 
 async def relay(
@@ -36,10 +48,11 @@ async def relay(
     chunks: AsyncIterator[bytes],
     node: node_pb2.NodeSpec,
     prefill_done: float,
+    shape: ErrorShape,
 ) -> AsyncIterator[bytes]:
     """The rest of a streamed decode leg. A failure now cannot change the status (200, sent
-    with the first chunk): the stream ends with OpenAI's error object as an event, then
-    ``[DONE]``, as vLLM ends a stream that failed."""
+    with the first chunk): the stream ends with the error as an event, as the API (``shape``)
+    ends a stream that failed."""
     events = _Events()
     try:
         for event in events.feed(first):
@@ -59,7 +72,7 @@ async def relay(
     finally:
         await response.aclose()
     # An event cut short is dropped; the error event follows the last whole one.
-    yield failure.sse() + b"data: [DONE]\n\n"
+    yield failure.sse(shape)
 
 
 class _Events:

@@ -107,10 +107,12 @@ LAYERS = {
     "test_replicas": "integration",
     "test_retention_reports": "integration",
     "test_router": "integration",
+    "test_router_agents": "integration",
     "test_sidecar": "integration",
     "test_supervisor": "integration",
     "test_store_conformance": "conformance",
     "test_e2e": "e2e",
+    "test_e2e_agents": "e2e",
     "test_e2e_deploy": "e2e",
     # Dynamo's mocker workers stand in for engines: no vLLM, so it runs with the fast layers.
     "test_e2e_dynamo": "integration",

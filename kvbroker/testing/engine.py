@@ -4,10 +4,13 @@ replicas' failover soak. The behaviour that does depend on vLLM is tested agains
 servers in tests/test_e2e.py.
 
 It serves the routes kvbroker reads: ``/health`` (healthy or not, at will), ``/metrics`` (the
-two gauges a sidecar reports as load, or any body at will), ``/v1/models`` and the completion
-routes. A completion is recorded, can be made to fail or to drop its stream, and answers with
-the ``kv_transfer_params`` that ``kv_transfer_params()`` returns; a subclass that simulates an
-engine's KV (the soak's) overrides that and ``kv_cache_usage()``.
+two gauges a sidecar reports as load, or any body at will), ``/v1/models`` and the turn routes
+of every API the router serves (chat completions, completions, Anthropic's Messages with its
+token count, OpenAI's Responses), each answering, whole or streamed, in its API's shape and
+with ``kv_transfer_params`` where vLLM puts them. A turn is recorded, can be made to fail or
+to drop its stream, and answers with the ``kv_transfer_params`` that ``kv_transfer_params()``
+returns; a subclass that simulates an engine's KV (the soak's) overrides that and
+``kv_cache_usage()``.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class FakeEngine:
             routes=[
                 Route("/v1/chat/completions", self._completions, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/messages", self._completions, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
+                Route("/v1/responses", self._completions, methods=["POST"]),
                 Route("/health", self._health),
                 Route("/metrics", self._metrics),
                 Route("/v1/models", self._models),
@@ -107,28 +113,35 @@ class FakeEngine:
         tokens = _prompt_words(body)
         if self.prefill_fixed_s or self.prefill_s_per_token:
             await asyncio.sleep(self.prefill_fixed_s + tokens * self.prefill_s_per_token)
+        api = request.url.path
         if body.get("stream"):
-            return StreamingResponse(self._stream(), media_type="text/event-stream")
-        return JSONResponse(
-            {
-                "id": "cmpl-1",
-                "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant",
-                                                     "content": f"from {self.name}"},
-                             "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": tokens, "completion_tokens": 1},
-                "kv_transfer_params": params,
-            }
-        )  # fmt: skip
+            return StreamingResponse(self._stream(api, params), media_type="text/event-stream")
+        return JSONResponse(_answer(api, f"from {self.name}", tokens, params))
 
-    async def _stream(self) -> AsyncIterator[bytes]:
+    async def _stream(self, api: str, params: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Five tokens in the API's events; a Responses stream ends with its whole answer,
+        ``kv_transfer_params`` in it, as vLLM's ``response.completed`` does."""
+        events = _STREAMS.get(api, _chat_events)
         for i in range(5):
             if self.die_after_chunks is not None and i >= self.die_after_chunks:
                 raise ConnectionResetError("engine died")
-            chunk = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield events(f"t{i} ")
             await asyncio.sleep(0)
-        yield b"data: [DONE]\n\n"
+        if api == "/v1/responses":
+            completed = {"type": "response.completed",
+                         "response": _answer(api, "t0 t1 t2 t3 t4 ", 1, params)}  # fmt: skip
+            yield _sse(completed, "response.completed")
+        elif api == "/v1/messages":
+            yield _sse({"type": "message_stop"}, "message_stop")
+        else:
+            yield b"data: [DONE]\n\n"
+
+    async def _count_tokens(self, request: Request) -> Response:
+        body = await request.json()
+        self.received.append(body)
+        if self.fail_with is not None:
+            return JSONResponse(self.fail_with[1], self.fail_with[0])
+        return JSONResponse({"input_tokens": _prompt_words(body)})
 
     async def _health(self, request: Request) -> Response:
         self.health_probes += 1
@@ -171,15 +184,65 @@ async def serving(app: Any, port: int) -> AsyncIterator[None]:
 
 
 def _prompt_words(body: dict[str, Any]) -> int:
-    """A completion's prompt length, counted in words (the fake engine's tokens)."""
-    prompt = body.get("prompt")
+    """A turn's prompt length, counted in words (the fake engine's tokens): its prompt, or its
+    messages' (Responses: input items') text."""
+    prompt = body.get("prompt", body.get("input"))
     if isinstance(prompt, str):
         return len(prompt.split())
-    messages = body.get("messages")
+    messages = body.get("messages", prompt)
     if not isinstance(messages, list):
         return 0
-    return sum(
-        len(m["content"].split())
-        for m in messages
-        if isinstance(m, dict) and isinstance(m.get("content"), str)
+    return sum(len(_text(m.get("content")).split()) for m in messages if isinstance(m, dict))
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+    return ""
+
+
+def _answer(api: str, text: str, tokens: int, params: dict[str, Any]) -> dict[str, Any]:
+    """A whole answer in the API's shape, with ``kv_transfer_params`` at its top as vLLM puts
+    them."""
+    if api == "/v1/messages":
+        return {"id": "msg-1", "type": "message", "role": "assistant", "model": "m",
+                "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+                "usage": {"input_tokens": tokens, "output_tokens": 1},
+                "kv_transfer_params": params}  # fmt: skip
+    if api == "/v1/responses":
+        return {"id": "resp-1", "object": "response", "status": "completed",
+                "output": [{"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": text}]}],
+                "usage": {"input_tokens": tokens, "output_tokens": 1},
+                "kv_transfer_params": params}  # fmt: skip
+    return {"id": "cmpl-1", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": tokens, "completion_tokens": 1},
+            "kv_transfer_params": params}  # fmt: skip
+
+
+def _sse(data: dict[str, Any], event: str | None = None) -> bytes:
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {json.dumps(data)}\n\n".encode()
+
+
+def _chat_events(token: str) -> bytes:
+    return _sse({"choices": [{"index": 0, "delta": {"content": token}}]})
+
+
+def _messages_events(token: str) -> bytes:
+    delta = {"type": "content_block_delta", "index": 0,
+             "delta": {"type": "text_delta", "text": token}}  # fmt: skip
+    return _sse(delta, "content_block_delta")
+
+
+def _responses_events(token: str) -> bytes:
+    return _sse(
+        {"type": "response.output_text.delta", "delta": token}, "response.output_text.delta"
     )
+
+
+_STREAMS = {"/v1/messages": _messages_events, "/v1/responses": _responses_events}
