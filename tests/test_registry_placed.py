@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.routing import can_transfer
 from kvbroker.testing.factories import Heartbeats, block_hashes, grant, handle, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -79,7 +80,9 @@ async def test_a_prefill_leg_never_reads_across_connector_versions(
 async def test_kvbrokers_router_never_plans_a_read_across_versions(
     stub: RegistryServiceStub,
 ) -> None:
-    """A rolling upgrade: the old decode node holds the lease, the only prefill node is new."""
+    """A rolling upgrade: the old decode node holds the lease, the only prefill node is new.
+    Neither READ nor RECOMPUTE can hand KV across the versions: the holder computes the turn
+    from what it retains."""
     decode, prefill = node_spec("decode-0"), node_spec("prefill-0", PREFILL, port=5700)
     decode.nixl_connector_version, prefill.nixl_connector_version = 14, 15
     async with Heartbeats(stub, decode, prefill):
@@ -88,9 +91,8 @@ async def test_kvbrokers_router_never_plans_a_read_across_versions(
             conversation_id="conv-1", prompt_tokens=4000, new_tokens=3488
         )
         hint = (await stub.GetRoutingHint(request, timeout=5)).hint
-        assert hint.path != READ
-        read = [e for e in hint.estimates if e.path == READ]
-        assert read and "cannot read" in read[0].not_eligible
+        assert hint.path == DECODE_LOCAL
+        assert hint.decision == registry_pb2.HINT_DECISION_REUSE
 
 
 async def test_a_decode_node_serves_locally_only_the_lease_it_holds(
@@ -192,6 +194,56 @@ async def test_a_fleet_mid_upgrade_pairs_nodes_that_can_transfer(
             request = registry_pb2.GetRoutingHintRequest(conversation_id=f"conv-{turn}")
             hint = (await stub.GetRoutingHint(request, timeout=5)).hint
             assert (hint.decode.node_id, hint.prefill.node_id) == ("decode-0", "prefill-old")
+
+
+def versioned(spec: node_pb2.NodeSpec, vllm: str, connector: int) -> node_pb2.NodeSpec:
+    spec.vllm_version, spec.nixl_connector_version = vllm, connector
+    return spec
+
+
+async def test_a_turn_with_no_pair_that_can_transfer_is_served_on_its_decode_node(
+    stub: RegistryServiceStub,
+) -> None:
+    """A fleet of 0.32 prefill nodes and decode nodes on 0.34 and 0.32: a new conversation
+    goes to the decode node a prefill node can hand KV to, even when the other is less
+    loaded; a conversation held on the 0.34 node is never paired with a 0.32 prefill node (vLLM
+    refuses the handshake): the decode node computes its turn alone, from what it retains; and
+    where only 0.34 decode nodes serve a model, a new conversation is served on one alone."""
+    old_decode = versioned(node_spec("decode-old"), "0.32.0", 14)
+    new_decode = versioned(node_spec("decode-new", port=5900), "0.34.0", 16)
+    prefill = versioned(node_spec("prefill-old", PREFILL, port=5700), "0.32.0", 14)
+    lone_decode = versioned(node_spec("decode-lone", port=6100, model="lone"), "0.34.0", 16)
+    lone_prefill = versioned(node_spec("prefill-lone", PREFILL, 6200, "lone"), "0.32.0", 14)
+    async with (
+        Heartbeats(stub, old_decode) as busy,
+        Heartbeats(stub, new_decode, prefill, lone_decode, lone_prefill),
+    ):
+        busy.load = node_pb2.NodeLoad(running_requests=3)
+
+        async def busy_reported() -> bool:
+            nodes = (await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=5)).nodes
+            return any(n.spec.node_id == "decode-old" and n.load.running_requests for n in nodes)
+
+        await poll_until(busy_reported, 10, "decode-old's load reported")
+        for turn in range(4):
+            request = registry_pb2.GetRoutingHintRequest(
+                conversation_id=f"conv-{turn}", model=prefill.model
+            )
+            hint = (await stub.GetRoutingHint(request, timeout=5)).hint
+            assert (hint.decode.node_id, hint.prefill.node_id) == ("decode-old", "prefill-old")
+            assert hint.path != DECODE_LOCAL
+        held = await grant(stub, new_decode, "conv-held", "req-held", tokens=512)
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id="conv-held", model=prefill.model
+        )
+        hint = (await stub.GetRoutingHint(request, timeout=5)).hint
+        assert (hint.decode.node_id, hint.path) == ("decode-new", DECODE_LOCAL)
+        assert hint.decision == registry_pb2.HINT_DECISION_REUSE
+        assert hint.lease.lease_id == held.lease_id
+        request = registry_pb2.GetRoutingHintRequest(conversation_id="conv-lone", model="lone")
+        hint = (await stub.GetRoutingHint(request, timeout=5)).hint
+        assert (hint.decode.node_id, hint.path) == ("decode-lone", DECODE_LOCAL)
+        assert hint.decision == registry_pb2.HINT_DECISION_MISS
 
 
 async def test_a_lease_from_an_older_kv_registration_is_declined(

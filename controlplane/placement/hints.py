@@ -146,8 +146,19 @@ class Hints:
     ) -> _Choice:
         """kvbroker's router places the turn: the planner's path, on the planner's prefill
         node (the routing rule's least-loaded one, or one whose cache holds the
-        conversation) and the routing rule's decode node."""
+        conversation) and the routing rule's decode node. When no prefill node can hand KV to
+        the decode node (a fleet mid-upgrade, ``routing.pairs``), the decode node computes the
+        turn itself, from what it retains if it holds the conversation's lease."""
         usable = lease if reuse.reuses else None
+        if not routing.pairs(prefill, decode):
+            if usable is not None and usable.node_id != decode.node_id:
+                reuse = routing.Reuse(
+                    registry_pb2.HINT_DECISION_RECOMPUTE,
+                    f"no prefill node can hand KV to {decode.node_id!r} (vLLM "
+                    f"{decode.spec.vllm_version or 'unreported'}): it computes the turn itself",
+                    registry_pb2.NO_REUSE_REASON_VERSION_MISMATCH,
+                )
+            return _Choice(planner.DECODE_LOCAL, reuse, None, prefill, decode)
         candidates = self._candidates(conversation_id, model, prefill, decode)
         plan = self._plan(usable, candidates, decode, asked)
         path = plan.path if plan is not None else planner.READ if usable else planner.RECOMPUTE
@@ -377,4 +388,6 @@ async def cached_hint(
         consistency=DEGRADED,
         prefill=prefill.spec,
         decode=decode.spec,
+        # Plain P/D, unless no prefill node can hand KV to the decode node.
+        path=planner.RECOMPUTE if routing.pairs(prefill, decode) else planner.DECODE_LOCAL,
     )

@@ -228,17 +228,9 @@ def conversation_load(node: RoutedNode[Any]) -> tuple[int, bool, float]:
 
 
 def pick(
-    nodes: Sequence[N],
-    turn: int,
-    prefer: str = "",
-    key: Callable[[RoutedNode[Any]], tuple[Any, ...]] = load,
+    nodes: Sequence[N], turn: int, key: Callable[[RoutedNode[Any]], tuple[Any, ...]] = load
 ) -> N:
-    """The preferred node if it is among ``nodes``, else the least loaded by ``key`` (ties
-    rotate with ``turn``)."""
-    if prefer:
-        for node in nodes:
-            if node.node_id == prefer:
-                return node
+    """The least loaded of ``nodes`` by ``key`` (ties rotate with ``turn``)."""
     count = len(nodes)
     if count > EXACT_PICK_LIMIT:
         first = random.randrange(count)
@@ -258,16 +250,34 @@ def choose(
     turn of a ``conversation``, which prefers a retaining node; ``load`` for a turn without
     one). A holder that retains nothing keeps nothing for the conversation, so it is not kept:
     a conversation that once landed there moves to a retaining node as soon as one is as free.
+    In a fleet mid-upgrade a new placement goes to a decode node that some prefill node can
+    hand KV to, while there is one.
 
-    The prefill node: the least loaded, among those whose connector the decode node can read
-    from when the fleet is mid-upgrade (any, if none can)."""
+    The prefill node: the least loaded among those that can hand KV to the decode node. When
+    none can (``pairs`` is False for the pair returned), the turn has no prefill leg: the
+    decode node computes it (DECODE_LOCAL), as vLLM refuses a transfer across versions."""
     decodes = routes.decodes
-    kept = holder if any(d.node_id == holder and d.retains for d in decodes) else ""
-    decode = pick(decodes, turn, prefer=kept, key=conversation_load if conversation else load)
+    kept = next((d for d in decodes if d.node_id == holder and d.retains), None)
+    if kept is not None:
+        decode = kept
+    else:
+        if routes.mixed:
+            decodes = [d for d in decodes if _pairable(routes.prefills, d)] or decodes
+        decode = pick(decodes, turn, key=conversation_load if conversation else load)
     prefills = routes.prefills
     if routes.mixed:
-        prefills = [p for p in prefills if _compatible(p.handshake, decode.handshake)] or prefills
+        prefills = [p for p in prefills if pairs(p, decode)] or prefills
     return pick(prefills, turn), decode
+
+
+def pairs(prefill: RoutedNode[Any], decode: RoutedNode[Any]) -> bool:
+    """Whether ``prefill`` can hand a turn's KV to ``decode`` (P/D needs it: else the turn is
+    the decode node's alone, DECODE_LOCAL)."""
+    return _compatible(prefill.handshake, decode.handshake)
+
+
+def _pairable(prefills: Sequence[RoutedNode[Any]], decode: RoutedNode[Any]) -> bool:
+    return any(pairs(prefill, decode) for prefill in prefills)
 
 
 Handshake = tuple[int, str]
