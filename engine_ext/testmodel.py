@@ -1,6 +1,8 @@
 """A small local model for tests, the demo and the benchmark: a random-weight
 Qwen3-architecture model and a byte-level BPE tokenizer trained here on generated text, with a
-ChatML chat template. Nothing is downloaded; the same inputs give the same files everywhere
+ChatML chat template that renders tools, tool calls and tool results in Qwen3's form (what
+vLLM's ``hermes`` tool-call parser reads), so agents' requests with tools are served. Nothing
+is downloaded; the same inputs give the same files everywhere
 (fixed seeds, a deterministic corpus), and the result is cached by its parameters.
 """
 
@@ -16,11 +18,45 @@ from pathlib import Path
 
 MODEL_NAME = "kvbroker-tiny-qwen3"
 
+# Qwen3's template, simplified: without tools a conversation renders as plain ChatML; with
+# tools the system turn lists them and says how to call one; an assistant's tool calls are
+# <tool_call> blocks and consecutive tool results one user turn of <tool_response> blocks.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+    "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- set call = tool_call['function'] if tool_call['function'] else tool_call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call['name'] + '\\\", \\\"arguments\\\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}"
+    "{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
@@ -70,6 +106,7 @@ def make_model(spec: ModelSpec | None = None, cache_dir: Path | None = None) -> 
     spec = spec or ModelSpec()
     target = (cache_dir or default_cache_dir()) / f"{MODEL_NAME}-{spec.digest()}"
     if (target / "model.safetensors").exists():
+        _refresh_chat_template(target)
         return target
     scratch = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
@@ -81,6 +118,21 @@ def make_model(spec: ModelSpec | None = None, cache_dir: Path | None = None) -> 
     except OSError:  # another process finished first
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+# Where ``save_pretrained`` writes the tokenizer's chat template.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _refresh_chat_template(directory: Path) -> None:
+    """A model built before the template changed gets today's (it is not part of the spec's
+    digest: the weights and vocabulary stay as built), written whole or not at all."""
+    path = directory / CHAT_TEMPLATE_FILE
+    if path.exists() and path.read_text() == CHAT_TEMPLATE:
+        return
+    scratch = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    scratch.write_text(CHAT_TEMPLATE)
+    os.replace(scratch, path)
 
 
 def _write_tokenizer(directory: Path, spec: ModelSpec) -> None:

@@ -56,6 +56,9 @@ def registry_command(listen: str, *flags: str) -> list[str]:
 
 
 SESSION_REUSE_MIDDLEWARE = "kvbroker.engine_ext.session_reuse.SessionReuse"
+# Tool calling, which agents need (an engine without it refuses Claude Code's turns), with the
+# parser of the served model's format: hermes is Qwen3's, the generated model's.
+TOOL_CALLING = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 def sidecar_command(
@@ -309,6 +312,7 @@ class Stack:
             "--kv-transfer-config", self._kv_transfer_config(engine),
             # Behind a router other than kvbroker's, the engine resolves handles itself.
             "--middleware", SESSION_REUSE_MIDDLEWARE,
+            *TOOL_CALLING,
             *self._kv_events_args(engine),
             *self.config.engine_args,
         ]  # fmt: skip

@@ -105,6 +105,9 @@ def test_overlays_describe_the_whole_deployment(rendered: tuple[str, list[dict[s
         assert ("--no-prefix-caching" not in sidecar.argv) == engine_caches, role
         assert vllm.spec["readinessProbe"]["httpGet"]["path"] == "/health"
         block_sizes[role] = _flag(vllm.argv, "--block-size")
+        # Tool calling on, as agents need (Claude Code's turns carry tools).
+        assert "--enable-auto-tool-choice" in vllm.argv, role
+        assert _flag(vllm.argv, "--tool-call-parser") == "hermes", role
     # P and D share the KV block size (vLLM's default for the device where none is given).
     assert block_sizes["prefill"] == block_sizes["decode"]
     if name == "cpu":

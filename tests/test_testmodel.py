@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from kvbroker.engine_ext.testmodel import ModelSpec, make_model
+from kvbroker.engine_ext.testmodel import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ModelSpec, make_model
 
 SMALL = ModelSpec(
     vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -40,3 +40,41 @@ def test_tokenizer_has_a_chat_template(tmp_path: Path) -> None:
     )
     assert text == "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_the_chat_template_renders_tools_calls_and_results_as_qwen3_does(tmp_path: Path) -> None:
+    """What vLLM's hermes tool-call parser reads back: tools in the system turn, an
+    assistant's calls as <tool_call> blocks, consecutive tool results one user turn."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_model(SMALL, tmp_path))
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "list"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "c2", "content": "b.txt"},
+    ]  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert text.startswith("<|im_start|>system\nbe brief\n\n# Tools\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "ls"' in text
+    assert text.count("<|im_start|>system") == 1
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>' in text
+    )
+    assert (
+        "<|im_start|>user\n<tool_response>\na.txt\n</tool_response>\n"
+        "<tool_response>\nb.txt\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    ) in text
+
+
+def test_a_model_built_before_the_template_changed_gets_todays(tmp_path: Path) -> None:
+    built = make_model(SMALL, tmp_path)
+    (built / CHAT_TEMPLATE_FILE).write_text("{{ 'old' }}")
+    assert make_model(SMALL, tmp_path) == built
+    assert (built / CHAT_TEMPLATE_FILE).read_text() == CHAT_TEMPLATE
