@@ -33,6 +33,7 @@ and plans exactly as for kvbroker's router.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -56,8 +57,8 @@ log = vllm_compat.engine_logger("session_reuse")
 
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 SESSION_HEADER = b"x-session-id"
-# The longest request body read to look for a session: a larger one passes untouched (vLLM
-# answers it as it would).
+# The longest request body read to look for a session: a larger one is refused with 413
+# (passing on what was read would hand the engine a part of the body as if it were whole).
 MAX_BODY_BYTES = 64 << 20
 
 READ = registry_pb2.TURN_PATH_READ
@@ -157,9 +158,21 @@ class SessionReuse:
         ):
             await self.app(scope, receive, send)
             return
-        raw, complete = await _read_body(receive)
+        raw, read = await _read_body(receive)
+        if read is BodyRead.GONE:
+            return  # the client went away: nobody is left to answer
+        if read is BodyRead.TOO_LARGE:
+            # Never passed on cut short (the engine would take a part for the whole).
+            await _refuse(
+                send,
+                413,
+                f"request body over {MAX_BODY_BYTES} bytes, the most kvbroker's session "
+                "middleware reads",
+                "request_too_large",
+            )
+            return
         forward = _replay(raw, receive)
-        body = _json_object(raw) if complete else None
+        body = _json_object(raw)
         turn = read_turn(scope["headers"], body) if body is not None else None
         sidecar = self._stub(scope) if turn is not None and not turn.prepared else None
         if turn is None or body is None or sidecar is None or not (turn.prefill_leg or turn.alone):
@@ -231,22 +244,29 @@ class SessionReuse:
         return self._sidecar
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, bool]:
-    """The request body, and whether it is whole (False: over ``MAX_BODY_BYTES``, or the
-    client went away; what was read is passed on as it came)."""
+class BodyRead(enum.Enum):
+    """How reading a request body ended."""
+
+    WHOLE = enum.auto()
+    TOO_LARGE = enum.auto()  # over ``MAX_BODY_BYTES``
+    GONE = enum.auto()  # the client went away first
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, BodyRead]:
+    """The request body as far as it was read, and how reading it ended."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return b"".join(chunks), False
+            return b"".join(chunks), BodyRead.GONE
         chunk = message.get("body", b"")
         chunks.append(chunk)
         size += len(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks), True
         if size > MAX_BODY_BYTES:
-            return b"".join(chunks), False
+            return b"", BodyRead.TOO_LARGE
+        if not message.get("more_body", False):
+            return b"".join(chunks), BodyRead.WHOLE
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
@@ -282,19 +302,34 @@ async def _precondition_failed(send: Send, hint: registry_pb2.RoutingHint | None
     """412 for a conditional request this node does not serve from its cache, with the hint
     (when the registry gave one) for the caller's fallback."""
     reason = hint.reason if hint is not None else "the registry could not be asked"
-    payload = json.dumps(
+    await _refuse(
+        send,
+        412,
+        f"not served from this node's cache: {reason}",
+        "precondition_failed",
+        hint_headers(hint) if hint is not None else [],
+    )
+
+
+async def _refuse(
+    send: Send,
+    status: int,
+    message: str,
+    error_type: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """Answers the request with an error in OpenAI's shape, as vLLM's own errors are."""
+    payload = json.dumps({"error": {"message": message, "type": error_type, "code": status}})
+    encoded = payload.encode()
+    await send(
         {
-            "error": {
-                "message": f"not served from this node's cache: {reason}",
-                "type": "precondition_failed",
-                "code": 412,
-            }
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(encoded)).encode()),
+                *(headers or []),
+            ],
         }
-    ).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(payload)).encode()),
-        *(hint_headers(hint) if hint is not None else []),
-    ]
-    await send({"type": "http.response.start", "status": 412, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+    )
+    await send({"type": "http.response.body", "body": encoded})

@@ -77,6 +77,7 @@ LAYERS = {
     "test_retention_mirror": "unit",
     "test_retention_sim": "unit",
     "test_retained_tail": "unit",
+    "test_session_reuse": "unit",
     "test_router_degraded": "integration",
     "test_router_requests": "unit",
     "test_routing": "unit",
