@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvbroker.engine_ext.testmodel import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ModelSpec, make_model
 
@@ -48,8 +50,10 @@ def test_the_chat_template_renders_tools_calls_and_results_as_qwen3_does(tmp_pat
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(make_model(SMALL, tmp_path))
-    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
-    messages = [
+    tools: list[dict[Any, Any] | Callable[..., Any]] = [
+        {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+    ]
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "list"},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -59,8 +63,12 @@ def test_the_chat_template_renders_tools_calls_and_results_as_qwen3_does(tmp_pat
         {"role": "tool", "tool_call_id": "c2", "content": "b.txt"},
     ]  # fmt: skip
     text = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False
+        messages,
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=False,
     )
+    assert isinstance(text, str)
     assert text.startswith("<|im_start|>system\nbe brief\n\n# Tools\n")
     assert '<tools>\n{"type": "function", "function": {"name": "ls"' in text
     assert text.count("<|im_start|>system") == 1
