@@ -7,12 +7,31 @@ opening connections) the port was often taken again before its server bound it: 
 NIXL side channel or a test server failing with "address already in use". Ports are
 therefore drawn at random from below the ephemeral range, where nothing is handed out
 implicitly, and checked by binding them once.
+
+A port that binds now may still have been handed out already and not be bound yet: a
+cluster's ~20 ports drawn at once met twice often enough to fail CI (two of a pod's
+containers on one port, issue 43), and so could two test workers' or a stack's and its
+children's. A port handed out is therefore reserved for as long as the process that drew it
+lives, and never handed out again meanwhile by any kvbroker process on this machine: within
+the process by a set of the ports it handed out, between processes by an exclusive lock on
+the port's byte of one lock file in the temporary directory (a POSIX record lock, which the
+kernel drops when its process ends: a reservation is never stale). Record locks are one
+process's; one file descriptor holds them all, kept open, and nothing else in the process
+may open that file (closing any descriptor of it would drop them all). Where the file cannot
+be opened, reservations are the process's own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import functools
+import os
 import random
 import socket
+import tempfile
+import threading
 from pathlib import Path
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -21,6 +40,12 @@ _LOWEST = 10_000
 # Its own generator: a benchmark that seeds the module-level one must not make every process
 # draw the same ports.
 _RANDOM = random.SystemRandom()
+# One for every user of the machine: a port reserved by anyone's kvbroker is skipped.
+LOCK_FILE = Path(tempfile.gettempdir()) / "kvbroker-ports.lock"
+
+_lock = threading.Lock()
+# Every port this process handed out (POSIX record locks do not conflict within a process).
+_handed_out: set[int] = set()
 
 
 def _ephemeral_low() -> int:
@@ -30,20 +55,66 @@ def _ephemeral_low() -> int:
         return 32_768  # Linux's default
 
 
+@functools.cache
+def _lock_file() -> int:
+    """The lock file's descriptor, opened once and kept; -1 where it cannot be opened."""
+    try:
+        return os.open(LOCK_FILE, os.O_RDWR)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return -1
+    try:
+        fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return -1
+    with contextlib.suppress(OSError):  # this umask must not shut other users out
+        os.fchmod(fd, 0o666)
+    return fd
+
+
+def _reserve(port: int) -> bool:
+    """Reserves ``port`` for this process; False when it is reserved already (by this process
+    or another). Called with ``_lock`` held."""
+    if port in _handed_out:
+        return False
+    fd = _lock_file()
+    if fd >= 0:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port, os.SEEK_SET)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            return False
+    _handed_out.add(port)
+    return True
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A loopback TCP port that nothing is bound to now, outside the ephemeral range."""
+    """A loopback TCP port that nothing is bound to now, outside the ephemeral range, and that
+    no kvbroker process on this machine was handed before (while that process lives)."""
     high = max(_ephemeral_low() - 1, _LOWEST + 1_000)
-    for _ in range(200):
-        port = _RANDOM.randint(_LOWEST, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # a crowded range: let the kernel choose
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with _lock:
+        for _ in range(200):
+            port = _RANDOM.randint(_LOWEST, high)
+            if port not in _handed_out and _bindable(port) and _reserve(port):
+                return port
+        for _ in range(200):  # a crowded range: let the kernel choose
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if _reserve(port):
+                return port
+    raise OSError(errno.EADDRINUSE, "no free loopback port found")
 
 
 def ensure_free(address: str) -> None:
