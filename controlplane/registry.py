@@ -405,7 +405,7 @@ class Registry:
     ) -> registry_pb2.RoutingHint:
         """``time_remaining``: the caller's deadline, in seconds from now (None: none), which
         bounds any wait for a previous turn's retention (``turns.wait_budget``)."""
-        self._validate.hint(conversation_id, model, asked.on_node_id)
+        self._validate.hint(conversation_id, model, asked.on_node_id, asked.wanted)
         if conversation_id and not dry_run:
             await self.turns.settled((conversation_id,), wait_budget(self.config, time_remaining))
         hint = registry_pb2.RoutingHint()
@@ -431,7 +431,9 @@ class Registry:
         refused: dict[int, InvalidArgument] = {}
         for index, request in enumerate(requests):
             try:
-                self._validate.hint(request.conversation_id, request.model, request.on_node_id)
+                self._validate.hint(
+                    request.conversation_id, request.model, request.on_node_id, request.path
+                )
             except InvalidArgument as error:
                 refused[index] = error
         if self.turns:

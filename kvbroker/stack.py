@@ -332,7 +332,10 @@ class Stack:
             except ChildStartError as error:
                 if error.failure is not StartFailure.PORT_IN_USE:
                     raise
-                self.progress(f"{error.name} found its port taken; starting again on fresh ports")
+                held = f" ({error.holders})" if error.holders else ""
+                self.progress(
+                    f"{error.name} found its port taken{held}; starting again on fresh ports"
+                )
                 await self.stop()
                 self._pick_ports()
                 await self._start_children()

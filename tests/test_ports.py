@@ -1,10 +1,12 @@
 """Free ports come from below the kernel's ephemeral range (where outgoing connections take
 their source ports, which made "address already in use" races), are free, and are never handed
 out twice while the process that drew one lives (two children on one port: issue 43); a port a
-server listens on is found taken before a gRPC server would share it."""
+server listens on is found taken before a gRPC server would share it; and a start that finds
+its port taken names the process holding it."""
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import subprocess
@@ -15,6 +17,12 @@ from pathlib import Path
 import pytest
 
 from kvbroker.common.process import ports
+from kvbroker.common.process.supervisor import (
+    Answers,
+    ChildProcess,
+    ChildStartError,
+    StartFailure,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,6 +118,25 @@ def test_a_port_another_process_took_is_not_handed_out_until_it_ends(
     assert ports.free_port() == theirs
 
 
+LISTENS = """
+import socket, sys
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+print(server.getsockname()[1], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_who_holds_a_port_names_the_process_listening_on_it() -> None:
+    with running(LISTENS, "--a-listener") as (holder, port):
+        said = ports.who_holds([port, ports.free_port()])
+        assert said.startswith(f"port {port} is held by pid {holder.pid} (")
+        assert "--a-listener" in said and "LISTEN" in said
+        assert said.count("is held by") == 1  # a free port is left out
+    assert ports.who_holds([port]) == ""
+
+
 def test_ensure_free_refuses_a_port_a_server_listens_on() -> None:
     with socket.socket() as server:
         # As a gRPC server binds: another gRPC server could share the port, this check cannot.
@@ -117,8 +144,46 @@ def test_ensure_free_refuses_a_port_a_server_listens_on() -> None:
         server.bind(("127.0.0.1", 0))
         server.listen()
         address = f"127.0.0.1:{server.getsockname()[1]}"
-        with pytest.raises(OSError, match="in use"):
+        with pytest.raises(OSError, match="in use") as error:
             ports.ensure_free(address)
+        assert address in str(error.value) and f"pid {os.getpid()}" in str(error.value)
     ports.ensure_free(address)  # closed: free again
     ports.ensure_free("127.0.0.1:0")
     ports.ensure_free(f"localhost:{ports.free_port()}")
+
+
+# A server that finds its port taken: ZMQ names the address and the server runs on; Python's
+# own bind error names none (the port is then found in the child's command line) and it exits.
+ZMQ_SAYS = """
+import sys, time
+print(f"zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:{sys.argv[1]}')",
+      file=sys.stderr, flush=True)
+time.sleep(120)
+"""
+BIND_FAILS = """
+import socket, sys
+socket.socket().bind(("127.0.0.1", int(sys.argv[1])))
+"""
+
+
+async def never() -> bool:
+    return False
+
+
+@pytest.mark.parametrize("script", [ZMQ_SAYS, BIND_FAILS], ids=["names its port", "exits"])
+async def test_a_start_on_a_taken_port_names_who_holds_it(tmp_path: Path, script: str) -> None:
+    with running(LISTENS, "--the-holder") as (holder, port):
+        child = ChildProcess(
+            "engine",
+            [sys.executable, "-c", script, str(port)],
+            tmp_path / "engine.log",
+            ready=[Answers(never, "the engine healthy", within_s=60)],
+        )
+        try:
+            with pytest.raises(ChildStartError) as error:
+                await child.start()
+        finally:
+            await child.stop()
+    assert error.value.failure is StartFailure.PORT_IN_USE
+    assert error.value.holders.startswith(f"port {port} is held by pid {holder.pid} (")
+    assert "--the-holder" in error.value.holders and error.value.holders in str(error.value)

@@ -192,6 +192,25 @@ async def test_batched_hints_answer_each_request_in_order(stub: RegistryServiceS
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_a_hint_for_an_unknown_path_is_refused_alone(stub: RegistryServiceStub) -> None:
+    """A turn path the schema does not define (an engine door's ``ResolveHandle`` passes the
+    one it is sent) is a bad argument, never answered as a normal hint; in a batch it fails
+    alone."""
+    async with Heartbeats(stub, node_spec("decode-0"), node_spec("prefill-0", PREFILL, port=5700)):
+        unknown = registry_pb2.GetRoutingHintRequest(conversation_id="conv-p", path=99)  # type: ignore[arg-type]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.GetRoutingHint(unknown, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "path 99" in (refused.value.details() or "")
+        known = registry_pb2.GetRoutingHintRequest(conversation_id="conv-q")
+        response = await stub.BatchGetRoutingHints(
+            registry_pb2.BatchGetRoutingHintsRequest(requests=[unknown, known]), timeout=5
+        )
+        bad, good = response.results
+        assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert good.hint.decision == registry_pb2.HINT_DECISION_MISS
+
+
 async def test_hint_batcher_shares_calls_between_concurrent_hints(
     stub: RegistryServiceStub,
 ) -> None:

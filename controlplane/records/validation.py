@@ -325,10 +325,11 @@ class Validation:
 
     # ------------------------------------------------------------ hints
 
-    def hint(self, conversation_id: str, model: str, on_node_id: str = "") -> None:
+    def hint(self, conversation_id: str, model: str, on_node_id: str = "", path: int = 0) -> None:
         self.optional_id(conversation_id, "conversation_id")
         self.text(model, "model")
         self.optional_id(on_node_id, "on_node_id")
+        self.enum(registry_pb2.TurnPath, path, "path")
 
 
 def _finite_non_negative(record: EngineWork | Costs, what: str) -> None:

@@ -1,4 +1,5 @@
-"""Free loopback ports for the processes a one-machine stack, test or benchmark starts.
+"""Free loopback ports for the processes a one-machine stack, test or benchmark starts, and
+who holds a port when a start finds it taken.
 
 A port is chosen now and bound later, by another process. Asking the kernel for one (binding
 port 0) hands out a port from the ephemeral range, the same range every outgoing connection
@@ -29,9 +30,11 @@ import fcntl
 import functools
 import os
 import random
+import re
 import socket
 import tempfile
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -117,11 +120,70 @@ def free_port() -> int:
     raise OSError(errno.EADDRINUSE, "no free loopback port found")
 
 
+def who_holds(ports: Iterable[int]) -> str:
+    """Who holds each of ``ports`` (local TCP ports) now, in words, for a message saying that
+    a start found its address in use: each socket's process id, command line and state. Ports
+    nothing holds are left out (empty: none is held). Never raises: without psutil, or without
+    the right to see another user's process, it says so."""
+    wanted = sorted(set(ports))
+    if not wanted:
+        return ""
+    try:
+        import psutil  # type: ignore[import-untyped]
+    except ImportError:
+        return f"who holds port {_listed(wanted)} is unknown: psutil is not installed"
+    try:
+        sockets = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError) as error:
+        return f"who holds port {_listed(wanted)} is unknown: {error!r}"
+    said = []
+    for port in wanted:
+        holders: list[str] = []
+        for conn in sockets:
+            if not conn.laddr or conn.laddr.port != port:
+                continue
+            holder = _process(conn.pid, conn.status)
+            if holder not in holders:
+                holders.append(holder)
+        if holders:
+            said.append(f"port {port} is held by {' and '.join(holders)}")
+    return "; ".join(said)
+
+
+def _process(pid: int | None, status: str) -> str:
+    import psutil
+
+    if pid is None:
+        if status == "TIME_WAIT":
+            return "a closed connection in TIME_WAIT"
+        return f"a process this user cannot see ({status})"
+    try:
+        command = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:  # gone meanwhile, or not ours to read
+        command = "?"
+    return f"pid {pid} ({command[:300]}, {status})"
+
+
+def _listed(ports: list[int]) -> str:
+    return ", ".join(map(str, ports))
+
+
+# A port as an error names it: "host:PORT" (ZMQ, etcd, gRPC, ensure_free) or "('host', PORT)"
+# (uvicorn, Python's socket errors); not a clock's "12:34:56" nor a date.
+_NAMED_PORT = re.compile(r"[:,] ?(\d{4,5})(?![\d.\-])")
+
+
+def ports_named(text: str) -> list[int]:
+    """The TCP ports ``text`` (an error's line, a command line) names as addresses."""
+    return [int(found) for found in _NAMED_PORT.findall(text) if int(found) < 65_536]
+
+
 def ensure_free(address: str) -> None:
-    """Raises OSError (address in use) when a server already listens on ``address`` (HOST:PORT;
-    port 0 is always free). A gRPC server binds with SO_REUSEPORT, so a second one on a taken
-    port would share it with the first instead of failing, and any other holder makes gRPC
-    raise a RuntimeError that names no cause: the port is checked before the server binds."""
+    """Raises OSError (address in use, naming who holds it) when a server already listens on
+    ``address`` (HOST:PORT; port 0 is always free). A gRPC server binds with SO_REUSEPORT, so
+    a second one on a taken port would share it with the first instead of failing, and any
+    other holder makes gRPC raise a RuntimeError that names no cause: the port is checked
+    before the server binds."""
     host, _, port = address.rpartition(":")
     if int(port) == 0:
         return
@@ -131,4 +193,11 @@ def ensure_free(address: str) -> None:
     with socket.socket(family, kind, proto) as s:
         # As the server will: a port whose last connections are still in TIME_WAIT is free.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(sockaddr)
+        try:
+            s.bind(sockaddr)
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            holders = who_holds([int(port)])
+            said = f"Address already in use: {address}" + (f"; {holders}" if holders else "")
+            raise OSError(errno.EADDRINUSE, said) from None

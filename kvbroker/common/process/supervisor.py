@@ -9,9 +9,9 @@ HTTP health route, a gRPC call). A child that exits while a probe waits fails th
 with the end of its log; so does one whose log shows it never will be ready though it runs on
 (FATAL_MARKERS: a vLLM server whose NIXL listener thread died on a taken port served nothing
 and never exited, and the stack waited out its 600 s). The failure says why (StartFailure),
-so that a caller can start again on fresh ports after a clash. A child can be started again
-after it stopped or was killed, on the same command line (and so the same ports); its log then
-grows.
+so that a caller can start again on fresh ports after a clash, and names the process that
+holds the port (ports.who_holds). A child can be started again after it stopped or was
+killed, on the same command line (and so the same ports); its log then grows.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from kvbroker.common.process.ports import ports_named, who_holds
 from kvbroker.common.process.tasks import poll_until
 
 # Bytes of stdout a child may print on one line before its announcement is cut.
@@ -59,12 +60,17 @@ FATAL_MARKERS: dict[str, StartFailure] = {
 
 
 class ChildStartError(RuntimeError):
-    """A child that did not become ready, with why (``failure``) and the end of its log."""
+    """A child that did not become ready, with why (``failure``), who holds the port it found
+    taken (``holders``, for PORT_IN_USE; empty if none is known) and the end of its log."""
 
-    def __init__(self, name: str, failure: StartFailure, detail: str, log_tail: str) -> None:
-        super().__init__(f"{name} {detail} before it was ready ({failure}):\n{log_tail}")
+    def __init__(
+        self, name: str, failure: StartFailure, detail: str, log_tail: str, holders: str = ""
+    ) -> None:
+        why = f"{failure}; {holders}" if holders else str(failure)
+        super().__init__(f"{name} {detail} before it was ready ({why}):\n{log_tail}")
         self.name = name
         self.failure = failure
+        self.holders = holders
 
 
 class Probe(Protocol):
@@ -229,14 +235,30 @@ class ChildProcess:
             return
         if fatal.done() and not fatal.cancelled():
             failure, line = fatal.result()
-            raise ChildStartError(self.name, failure, f"logged {line!r}", self.log_tail())
+            raise await self._start_error(failure, f"logged {line!r}", line)
         if self.process.returncode is not None:
             # Its log may still say why it exited (a taken port, then a clean exit).
             found = _fatal_line(self._log_since_start())
-            failure = found[0] if found else StartFailure.EXITED
+            failure, line = found or (StartFailure.EXITED, "")
             detail = f"exited with {self.process.returncode}"
-            raise ChildStartError(self.name, failure, detail, self.log_tail())
+            raise await self._start_error(failure, detail, line)
         ready.result()  # the probe's own error (not ready in time)
+
+    async def _start_error(self, failure: StartFailure, detail: str, line: str) -> ChildStartError:
+        holders = ""
+        if failure is StartFailure.PORT_IN_USE:
+            holders = await asyncio.to_thread(self._port_holders, line)
+        return ChildStartError(self.name, failure, detail, self.log_tail(), holders)
+
+    def _port_holders(self, line: str) -> str:
+        """Who holds the port ``line`` (the log's "address in use") names; where it names none
+        (Python's own bind error does not), who holds any port the child was given."""
+        named = ports_named(line)
+        if named:
+            return who_holds(named) or f"nothing holds port {', '.join(map(str, named))} now"
+        given = [*self.argv, *self.env.values()]
+        numbers = [int(word) for word in given if word.isdigit() and 1024 <= int(word) < 65_536]
+        return who_holds([*numbers, *ports_named(" ".join(given))])
 
     def _log_since_start(self) -> str:
         if self.log is None or not self.log.exists():
