@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/kvbroker/v1/*.proto)
 PYTEST_WORKERS ?= 2
 
-.PHONY: install etcd dynamo demo test test-fast lint docs proto proto-check bench images compat clean
+.PHONY: install etcd dynamo demo test test-fast e2e-repeat lint docs proto proto-check bench images compat clean
 
 install: $(STAMP) $(BUF)
 
@@ -77,6 +77,15 @@ test: install etcd dynamo
 
 test-fast: install etcd dynamo
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e and not soak"
+
+# The end-to-end stage N times in a row from this checkout, with LOAD=1 beside a CPU hog (one
+# core, lowest priority): each run's result, time and failing tests, JUnit reports in
+# results/e2e-repeat (scripts/e2e_repeat.py). Proof that the stage is stable (issue 43).
+N ?= 3
+LOAD ?= 0
+
+e2e-repeat: install etcd dynamo
+	$(BIN)/python -m scripts.e2e_repeat --runs $(N) $(if $(filter 1,$(LOAD)),--load)
 
 demo: install
 	$(BIN)/kvbroker demo
