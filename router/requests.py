@@ -33,6 +33,8 @@ from kvbroker.v1 import registry_pb2
 SESSION_HEADER = "x-session-id"
 # What Claude Code sends its session id in (it also sends it in ``metadata.user_id``).
 CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"
+# What Codex CLI sends its session id in, with the Responses API (an underscore, no ``x-``).
+CODEX_SESSION_HEADER = "session_id"
 # A request may ask for its turn's path (READ, DECODE_LOCAL, RECOMPUTE); responses say which.
 PATH_HEADER = "x-kvbroker-path"
 _PATHS = {
@@ -332,10 +334,11 @@ def conversation_id(body: Mapping[str, Any], headers: Mapping[str, str], limit: 
     1. the ``session_id`` field (vLLM's own, chat completions, completions and Responses);
     2. the ``X-Session-ID`` header (vLLM's and kvbroker's);
     3. the ``X-Claude-Code-Session-Id`` header (Claude Code);
-    4. the ``conversation_id`` field (vLLM's example P/D proxy);
-    5. the Responses API's ``conversation`` field, an id or ``{"id": ...}`` (kvbroker keeps no
+    4. the ``session_id`` header (Codex CLI);
+    5. the ``conversation_id`` field (vLLM's example P/D proxy);
+    6. the Responses API's ``conversation`` field, an id or ``{"id": ...}`` (kvbroker keeps no
        conversation's items: the client still sends the whole input);
-    6. the ``session_id`` in Messages' ``metadata.user_id`` when that is a JSON object (what
+    7. the ``session_id`` in Messages' ``metadata.user_id`` when that is a JSON object (what
        Claude Code sends, beside its header).
 
     An explicit id comes before one a client derives, so a client that sets its own beside
@@ -356,6 +359,7 @@ def _session_sources(
     yield "session_id", body.get("session_id")
     yield SESSION_HEADER, headers.get(SESSION_HEADER)
     yield CLAUDE_CODE_SESSION_HEADER, headers.get(CLAUDE_CODE_SESSION_HEADER)
+    yield CODEX_SESSION_HEADER, headers.get(CODEX_SESSION_HEADER)
     yield "conversation_id", body.get("conversation_id")
     conversation = body.get("conversation")
     yield "conversation", conversation.get("id") if isinstance(conversation, dict) else conversation

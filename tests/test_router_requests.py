@@ -203,6 +203,7 @@ CLAUDE_CODE_USER_ID = json.dumps(
         ({"session_id": "body"}, {}, "body"),
         ({}, {"x-session-id": "header"}, "header"),
         ({}, {"x-claude-code-session-id": "claude"}, "claude"),
+        ({}, {"session_id": "codex"}, "codex"),
         ({"conversation_id": "proxy"}, {}, "proxy"),
         ({"conversation": "conv_1"}, {}, "conv_1"),
         ({"conversation": {"id": "conv_2"}}, {}, "conv_2"),
@@ -213,7 +214,7 @@ CLAUDE_CODE_USER_ID = json.dumps(
         ({"metadata": {"user_id": json.dumps({"device_id": "d"})}}, {}, ""),
         ({"metadata": "not an object"}, {}, ""),
         # Precedence: the body's session_id, then X-Session-ID, then Claude Code's header,
-        # then conversation_id, then conversation, then metadata.user_id.
+        # then Codex's, then conversation_id, then conversation, then metadata.user_id.
         (
             {"session_id": "body", "conversation_id": "proxy", "conversation": "c"},
             {"x-session-id": "header", "x-claude-code-session-id": "claude"},
@@ -226,9 +227,10 @@ CLAUDE_CODE_USER_ID = json.dumps(
         ),
         (
             {"conversation_id": "proxy", "metadata": {"user_id": CLAUDE_CODE_USER_ID}},
-            {"x-claude-code-session-id": "claude"},
+            {"x-claude-code-session-id": "claude", "session_id": "codex"},
             "claude",
         ),
+        ({"conversation_id": "proxy", "conversation": "c"}, {"session_id": "codex"}, "codex"),
         ({"conversation_id": "proxy", "conversation": "c"}, {}, "proxy"),
         ({"conversation": "c", "metadata": {"user_id": CLAUDE_CODE_USER_ID}}, {}, "c"),
         # An empty source is no source.
