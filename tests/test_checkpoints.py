@@ -7,7 +7,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbroker.common.rules.checkpoints import MAX_CHECKPOINTS, Checkpoints, checkpoint_blocks, thin
+from kvbroker.common.rules.checkpoints import (
+    MAX_CHECKPOINTS,
+    Checkpoints,
+    checkpoint_blocks,
+    probe_blocks,
+    stride_for,
+    thin,
+)
 from kvbroker.engine_ext.prefix import prefix_hashes, verified_prefix_tokens
 
 BLOCK = 16
@@ -64,3 +71,27 @@ def test_the_prefix_check_is_sound_and_loses_at_most_one_stride(
     assert exact - verified <= kept.stride * BLOCK
     if common == remote_tokens:
         assert verified == remote_tokens  # the conversation went on: everything is reused
+
+
+@given(st.integers(1, 200_000))
+def test_the_stride_is_a_power_of_two_and_keeps_the_bound(block_count: int) -> None:
+    stride = stride_for(block_count)
+    assert stride & (stride - 1) == 0
+    assert len(checkpoint_blocks(block_count, stride)) <= MAX_CHECKPOINTS + 1
+    assert stride < 2 * -(-block_count // MAX_CHECKPOINTS)  # at most twice the least stride
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 200_000))
+def test_every_probe_block_at_or_past_the_stride_is_a_checkpoint(block_count: int) -> None:
+    """The prefix index keys a lease by its hashes at 2**k - 1: they must be among what it
+    keeps, for every 2**k at or past its stride."""
+    full = [i.to_bytes(4, "little") for i in range(block_count)]
+    kept = Checkpoints.of(full)
+    positions = set(checkpoint_blocks(block_count, kept.stride))
+    probes = probe_blocks(block_count)
+    assert probes == [(1 << k) - 1 for k in range(len(probes))]
+    assert len(probes) <= block_count.bit_length()
+    for block in probes:
+        if block + 1 >= kept.stride:
+            assert block in positions

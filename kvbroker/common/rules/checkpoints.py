@@ -9,6 +9,12 @@ without seeing their hashes. A lease therefore keeps the hashes of blocks ``stri
 128k-token conversation in 16-token blocks every 32nd (about 4 KiB instead of 128 KiB). The
 cost is granularity: when a prompt diverges from the retained tokens (an earlier turn edited),
 reuse stops at the last checkpoint before the divergence instead of the last block.
+
+The stride is a power of two, so every block index ``2**k - 1`` with ``2**k >= stride`` is a
+checkpoint of every lease long enough to have it. Those are the hashes the registry's prefix
+index keys a lease by (``probe_blocks``): a prompt's hashes at the same indexes find the leases
+that share its prefix, whatever their conversation, in about log2(blocks) look-ups
+(``docs/design.md``, "Forks: reuse by content").
 """
 
 from __future__ import annotations
@@ -20,8 +26,21 @@ MAX_CHECKPOINTS = 256
 
 
 def stride_for(block_count: int) -> int:
-    """The smallest stride that keeps ``block_count`` blocks within ``MAX_CHECKPOINTS``."""
-    return max(1, -(-block_count // MAX_CHECKPOINTS))
+    """The smallest power of two that, as a stride, keeps ``block_count`` blocks within
+    ``MAX_CHECKPOINTS`` (a power of two, so that ``probe_blocks`` are checkpoints)."""
+    needed = max(1, -(-block_count // MAX_CHECKPOINTS))
+    return 1 << (needed - 1).bit_length()
+
+
+def probe_blocks(block_count: int) -> list[int]:
+    """The block indexes ``2**k - 1`` (0, 1, 3, 7, ...) below ``block_count``: where the prefix
+    index keys a lease and where a prompt is looked up by, about log2(blocks) of them."""
+    blocks: list[int] = []
+    size = 1
+    while size - 1 < block_count:
+        blocks.append(size - 1)
+        size <<= 1
+    return blocks
 
 
 def checkpoint_blocks(block_count: int, stride: int) -> list[int]:
