@@ -66,7 +66,7 @@ LAYERS = {
     "test_layers": "unit",
     "test_multiturn_bench": "unit",
     "test_planner": "unit",
-    "test_ports": "unit",
+    "test_ports": "integration",
     "test_prompt_size": "unit",
     "test_readiness": "unit",
     "test_registry_endpoint": "unit",
