@@ -70,10 +70,10 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
 
 # Fast tests in parallel, then the slow ones on their own: end-to-end on real vLLM engines,
-# and the soak of registry replicas killed under load.
+# and the soak of registry replicas killed under load. Each stage lists its 20 slowest tests.
 test: install etcd dynamo
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e and not soak"
-	$(BIN)/python -m pytest -q -m "e2e or soak"
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e and not soak" --durations=20
+	$(BIN)/python -m pytest -q -m "e2e or soak" --durations=20
 
 test-fast: install etcd dynamo
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -q -m "not e2e and not soak"
