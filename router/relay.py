@@ -33,12 +33,14 @@ _NESTED_ANSWER = "response"
 
 def without_handle(answer: dict[str, Any]) -> bool:
     """Removes the decode engine's handle from an answer or event, and from the answer an
-    event holds; whether it had one."""
-    had = answer.pop(HANDLE_KEY, None) is not None
+    event holds (``null`` too: Responses' first events name the field before it has a value);
+    whether it had one."""
     nested = answer.get(_NESTED_ANSWER)
-    if isinstance(nested, dict):
-        had = (nested.pop(HANDLE_KEY, None) is not None) or had
-    return had
+    objects = (answer, nested) if isinstance(nested, dict) else (answer,)
+    had = [HANDLE_KEY in o for o in objects]
+    for o in objects:
+        o.pop(HANDLE_KEY, None)
+    return any(had)
 
 
 async def relay(

@@ -240,3 +240,24 @@ async def test_bad_input_is_refused_in_each_apis_shape_and_the_next_turn_served(
     assert answered.output
     counted = await claude.messages.count_tokens(model=MODEL, messages=hi)
     assert counted.input_tokens > 0
+
+
+async def test_answers_carry_no_engine_handle(stack: Stack) -> None:
+    """vLLM puts the decode engine's ``kv_transfer_params`` in a Messages or Responses answer
+    (and a Responses stream's events hold the answer): the client gets none, whole or
+    streamed."""
+    session = {"X-Session-ID": f"handle-{uuid.uuid4().hex[:8]}"}
+    turns = {
+        "/v1/messages": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user",
+                                                                        "content": "hi"}]},
+        "/v1/responses": {"model": MODEL, "max_output_tokens": 4, "input": "hi", "store": False},
+    }  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as http:
+        for path, body in turns.items():
+            for stream in (False, True):
+                answer = await http.post(
+                    stack.router_url + path, json={**body, "stream": stream}, headers=session
+                )
+                assert answer.status_code == 200, answer.text
+                assert "kv_transfer_params" not in answer.text, (path, stream)
+                assert ("event: " in answer.text) == stream

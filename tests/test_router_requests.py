@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvbroker.common.rules.handles import SESSION_KEY
 from kvbroker.common.rules.ids import MAX_ID_LENGTH
 from kvbroker.router.errors import ApiError, ErrorCode, ErrorShape, ErrorType, in_shape
+from kvbroker.router.relay import without_handle
 from kvbroker.router.requests import (
     CHAT,
     MAX_JSON_DEPTH,
@@ -426,3 +427,18 @@ def test_the_error_shape_follows_the_path() -> None:
     assert error_shape("/v1/chat/completions") is ErrorShape.OPENAI
     assert error_shape("/v1/messagesx") is ErrorShape.OPENAI
     assert error_shape("/nowhere") is ErrorShape.OPENAI
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"id": "a", "kv_transfer_params": {"remote_engine_id": "d"}},  # any whole answer
+        {"id": "a", "kv_transfer_params": None},
+        {"type": "response.created", "response": {"id": "a", "kv_transfer_params": None}},
+        {"type": "response.completed", "response": {"id": "a", "kv_transfer_params": {}}},
+    ],
+)
+def test_no_answer_or_event_keeps_the_engines_handle(answer: dict[str, Any]) -> None:
+    assert without_handle(answer)
+    assert "kv_transfer_params" not in json.dumps(answer)
+    assert not without_handle({"id": "a", "response": "text"})
