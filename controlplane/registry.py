@@ -42,11 +42,13 @@ from kvbroker.controlplane.errors import (
 )
 from kvbroker.controlplane.lessor.lease_reads import LeaseReads
 from kvbroker.controlplane.lessor.leases import Leases
+from kvbroker.controlplane.lessor.prefix_index import MAX_PROBES
 from kvbroker.controlplane.lessor.retention import RetentionReports
 from kvbroker.controlplane.lessor.turns import Turns, wait_budget
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.placement.hints import Hints
 from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
+from kvbroker.controlplane.placement.prefix_match import PrefixMatch, PrefixMatches
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
 from kvbroker.controlplane.records.model import (
@@ -134,6 +136,7 @@ class Registry:
             context, self.nodes, self.leases, self.reads, self.outbox, self.turns
         )
         self.hints = Hints(context, self.nodes, self.leases, self.turns, self.idle_ttl)
+        self.prefix_matches = PrefixMatches(context, self.nodes, self.leases)
         self._on_due: dict[DeadlineKind, Callable[[str], Awaitable[None]]] = {
             DeadlineKind.LEASE_EXPIRY: self.leases.on_expiry,
             DeadlineKind.CLAIM_END: self.leases.on_claim_end,
@@ -469,6 +472,22 @@ class Registry:
                     result.error.CopyFrom(hint_error(error))  # replaces a half-made hint
                 answered_bytes += result.ByteSize()
         return response
+
+    async def match_prefix(
+        self,
+        node_id: str,
+        conversation_id: str,
+        model: str,
+        block_size: int,
+        probes: Sequence[bytes],
+    ) -> PrefixMatch:
+        """The live lease a prefill node's prompt shares the longest prefix with, pinned for
+        its read (``PrefixMatches.match``); a fork of another conversation reads it."""
+        self._validate.prefix_match(node_id, conversation_id, model, block_size, probes, MAX_PROBES)
+        async with self._mutation():
+            return await self.prefix_matches.match(
+                node_id, conversation_id, model, block_size, list(probes)
+            )
 
     # ----------------------------------------------------------------- deadlines
 

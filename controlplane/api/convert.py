@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbroker.common.rules.clock import from_duration, stamp_duration, to_duration
+from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import (
     Correction,
@@ -42,12 +43,17 @@ def lease_message(answer: LeaseAnswer) -> lease_pb2.Lease:
     codec.lease_into(answer, message)
     if answer.time_to_live is not None:
         stamp_duration(message.time_to_live, answer.time_to_live)
+    if answer.pin_time_to_live is not None:
+        stamp_duration(message.pin_time_to_live, answer.pin_time_to_live)
     return message
 
 
 def lease_of(message: lease_pb2.Lease) -> LeaseAnswer:
     time_to_live = from_duration(message.time_to_live) if message.HasField("time_to_live") else None
-    return lease_answer(codec.lease_of(message), time_to_live)
+    pinned = (
+        from_duration(message.pin_time_to_live) if message.HasField("pin_time_to_live") else None
+    )
+    return lease_answer(codec.lease_of(message), time_to_live, pinned)
 
 
 def conversation_message(conversation: Conversation) -> lease_pb2.Conversation:
@@ -112,3 +118,20 @@ def registration_of(response: registry_pb2.RegisterNodeResponse) -> Registration
         from_duration(response.heartbeat_interval),
         from_duration(response.session_ttl),
     )
+
+
+# ---------------------------------------------------------------- prefix matches
+
+
+def match_message(match: PrefixMatch) -> registry_pb2.MatchPrefixResponse:
+    response = registry_pb2.MatchPrefixResponse(
+        matched_blocks=match.matched_blocks, no_reuse=match.no_reuse, reason=match.reason
+    )
+    if match.lease is not None:
+        response.lease.CopyFrom(lease_message(match.lease))
+    return response
+
+
+def match_of(message: registry_pb2.MatchPrefixResponse) -> PrefixMatch:
+    lease = lease_of(message.lease) if message.HasField("lease") else None
+    return PrefixMatch(lease, message.matched_blocks, message.no_reuse, message.reason)

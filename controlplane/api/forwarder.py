@@ -21,6 +21,7 @@ from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.api.interface import Leadership
 from kvbroker.controlplane.errors import NoLeader, RegistryError, hint_error
 from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
+from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
 from kvbroker.controlplane.records.model import Conversation, CostProfile, EngineWork, NodeLoad
@@ -281,6 +282,26 @@ class Forwarder:
             return await self._call(stub.BatchGetRoutingHints, request, hint=True)
         except _LeaderAway as away:
             return await self._cached_hints(requests, away.why)
+
+    async def match_prefix(
+        self,
+        node_id: str,
+        conversation_id: str,
+        model: str,
+        block_size: int,
+        probes: Sequence[bytes],
+    ) -> PrefixMatch:
+        request = registry_pb2.MatchPrefixRequest(
+            node_id=node_id,
+            conversation_id=conversation_id,
+            model=model,
+            block_size=block_size,
+            probe_hashes=probes,
+        )
+        response: registry_pb2.MatchPrefixResponse = await self._call(
+            self._stub().MatchPrefix, request
+        )
+        return convert.match_of(response)
 
     async def _cached_hints(
         self, requests: Sequence[registry_pb2.GetRoutingHintRequest], why: str

@@ -159,6 +159,8 @@ _NODE_METHODS: Mapping[str, Callable[[Any], str] | None] = {
     "ListNodes": None,
     # For a turn another router placed on it (``on_node_id``): only on itself.
     "GetRoutingHint": lambda r: str(r.on_node_id),
+    # A fork's match by content pins a lease for the asking (prefill) node: only itself.
+    "MatchPrefix": lambda r: str(r.node_id),
 }
 
 
@@ -263,6 +265,7 @@ _HIDERS: dict[type[Message], Callable[[Principal, Any], None]] = {
     registry_pb2.ListNodesResponse: _hide_in_nodes,
     registry_pb2.ListLeasesResponse: _hide_in_leases,
     registry_pb2.GetRoutingHintResponse: lambda p, r: _hide_in_hint(p, r.hint),
+    registry_pb2.MatchPrefixResponse: lambda p, r: _hide_in_lease(p, r.lease),
     registry_pb2.BatchGetRoutingHintsResponse: _hide_in_hints,
 }
 

@@ -15,6 +15,7 @@ from typing import Protocol
 from kvbroker.controlplane.errors import NoLeader
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
+from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
 from kvbroker.controlplane.records.model import Conversation, CostProfile, EngineWork, NodeLoad
 from kvbroker.controlplane.registry import Registry
@@ -112,6 +113,15 @@ class RegistryApi(Protocol):
         requests: Sequence[registry_pb2.GetRoutingHintRequest],
         time_remaining: float | None = None,
     ) -> registry_pb2.BatchGetRoutingHintsResponse: ...
+
+    async def match_prefix(
+        self,
+        node_id: str,
+        conversation_id: str,
+        model: str,
+        block_size: int,
+        probes: Sequence[bytes],
+    ) -> PrefixMatch: ...
 
 
 class Leadership(Protocol):

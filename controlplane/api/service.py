@@ -313,6 +313,22 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         )
         return registry_pb2.GetRoutingHintResponse(hint=hint)
 
+    @_served
+    async def MatchPrefix(
+        self,
+        api: RegistryApi,
+        request: registry_pb2.MatchPrefixRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> registry_pb2.MatchPrefixResponse:
+        match = await api.match_prefix(
+            request.node_id,
+            request.conversation_id,
+            request.model,
+            request.block_size,
+            request.probe_hashes,
+        )
+        return convert.match_message(match)
+
 
 # ---------------------------------------------------------------- registration
 

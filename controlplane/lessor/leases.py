@@ -7,6 +7,10 @@ offers it (a read may be in flight), and ends by release, revocation, expiry or 
 lost session. Every end that the holder did not cause itself sends it a command saying when
 to free the blocks (after any read a claim protects). Call everything under the registry's
 lock: changes are committed, and commands sent, by the registry's unit of work.
+
+Every change of a lease's state passes through ``_track``, which derives its deadlines and
+keeps the prefix index (``prefix_index``) in step; a fork's read pin (``read_pins``) protects
+the blocks as a claim does, by the one rule ``reads_protected_until``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 
 from kvbroker.common.rules.checkpoints import Checkpoints
 from kvbroker.common.rules.clock import stamp_duration
+from kvbroker.common.rules.ids import tenant_of
 from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
 from kvbroker.controlplane.context import RegistryContext
@@ -25,6 +30,8 @@ from kvbroker.controlplane.errors import (
     NotHolder,
     NotRoutedHere,
 )
+from kvbroker.controlplane.lessor.prefix_index import PrefixIndex, Scope, indexed_hashes
+from kvbroker.controlplane.lessor.read_pins import ReadPins
 from kvbroker.controlplane.lessor.turns import Turns
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import LeaseAnswer, lease_answer
@@ -86,6 +93,9 @@ class Leases:
         # Until then, early ends give the holder a full claim's grace: claims made by a
         # previous leader were not written down (they are soft state) and may still be reading.
         self.inherited_claims_until = 0.0
+        # Live leases by content (forks), and the forks' read pins on them.
+        self.prefix_index = PrefixIndex()
+        self.pins = ReadPins()
 
     # ----------------------------------------------------------------- reads
 
@@ -97,9 +107,17 @@ class Leases:
         """A live lease's time left as of now; None once it has ended."""
         return self.expires(lease) - self._now() if lease.state in LIVE_LEASE_STATES else None
 
+    def pin_time_left(self, lease: Lease) -> float | None:
+        """Time left on a live lease's read pins as of now; None when none holds it."""
+        if lease.state not in LIVE_LEASE_STATES:
+            return None
+        now = self._now()
+        until = self.pins.until(lease.lease_id, now)
+        return None if until is None else until - now
+
     def view(self, lease: Lease) -> LeaseAnswer:
-        """The lease as an answer, with the time left as of now."""
-        return lease_answer(lease, self.time_left(lease))
+        """The lease as an answer, with the time left (and on its pins) as of now."""
+        return lease_answer(lease, self.time_left(lease), self.pin_time_left(lease))
 
     def view_into(self, lease: Lease, into: lease_pb2.Lease) -> None:
         """The lease as a hint answers it, written into ``into`` (an empty field of the
@@ -108,6 +126,17 @@ class Leases:
         time_left = self.time_left(lease)
         if time_left is not None:
             stamp_duration(into.time_to_live, time_left)
+        pinned = self.pin_time_left(lease)
+        if pinned is not None:
+            stamp_duration(into.pin_time_to_live, pinned)
+
+    def reads_protected_until(self, lease: Lease) -> float:
+        """Until when a read of the lease may be in flight: its claim's end while CLAIMED, its
+        read pins' last end. The one rule by which reads keep blocks: the expiry is never
+        before it, an early end keeps the blocks for it, a reclaim before it is refused."""
+        until = (lease.claim_expire_time or 0.0) if lease.state == CLAIMED else 0.0
+        pinned = self.pins.until(lease.lease_id, self._now())
+        return max(until, pinned or 0.0)
 
     def ack(self, lease: Lease, ack: lease_pb2.Lease) -> None:
         """Fills ``ack``, a retention report's answer for one lease (``codec.lease_ack``),
@@ -241,8 +270,10 @@ class Leases:
 
     def _track(self, lease: Lease) -> None:
         """The deadlines of a lease as its record says: while live, its expiry and (CLAIMED)
-        its claim's end; once ended, when it is forgotten."""
+        its claim's end; once ended, when it is forgotten. The prefix index follows the same
+        states: a live lease is found by content, an ended one is not."""
         lease_id = lease.lease_id
+        self._index(lease)
         if lease.state in LIVE_LEASE_STATES:
             self._follow((LEASE_EXPIRY, lease_id), self.expires(lease))
             claimed = lease.state == CLAIMED
@@ -255,6 +286,25 @@ class Leases:
             self._deadlines.cancel((CLAIM_END, lease_id))
             forget_at = (lease.end_time or 0.0) + self._config.ended_lease_retention_s
             self._follow((FORGET_LEASE, lease_id), forget_at)
+
+    def _index(self, lease: Lease) -> None:
+        """Keeps the prefix index in step with the lease's state (its scope: its tenant, its
+        holder's model and block size)."""
+        if lease.state not in LIVE_LEASE_STATES:
+            self.prefix_index.remove(lease.lease_id)
+            self.pins.forget(lease.lease_id)
+            return
+        if lease.lease_id in self.prefix_index:
+            return
+        holder = self._nodes.runtime.get(lease.node_id)
+        if holder is None:
+            return  # not routable: nothing to find it for
+        spec = holder.spec
+        scope = Scope(tenant_of(lease.conversation_id), spec.model, spec.block_size)
+        hashes = indexed_hashes(
+            lease.checkpoints, lease.block_hash_stride, lease.token_count, spec.block_size
+        )
+        self.prefix_index.add(lease.lease_id, scope, hashes)
 
     def _follow(self, key: DeadlineKey, when: float | None) -> None:
         """Sets a deadline to ``when`` (None: none), leaving an unchanged one as it is."""
@@ -288,9 +338,7 @@ class Leases:
         """How long the holder must keep blocks after an early end: covers in-flight reads."""
         now = self._now()
         grace = max(self._config.revoke_grace_s, self.inherited_claims_until - now)
-        if lease.state == CLAIMED:
-            grace = max(grace, (lease.claim_expire_time or 0.0) - now)
-        return grace
+        return max(grace, self.reads_protected_until(lease) - now)
 
     def keep_for(self, lease: Lease) -> float:
         """How long the holder must keep a live lease's blocks when it asked to free them and
@@ -305,9 +353,7 @@ class Leases:
                 f"({lease.end_reason}); it cannot be renewed"
             )
         now = self._now()
-        expires = now + ttl
-        if lease.state == CLAIMED:
-            expires = max(expires, lease.claim_expire_time or 0.0)
+        expires = max(now + ttl, self.reads_protected_until(lease))
         lease.renew_time = now
         lease.expire_time = expires
         await self._put(lease)
@@ -439,6 +485,20 @@ class Leases:
         await self._put(lease, durable=extends)
         self._metrics.lease_event("claim").inc()
 
+    async def pin(self, lease: Lease) -> str:
+        """A fork reads the live lease by content: a read pin until a claim's time from now,
+        the lease's state unchanged. Moves the expiry past the pin (and tells the holder) as a
+        claim does; returns the pin's id."""
+        now = self._now()
+        pin_end = now + min(self._config.claim_timeout_s, self._hard_cap_s(lease.node_id))
+        pin_id = self.pins.pin(lease.lease_id, pin_end)
+        if self.expires(lease) < pin_end:
+            lease.expire_time = pin_end
+            self._outbox.send(lease, pin_end - now, "pinned by a read")
+            await self._put(lease)
+        self._metrics.lease_event("pin").inc()
+        return pin_id
+
     # ----------------------------------------------------------------- takeover
 
     async def restore(self) -> int:
@@ -450,6 +510,8 @@ class Leases:
         self._turns.inherited_turns_until = self.inherited_claims_until
         live = 0
         live_conversations: set[str] = set()
+        self.prefix_index.clear()
+        self.pins.clear()
         for lease in await self._store.list_leases():
             self._track(lease)
             if lease.state in LIVE_LEASE_STATES:

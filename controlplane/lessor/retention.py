@@ -20,7 +20,6 @@ from kvbroker.controlplane.lessor.leases import Leases
 from kvbroker.controlplane.lessor.turns import Turns
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.model import (
-    CLAIMED,
     ENGINE,
     FENCED,
     NODE_LOST,
@@ -273,10 +272,10 @@ class RetentionReports:
             )
             return
         leases = self._leases
-        claimed = lease.state == CLAIMED
-        if claimed or leases.inherited_claims_until > self._now():
-            # A read may be in flight (a claim of this registry's, or one a previous leader
-            # made and did not write down): the holder keeps the blocks for it.
+        now = self._now()
+        if leases.reads_protected_until(lease) > now or leases.inherited_claims_until > now:
+            # A read may be in flight (a claim or a fork's pin of this registry's, or a claim a
+            # previous leader made and did not write down): the holder keeps the blocks for it.
             self._outbox.send(lease, leases.keep_for(lease), "claimed by a read: keep for it")
             return
         why = "memory pressure" if reclaim.cause == PRESSURE else "over its retention budget"

@@ -18,12 +18,16 @@ from kvbroker.controlplane.records.model import Lease, Node
 @dataclass(slots=True)
 class LeaseAnswer(Lease):
     """A lease as answered: ``time_to_live`` is the time left as of the answer, for a live
-    lease (None: it has ended)."""
+    lease (None: it has ended); ``pin_time_to_live`` the time left on its read pins (None:
+    unpinned)."""
 
     time_to_live: float | None = None
+    pin_time_to_live: float | None = None
 
 
-def lease_answer(lease: Lease, time_to_live: float | None) -> LeaseAnswer:
+def lease_answer(
+    lease: Lease, time_to_live: float | None, pin_time_to_live: float | None = None
+) -> LeaseAnswer:
     return LeaseAnswer(
         lease.lease_id,
         lease.conversation_id,
@@ -43,6 +47,7 @@ def lease_answer(lease: Lease, time_to_live: float | None) -> LeaseAnswer:
         lease.end_time,
         lease.claim_expire_time,
         time_to_live,
+        pin_time_to_live,
     )
 
 

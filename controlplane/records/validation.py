@@ -331,6 +331,25 @@ class Validation:
         self.optional_id(on_node_id, "on_node_id")
         self.enum(registry_pb2.TurnPath, path, "path")
 
+    def prefix_match(
+        self,
+        node_id: str,
+        conversation_id: str,
+        model: str,
+        block_size: int,
+        probes: Sequence[bytes],
+        max_probes: int,
+    ) -> None:
+        self.id(node_id, "node_id")
+        self.optional_id(conversation_id, "conversation_id")
+        self.text(model, "model")
+        if block_size <= 0:
+            raise InvalidArgument("block_size is required")
+        if len(probes) > max_probes:
+            raise InvalidArgument(f"{len(probes)} probe hashes exceed the limit of {max_probes}")
+        if any(not 0 < len(probe) <= MAX_BLOCK_HASH_BYTES for probe in probes):
+            raise InvalidArgument(f"a probe hash is empty or over {MAX_BLOCK_HASH_BYTES} bytes")
+
 
 def _finite_non_negative(record: EngineWork | Costs, what: str) -> None:
     """Every float of ``record`` (its counts are unsigned on the wire) is finite and >= 0."""

@@ -82,7 +82,7 @@ class KvHandle(_message.Message):
     def __init__(self, remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_groups: _Optional[_Iterable[_Union[BlockIdGroup, _Mapping]]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., tp_size: _Optional[int] = ..., dcp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., remote_registration_generation: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "conversation_id", "node_id", "node_incarnation", "epoch", "handle", "block_hashes", "token_count", "state", "end_reason", "grant_time", "renew_time", "expire_time", "time_to_live", "end_time", "claim_expire_time", "end_cause", "block_hash_stride")
+    __slots__ = ("lease_id", "conversation_id", "node_id", "node_incarnation", "epoch", "handle", "block_hashes", "token_count", "state", "end_reason", "grant_time", "renew_time", "expire_time", "time_to_live", "end_time", "claim_expire_time", "end_cause", "block_hash_stride", "pin_time_to_live")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class Lease(_message.Message):
     CLAIM_EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
     END_CAUSE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    PIN_TIME_TO_LIVE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     conversation_id: str
     node_id: str
@@ -119,7 +120,8 @@ class Lease(_message.Message):
     claim_expire_time: _timestamp_pb2.Timestamp
     end_cause: LeaseEndCause
     block_hash_stride: int
-    def __init__(self, lease_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_incarnation: _Optional[str] = ..., epoch: _Optional[int] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., state: _Optional[_Union[LeaseState, str]] = ..., end_reason: _Optional[str] = ..., grant_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., renew_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., claim_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_cause: _Optional[_Union[LeaseEndCause, str]] = ..., block_hash_stride: _Optional[int] = ...) -> None: ...
+    pin_time_to_live: _duration_pb2.Duration
+    def __init__(self, lease_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., node_id: _Optional[str] = ..., node_incarnation: _Optional[str] = ..., epoch: _Optional[int] = ..., handle: _Optional[_Union[KvHandle, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., token_count: _Optional[int] = ..., state: _Optional[_Union[LeaseState, str]] = ..., end_reason: _Optional[str] = ..., grant_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., renew_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., claim_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_cause: _Optional[_Union[LeaseEndCause, str]] = ..., block_hash_stride: _Optional[int] = ..., pin_time_to_live: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Conversation(_message.Message):
     __slots__ = ("conversation_id", "epoch", "lease_id", "decode_node_id", "last_active_time")

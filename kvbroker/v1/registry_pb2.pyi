@@ -51,6 +51,8 @@ class NoReuseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NO_REUSE_REASON_VERSION_MISMATCH: _ClassVar[NoReuseReason]
     NO_REUSE_REASON_NOT_HOLDER: _ClassVar[NoReuseReason]
     NO_REUSE_REASON_NO_LEADER: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_NO_PREFIX_MATCH: _ClassVar[NoReuseReason]
+    NO_REUSE_REASON_OWN_CONVERSATION: _ClassVar[NoReuseReason]
 
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -99,6 +101,8 @@ NO_REUSE_REASON_RECOMPUTE_FASTER: NoReuseReason
 NO_REUSE_REASON_VERSION_MISMATCH: NoReuseReason
 NO_REUSE_REASON_NOT_HOLDER: NoReuseReason
 NO_REUSE_REASON_NO_LEADER: NoReuseReason
+NO_REUSE_REASON_NO_PREFIX_MATCH: NoReuseReason
+NO_REUSE_REASON_OWN_CONVERSATION: NoReuseReason
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_INVALID_ARGUMENT: ErrorReason
 ERROR_REASON_NODE_NOT_REGISTERED: ErrorReason
@@ -119,6 +123,32 @@ ERROR_REASON_PERMISSION_DENIED: ErrorReason
 ERROR_REASON_NOT_ROUTED_HERE: ErrorReason
 ERROR_REASON_NODE_IN_USE: ErrorReason
 ERROR_REASON_NOT_A_PREFILL_NODE: ErrorReason
+
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("node_id", "conversation_id", "model", "block_size", "probe_hashes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    conversation_id: str
+    model: str
+    block_size: int
+    probe_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, node_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., probe_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("lease", "matched_blocks", "no_reuse", "reason")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NO_REUSE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease: _lease_pb2.Lease
+    matched_blocks: int
+    no_reuse: NoReuseReason
+    reason: str
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., no_reuse: _Optional[_Union[NoReuseReason, str]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SetCostProfileRequest(_message.Message):
     __slots__ = ("node_id", "cost")

@@ -125,6 +125,11 @@ class RegistryServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_registry__pb2.SetCostProfileRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_registry__pb2.SetCostProfileResponse.FromString,
                 _registered_method=True)
+        self.MatchPrefix = channel.unary_unary(
+                '/kvbroker.v1.RegistryService/MatchPrefix',
+                request_serializer=kvbroker_dot_v1_dot_registry__pb2.MatchPrefixRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_registry__pb2.MatchPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -257,6 +262,17 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MatchPrefix(self, request, context):
+        """A prefill node's prompt may start with KV another conversation retained (a fork, a
+        sub-agent given its parent's history): the longest live lease of the asker's tenant, model
+        and block size whose prefix hashes at block indexes 2^k - 1 equal the prompt's, with a read
+        pin for this reader. The lease stays its conversation's: its state is unchanged and its
+        blocks are kept for the pin (docs/design.md, "Forks: reuse by content").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -349,6 +365,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.SetCostProfile,
                     request_deserializer=kvbroker_dot_v1_dot_registry__pb2.SetCostProfileRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_registry__pb2.SetCostProfileResponse.SerializeToString,
+            ),
+            'MatchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefix,
+                    request_deserializer=kvbroker_dot_v1_dot_registry__pb2.MatchPrefixRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_registry__pb2.MatchPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -838,6 +859,33 @@ class RegistryService:
             '/kvbroker.v1.RegistryService/SetCostProfile',
             kvbroker_dot_v1_dot_registry__pb2.SetCostProfileRequest.SerializeToString,
             kvbroker_dot_v1_dot_registry__pb2.SetCostProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.RegistryService/MatchPrefix',
+            kvbroker_dot_v1_dot_registry__pb2.MatchPrefixRequest.SerializeToString,
+            kvbroker_dot_v1_dot_registry__pb2.MatchPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -90,12 +90,14 @@ class CheckLeaseRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class CheckLeaseResponse(_message.Message):
-    __slots__ = ("usable", "reason")
+    __slots__ = ("usable", "reason", "shared")
     USABLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     usable: bool
     reason: str
-    def __init__(self, usable: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    shared: bool
+    def __init__(self, usable: _Optional[bool] = ..., reason: _Optional[str] = ..., shared: _Optional[bool] = ...) -> None: ...
 
 class ResolveHandleRequest(_message.Message):
     __slots__ = ("conversation_id", "prompt_tokens", "path")
@@ -112,3 +114,19 @@ class ResolveHandleResponse(_message.Message):
     HINT_FIELD_NUMBER: _ClassVar[int]
     hint: _registry_pb2.RoutingHint
     def __init__(self, hint: _Optional[_Union[_registry_pb2.RoutingHint, _Mapping]] = ...) -> None: ...
+
+class ResolvePrefixRequest(_message.Message):
+    __slots__ = ("conversation_id", "block_size", "probe_hashes")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    block_size: int
+    probe_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, conversation_id: _Optional[str] = ..., block_size: _Optional[int] = ..., probe_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ResolvePrefixResponse(_message.Message):
+    __slots__ = ("match",)
+    MATCH_FIELD_NUMBER: _ClassVar[int]
+    match: _registry_pb2.MatchPrefixResponse
+    def __init__(self, match: _Optional[_Union[_registry_pb2.MatchPrefixResponse, _Mapping]] = ...) -> None: ...

@@ -61,6 +61,11 @@ class SidecarServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleResponse.FromString,
                 _registered_method=True)
+        self.ResolvePrefix = channel.unary_unary(
+                '/kvbroker.v1.SidecarService/ResolvePrefix',
+                request_serializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServiceServicer:
@@ -109,6 +114,15 @@ class SidecarServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolvePrefix(self, request, context):
+        """The retained KV a turn with no handle of its own may read by content (a fork of another
+        conversation): the registry's MatchPrefix for this node, its model and the prompt's
+        hashes. Asked by a prefill engine before it computes a long prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +150,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.ResolveHandle,
                     request_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleResponse.SerializeToString,
+            ),
+            'ResolvePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolvePrefix,
+                    request_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +294,33 @@ class SidecarService:
             '/kvbroker.v1.SidecarService/ResolveHandle',
             kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleRequest.SerializeToString,
             kvbroker_dot_v1_dot_sidecar__pb2.ResolveHandleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolvePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.SidecarService/ResolvePrefix',
+            kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixRequest.SerializeToString,
+            kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,15 +24,28 @@ LIVE_LEASE_STATES = frozenset({lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STA
 
 def read_refusal(lease: lease_pb2.Lease, epoch: int) -> str | None:
     """The fence a prefill node applies before it reads a lease's blocks (None: read). The
-    lease must be CLAIMED, a hint handed it out and the claim still protects it, at the
-    handle's epoch; ACTIVE is not enough, its holder may be reclaiming the blocks for new work
-    right now (docs/design.md, "The fencing argument")."""
+    lease must be CLAIMED, a hint handed it out and the claim still protects it, or live and
+    held by a fork's read pin (``pinned``), at the handle's epoch; ACTIVE alone is not enough,
+    its holder may be reclaiming the blocks for new work right now (docs/design.md, "The
+    fencing argument")."""
     if lease.epoch != epoch:
         return f"stale epoch {epoch}: lease {lease.lease_id} is at epoch {lease.epoch}"
-    if lease.state != lease_pb2.LEASE_STATE_CLAIMED:
-        why = f" ({lease.end_reason})" if lease.end_reason else ": its claim ended"
-        return f"lease {lease.lease_id} is {label(lease_pb2.LeaseState, lease.state)}{why}"
-    return None
+    if lease.state == lease_pb2.LEASE_STATE_CLAIMED or pinned(lease):
+        return None
+    why = f" ({lease.end_reason})" if lease.end_reason else ": its claim ended"
+    return f"lease {lease.lease_id} is {label(lease_pb2.LeaseState, lease.state)}{why}"
+
+
+def pinned(lease: lease_pb2.Lease) -> bool:
+    """Whether read pins hold a live lease as of the message (forks read it by content): its
+    blocks are kept for them as for a claim, and a reader must not free them
+    (``CheckLeaseResponse.shared``)."""
+    ttl = lease.pin_time_to_live
+    return (
+        lease.state in LIVE_LEASE_STATES
+        and lease.HasField("pin_time_to_live")
+        and (ttl.seconds > 0 or ttl.nanos > 0)
+    )
 
 
 # The drain rule, here and nowhere else. Only a READY node is routed to: a new conversation, a

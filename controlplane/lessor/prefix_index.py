@@ -1,0 +1,112 @@
+"""The registry's prefix index: live leases found by content, so that a fork reuses what its
+parent retained (docs/design.md, "Forks: reuse by content").
+
+A sub-agent's prompt is its parent's whole history plus its own task, under a new session id:
+reuse by session id finds nothing, though the parent's lease holds every block of that history.
+The prefill engine, which has the prompt's token ids, computes kvbroker's prefix hashes
+(chained sha256, deterministic across processes) and asks for the longest live lease whose
+hashes equal its own. Hashes chain, so one equal hash at block i proves blocks 0..i equal; the
+index therefore keys each lease only by its hashes at block indexes 2^k - 1
+(``checkpoints.probe_blocks``) that are among its checkpoints (every one at or past its
+stride, as the stride is a power of two), of full blocks only. A lease costs about
+log2(blocks) entries (14 for 8,192 blocks), and a look-up about as many dictionary probes.
+
+Scope: a lease is found only under its tenant (the conversation id's ``TENANT/`` prefix,
+``ids.tenant_of``), its holder's model and its block size, so no tenant's look-up can name
+another's lease. Maintained from one place, ``Leases._track``, which every change of a lease's
+state passes through (grant, claim, end, revival, a takeover's rebuild): a live lease is
+indexed, an ended one removed. Soft state, as leases are: rebuilt from the replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvbroker.common.rules.checkpoints import checkpoint_blocks, probe_blocks
+from kvbroker.v1 import lease_pb2
+
+# The most probe hashes a look-up may carry: 2^31 blocks, far past any context.
+MAX_PROBES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What a look-up may match: one tenant's leases of one model at one block size."""
+
+    tenant: str
+    model: str
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """Leases whose hash at block ``2**level - 1`` equals the prompt's: they share its first
+    ``blocks`` blocks."""
+
+    blocks: int
+    lease_ids: tuple[str, ...]
+
+
+def indexed_hashes(
+    checkpoints: bytes, stride: int, token_count: int, block_size: int
+) -> list[tuple[int, bytes]]:
+    """A lease's (block index, hash) pairs the index keys it by: its checkpoints at probe
+    blocks, of full blocks only (a partial last block's hash covers fewer tokens than any
+    prompt's block there)."""
+    if block_size <= 0 or token_count <= 0:
+        return []
+    hashes = list(lease_pb2.Lease.FromString(checkpoints).block_hashes)
+    block_count = -(-token_count // block_size)
+    positions = checkpoint_blocks(block_count, max(stride, 1))
+    full_blocks = token_count // block_size
+    at = dict(zip(positions, hashes, strict=False))
+    return [(b, at[b]) for b in probe_blocks(full_blocks) if b in at]
+
+
+class PrefixIndex:
+    """Live leases by (scope, hash at a probe block)."""
+
+    def __init__(self) -> None:
+        self._leases: dict[tuple[Scope, bytes], set[str]] = {}
+        # What each lease is indexed under, to remove it without a scan.
+        self._keys: dict[str, list[tuple[Scope, bytes]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, lease_id: str) -> bool:
+        return lease_id in self._keys
+
+    def entries(self) -> int:
+        """Index entries in all: about log2(blocks) per lease."""
+        return sum(len(keys) for keys in self._keys.values())
+
+    def add(self, lease_id: str, scope: Scope, hashes: Sequence[tuple[int, bytes]]) -> None:
+        """Indexes a live lease (again: a no-op) under its ``indexed_hashes``."""
+        if lease_id in self._keys:
+            return
+        keys = [(scope, digest) for _, digest in hashes]
+        self._keys[lease_id] = keys
+        for key in keys:
+            self._leases.setdefault(key, set()).add(lease_id)
+
+    def remove(self, lease_id: str) -> None:
+        for key in self._keys.pop(lease_id, ()):
+            ids = self._leases.get(key)
+            if ids is not None:
+                ids.discard(lease_id)
+                if not ids:
+                    del self._leases[key]
+
+    def clear(self) -> None:
+        self._leases.clear()
+        self._keys.clear()
+
+    def hits(self, scope: Scope, probes: Sequence[bytes]) -> Iterator[Hit]:
+        """The leases sharing the prompt's prefix, longest share first: ``probes`` are the
+        prompt's hashes at blocks 0, 1, 3, 7, ... in order."""
+        for level in range(min(len(probes), MAX_PROBES) - 1, -1, -1):
+            ids = self._leases.get((scope, probes[level]))
+            if ids:
+                yield Hit(1 << level, tuple(sorted(ids)))
