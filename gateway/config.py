@@ -34,9 +34,16 @@ class PlacementConfig:
     # fleet's router places it as it would): the hop sits on every request's path, so it
     # waits tens of milliseconds at most.
     hint_timeout_s: float = 0.02
+    # SHA-256 digests (hex) of the tokens a caller may present as ``authorization: Bearer
+    # TOKEN`` metadata (Envoy's ``grpc_service.initial_metadata``); empty: the hop is open, as
+    # on loopback development, and trusts whoever reaches its port.
+    token_digests: frozenset[str] = frozenset()
+    # At most this many registry hints a second, the hop as a whole: past it a request goes on
+    # unchanged (no pin), so a flood of requests never becomes a flood of registry calls.
+    max_hints_per_s: float = 2000.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.hint_timeout_s) and self.hint_timeout_s > 0):
-            raise ValueError(
-                f"hint_timeout_s must be a positive number of seconds, not {self.hint_timeout_s}"
-            )
+        for name in ("hint_timeout_s", "max_hints_per_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, not {value}")

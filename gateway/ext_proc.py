@@ -13,12 +13,16 @@ reuse stays correct whatever is picked; the hop only makes it likely to be fast.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
 import structlog
 from google.protobuf import struct_pb2
 
+from kvbroker.common.client.grpc_client import AUTH_METADATA_KEY
+from kvbroker.common.process.credentials import token_digest
 from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.placement import DYNAMO_PINS, SUBSET_HEADER, pinned_endpoints, pins
 from kvbroker.gateway.config import SUBSET_NAMESPACE, Mode, PlacementConfig
@@ -87,28 +91,79 @@ def subset_metadata(hint: registry_pb2.RoutingHint) -> struct_pb2.Struct | None:
     return metadata
 
 
+class HintBudget:
+    """A token bucket of registry hints: ``rate`` a second, up to a second's worth at once."""
+
+    def __init__(self, rate: float, now: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate
+        self._now = now
+        self._tokens = rate
+        self._at = now()
+
+    def take(self) -> bool:
+        """Whether a hint may be asked now (one is spent if so)."""
+        now = self._now()
+        self._tokens = min(self._rate, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
+def authorized(metadata: Sequence[tuple[str, str | bytes]], digests: frozenset[str]) -> bool:
+    """Whether a stream's caller presented one of the hop's tokens (always, with none
+    configured)."""
+    if not digests:
+        return True
+    for key, value in metadata:
+        if key.lower() != AUTH_METADATA_KEY:
+            continue
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        scheme, _, token = text.partition(" ")
+        if scheme.lower() == "bearer" and token:
+            presented = token_digest(token.strip())
+            return any(hmac.compare_digest(presented, digest) for digest in digests)
+    return False
+
+
 class PlacementProcessor:
-    """One ext_proc stream per HTTP request; one hint per stream."""
+    """One ext_proc stream per HTTP request; one hint per stream, and at most
+    ``max_hints_per_s`` for the hop as a whole. Envoy sends a request's headers once per
+    stream: a stream that sends more gets them passed on unchanged, never a registry call
+    each (a stream of 3,000 header messages made 3,000 registry calls, issue 36)."""
 
     def __init__(self, stub: RegistryServiceStub, config: PlacementConfig) -> None:
         self.stub = stub
         self.config = config
+        self.budget = HintBudget(config.max_hints_per_s)
 
     async def process(
         self, requests: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
+        if not authorized(context.invocation_metadata() or (), self.config.token_digests):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the placement hop needs 'authorization: Bearer TOKEN' metadata with one of "
+                "its tokens (Envoy's grpc_service.initial_metadata)",
+            )
+        hinted = False
         async for request in requests:
             phase = request.WhichOneof("request")
-            if phase == "request_headers":
+            if phase == "request_headers" and not hinted:
+                hinted = True
                 yield await self.on_request_headers(request.request_headers)
             else:
-                # Not asked for (the filter's processing mode skips them); were a filter
-                # configured to send them, each passes unchanged.
+                # Not asked for (the filter's processing mode skips them), or headers again on
+                # the same stream; each passes unchanged.
                 yield _unchanged(phase)
 
     async def on_request_headers(self, message: ep.HttpHeaders) -> ep.ProcessingResponse:
         session = session_of(request_headers(message))
         if not session:
+            return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+        if not self.budget.take():
+            log.debug("placement_over_budget", session=session)
             return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
         asked = registry_pb2.GetRoutingHintRequest(conversation_id=session, dry_run=True)
         try:

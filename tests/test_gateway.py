@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -21,11 +22,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.credentials import fresh_credential
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import Announces, ChildProcess
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.gateway.config import EXT_PROC_SERVICE, Mode, PlacementConfig
-from kvbroker.gateway.ext_proc import session_of
+from kvbroker.gateway.envoy_v3.envoy.config.core.v3 import base_pb2
+from kvbroker.gateway.envoy_v3.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kvbroker.gateway.ext_proc import HintBudget, PlacementProcessor, session_of
 from kvbroker.gateway.server import RunningPlacement, start_placement
 from kvbroker.stack import KVBROKER
 from kvbroker.testing.engine import FakeEngine
@@ -53,7 +57,11 @@ class Chain:
 
 
 async def start_chain(
-    stack: AsyncExitStack, tmp_path: Path, placement: str | None, picker_fail_open: bool = False
+    stack: AsyncExitStack,
+    tmp_path: Path,
+    placement: str | None,
+    picker_fail_open: bool = False,
+    placement_token: str | None = None,
 ) -> Chain:
     engines = [FakeEngine(f"decode-{i}") for i in range(2)]
     for engine in engines:
@@ -61,18 +69,24 @@ async def start_chain(
     picker = SubsetPicker([f"127.0.0.1:{e.port}" for e in engines])
     await picker.start()
     stack.push_async_callback(picker.stop)
-    envoy = Envoy(tmp_path, picker.address, placement, picker_fail_open)
+    envoy = Envoy(
+        tmp_path, picker.address, placement, picker_fail_open, placement_token=placement_token
+    )
     await envoy.start()
     stack.push_async_callback(envoy.stop)
     return Chain(engines, picker, envoy)
 
 
 async def start_hop(
-    stack: AsyncExitStack, registry: str, mode: Mode = Mode.PRE_EPP, timeout_s: float = 1.0
+    stack: AsyncExitStack,
+    registry: str,
+    mode: Mode = Mode.PRE_EPP,
+    timeout_s: float = 1.0,
+    **settings: Any,
 ) -> RunningPlacement:
     """The hop, with a deadline that a loaded test machine cannot miss (but in the test of
     the deadline itself): a missed one is a request sent on unchanged, by design."""
-    config = PlacementConfig(listen="127.0.0.1:0", mode=mode, hint_timeout_s=timeout_s)
+    config = PlacementConfig(listen="127.0.0.1:0", mode=mode, hint_timeout_s=timeout_s, **settings)
     hop = await start_placement(RegistryEndpoint.parse(registry), config)
     stack.push_async_callback(hop.stop)
     return hop
@@ -299,6 +313,118 @@ async def test_conformance_an_empty_subset_is_a_503(
     assert answer.status_code == 503
     assert chain.picker.picks[-1].subset == ["10.255.0.7:8000", PREFILL]
     assert sum(len(e.received) for e in chain.engines) == 0
+
+
+async def test_with_credentials_only_an_authenticated_envoy_gets_pins(
+    stack: AsyncExitStack,
+    tmp_path: Path,
+    registry_server: RunningRegistry,
+    stub: RegistryServiceStub,
+) -> None:
+    """A hop given tokens refuses a stream without one (UNAUTHENTICATED): the Envoy that
+    lacks it serves every request unchanged (the hop fails open, as when it is away); the
+    Envoy that sends it in its initial metadata gets its requests pinned."""
+    token, line = fresh_credential("envoy")
+    hop = await start_hop(
+        stack, registry_server.address, token_digests=frozenset({line.split()[1]})
+    )
+    with_token = await start_chain(stack, tmp_path, hop.address, placement_token=token)
+    without = await start_chain(stack, tmp_path, hop.address, placement_token="not-the-token")
+    nodes = decode_nodes(with_token)
+    async with Heartbeats(stub, *nodes), httpx.AsyncClient(timeout=10) as http:
+        await grant(stub, nodes[2], "conv-1", "req-1", tokens=512)
+        assert (await with_token.chat(http, **{"x-session-id": "conv-1"})).status_code == 200
+        assert with_token.picker.picks[-1].subset == [with_token.endpoint(1), PREFILL]
+        for _ in range(2):
+            assert (await without.chat(http, **{"x-session-id": "conv-1"})).status_code == 200
+        assert [pick.subset for pick in without.picker.picks] == [None, None]
+    async with grpc.aio.insecure_channel(hop.address) as channel:
+        process = channel.stream_stream(
+            f"/{EXT_PROC_SERVICE}/Process",
+            request_serializer=ep.ProcessingRequest.SerializeToString,
+            response_deserializer=ep.ProcessingResponse.FromString,
+        )
+        call = process(iter([headers_message("conv-1")]))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call.read()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def headers_message(session: str) -> ep.ProcessingRequest:
+    """The request-headers message Envoy sends for a request of ``session``."""
+    header = base_pb2.HeaderValue(key="x-session-id", raw_value=session.encode())
+    return ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[header]))
+    )
+
+
+class CountingStub:
+    """The registry's stub, counting the hints asked through it."""
+
+    def __init__(self, stub: RegistryServiceStub) -> None:
+        self.stub = stub
+        self.hints = 0
+
+    async def GetRoutingHint(
+        self, request: registry_pb2.GetRoutingHintRequest, **options: Any
+    ) -> registry_pb2.GetRoutingHintResponse:
+        self.hints += 1
+        response: registry_pb2.GetRoutingHintResponse = await self.stub.GetRoutingHint(
+            request, **options
+        )
+        return response
+
+
+class Context:
+    """What the processor reads of a gRPC call's context: its metadata (none here)."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+async def test_a_stream_asks_one_hint_and_a_flood_stays_within_the_cap(
+    registry_server: RunningRegistry, stub: RegistryServiceStub
+) -> None:
+    """A stream of 3,000 header messages asks the registry once (each answered, unchanged
+    after the first); 200 streams at once against a cap of 20 hints a second ask at most the
+    cap's burst, and every stream is answered."""
+    counting = CountingStub(stub)
+    config = PlacementConfig(listen="127.0.0.1:0", hint_timeout_s=1.0, max_hints_per_s=20)
+    processor = PlacementProcessor(counting, config)  # type: ignore[arg-type]
+    decode, prefill = node_spec("decode-0"), node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL)
+    async with Heartbeats(stub, decode, prefill):
+        await grant(stub, decode, "conv-1", "req-1", tokens=512)
+
+        async def requests(count: int) -> AsyncIterator[ep.ProcessingRequest]:
+            for _ in range(count):
+                yield headers_message("conv-1")
+
+        context: Any = Context()
+        answers = [a async for a in processor.process(requests(3000), context)]
+        assert len(answers) == 3000 and counting.hints == 1
+        assert answers[0].request_headers.response.header_mutation.set_headers  # pinned
+        assert not any(a.request_headers.response.header_mutation.set_headers for a in answers[1:])
+
+        counting.hints = 0
+        streams = await asyncio.gather(
+            *(collect(processor.process(requests(1), context)) for _ in range(200))
+        )
+        assert all(len(answers) == 1 for answers in streams)
+        assert counting.hints <= 20 + 1  # the burst, and what refilled meanwhile
+
+
+async def collect(answers: AsyncIterator[ep.ProcessingResponse]) -> list[ep.ProcessingResponse]:
+    return [answer async for answer in answers]
+
+
+def test_the_hint_budget_refills_at_its_rate() -> None:
+    now = [0.0]
+    budget = HintBudget(rate=10, now=lambda: now[0])
+    assert sum(budget.take() for _ in range(50)) == 10  # a second's worth at once
+    now[0] += 0.5
+    assert sum(budget.take() for _ in range(50)) == 5
+    now[0] += 100
+    assert sum(budget.take() for _ in range(50)) == 10  # never more than a second's worth
 
 
 def test_the_session_header_comes_before_the_agents_headers() -> None:

@@ -3,6 +3,7 @@ before the fleet's own picker); defaults from PlacementConfig."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -15,11 +16,13 @@ from kvbroker.cli.options import (
     LogFormatOpt,
     LogLevelOpt,
     apply_logging_flags,
+    finite,
     host_port,
     positive_seconds,
 )
 from kvbroker.cli.output import fail
 from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.credentials import fresh_credential, read_digest_file
 from kvbroker.gateway.config import Mode, PlacementConfig
 
 placement_app = typer.Typer(
@@ -54,6 +57,26 @@ def placement_serve(
             help="Registry deadline per request, s; past it the request goes on unchanged.",
         ),
     ] = PlacementConfig.hint_timeout_s,
+    credentials: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_PLACEMENT_CREDENTIALS",
+            help="Tokens Envoy may call the hop with, one 'CALLER SHA256_HEX' line each (the "
+            "form of the registry's --credentials; 'kvbroker placement credential CALLER' "
+            "prints one); Envoy sends 'authorization: Bearer TOKEN' in its grpc_service's "
+            "initial_metadata. Unset: the hop serves whoever reaches its port.",
+        ),
+    ] = None,
+    max_hints_per_second: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_PLACEMENT_MAX_HINTS_PER_SECOND",
+            callback=finite,
+            min=1,
+            help="Registry hints a second, at most, for the hop as a whole; past it a request "
+            "goes on unchanged.",
+        ),
+    ] = PlacementConfig.max_hints_per_s,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
     *,
@@ -63,9 +86,42 @@ def placement_serve(
     holding its conversation's KV, or leave it unchanged."""
     from kvbroker.gateway.server import serve_forever
 
-    config = PlacementConfig(listen=listen, mode=mode, hint_timeout_s=hint_timeout)
+    digests: frozenset[str] = frozenset()
+    if credentials is not None:
+        try:
+            digests = frozenset(read_digest_file(credentials, _caller, "CALLER SHA256_HEX"))
+        except ValueError as error:
+            fail(str(error))
+    config = PlacementConfig(
+        listen=listen,
+        mode=mode,
+        hint_timeout_s=hint_timeout,
+        token_digests=digests,
+        max_hints_per_s=max_hints_per_second,
+    )
     apply_logging_flags(log_level, log_format)
     try:
         uvloop.run(serve_forever(endpoint, config))
     except (OSError, RuntimeError) as error:
         fail(f"cannot serve on {listen}: {error}")
+
+
+@placement_app.command("credential")
+def placement_credential(
+    caller: Annotated[str, typer.Argument(help="Who calls the hop with it (e.g. envoy).")],
+) -> None:
+    """Print a fresh token (for Envoy's initial_metadata) and the line for --credentials
+    (which holds only the token's SHA-256)."""
+    try:
+        token, line = fresh_credential(_caller(caller))
+    except ValueError as error:
+        fail(str(error), 2)
+    typer.echo(f"token: {token}")
+    typer.echo(f"line:  {line}")
+
+
+def _caller(name: str) -> str:
+    """A caller's name in the hop's credentials file: any word (it is only logged)."""
+    if not name or not name.isprintable() or any(c.isspace() or c == "#" for c in name):
+        raise ValueError(f"caller {name!r} must be one word without '#'")
+    return name

@@ -268,9 +268,7 @@ def registry_credential(
 ) -> None:
     """Print a fresh token (give it to its holder) and the line for --credentials (which
     holds only the token's SHA-256)."""
-    import secrets
-
-    from kvbroker.common.process.credentials import token_digest
+    from kvbroker.common.process.credentials import fresh_credential
     from kvbroker.controlplane.api.identity import Principal
 
     # The holder as the registry will read it back from the file, or refused here.
@@ -278,6 +276,6 @@ def registry_credential(
         holder = Principal.parse(who)
     except ValueError as error:
         fail(str(error), 2)
-    token = secrets.token_urlsafe(32)
+    token, line = fresh_credential(str(holder))
     typer.echo(f"token: {token}")
-    typer.echo(f"line:  {holder} {token_digest(token)}")
+    typer.echo(f"line:  {line}")

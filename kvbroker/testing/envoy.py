@@ -217,16 +217,24 @@ def _access_log(path: Path, headers: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def _ext_proc(cluster: str, metadata: dict[str, Any], fail_open: bool) -> dict[str, Any]:
+def _ext_proc(
+    cluster: str, metadata: dict[str, Any], fail_open: bool, token: str | None = None
+) -> dict[str, Any]:
     """An ext_proc filter that sends the request headers alone: bodies and streams (SSE) pass
-    through Envoy without ever reaching the processor."""
+    through Envoy without ever reaching the processor. With ``token``, every stream it opens
+    carries ``authorization: Bearer TOKEN``."""
+    grpc_service: dict[str, Any] = {"envoy_grpc": {"cluster_name": cluster}, "timeout": "1s"}
+    if token is not None:
+        grpc_service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {token}"}]
     return {
         "name": f"envoy.filters.http.ext_proc.{cluster}",
         "typed_config": {
             "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": "1s"},
+            "grpc_service": grpc_service,
             "failure_mode_allow": fail_open,
-            "message_timeout": "0.2s",
+            # As long as the call itself: a hop stalled by a loaded test machine must not pass
+            # for one that failed open (the hop keeps its own, much shorter, deadline).
+            "message_timeout": "1s",
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SKIP",
@@ -248,18 +256,25 @@ def envoy_config(
     picker_fail_open: bool,
     upstream: str | None = None,
     access_log: tuple[Path, Sequence[str]] | None = None,
+    placement_token: str | None = None,
 ) -> dict[str, Any]:
     """Envoy's bootstrap: the listener, the two ext_proc hops (the placement hop only when
     ``placement`` is given) and the ORIGINAL_DST cluster the picker's header steers. Without a
     ``picker``, Envoy sends every request after the hop to ``upstream`` when given, else
     answers it itself (200, ``DIRECT_ANSWER``): the chain that measures what the hop alone
-    adds. ``access_log``: where to log which request headers (``_access_log``)."""
+    adds. ``access_log``: where to log which request headers (``_access_log``);
+    ``placement_token``: the token Envoy calls the hop with."""
     filters = []
     clusters = []
     if placement is not None:
         # The hop fails open: Envoy goes on without it when it is away or slow.
         filters.append(
-            _ext_proc("placement", {"receiving_namespaces": {"untyped": [SUBSET_NAMESPACE]}}, True)
+            _ext_proc(
+                "placement",
+                {"receiving_namespaces": {"untyped": [SUBSET_NAMESPACE]}},
+                True,
+                placement_token,
+            )
         )
         clusters.append(_static_cluster("placement", placement))
     if picker is not None:
@@ -357,6 +372,7 @@ class Envoy(ChildProcess):
         concurrency: int = 1,
         upstream: str | None = None,
         logged_headers: Sequence[str] = (),
+        placement_token: str | None = None,
     ) -> None:
         self.port, admin = free_port(), free_port()
         self.access_log = workdir / f"envoy-{self.port}-access.jsonl"
@@ -365,7 +381,14 @@ class Envoy(ChildProcess):
         config.write_text(
             json.dumps(
                 envoy_config(
-                    self.port, admin, picker, placement, picker_fail_open, upstream, logged
+                    self.port,
+                    admin,
+                    picker,
+                    placement,
+                    picker_fail_open,
+                    upstream,
+                    logged,
+                    placement_token,
                 )
             )
         )

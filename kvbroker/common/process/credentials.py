@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import secrets
 import string
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,12 @@ _LOWER_HEX = frozenset(string.hexdigits.lower())
 def token_digest(token: str) -> str:
     """A token's SHA-256, in hex: what a credentials file holds for it."""
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def fresh_credential(holder: str) -> tuple[str, str]:
+    """A new random token for ``holder``, and the line a credentials file holds for it."""
+    token = secrets.token_urlsafe(32)
+    return token, f"{holder} {token_digest(token)}"
 
 
 def _lines(path: Path) -> list[tuple[int, str]]:
