@@ -21,7 +21,9 @@ reported back with their cause.
 Prefill side: a remote handle is used only when its lease is live at its epoch (asked through
 the sidecar), only up to the first block whose hash differs from this prompt's, and only when
 the reusable remainder meets ``kv_recompute_threshold``; otherwise the handle is removed and P
-recomputes (the rule: ``engine_ext.verdict``). vLLM's own prefix cache is consulted first
+recomputes (the rule: ``engine_ext.verdict``). A long prompt with no handle of its own may be
+given one by content first (a fork of another conversation: ``engine_ext.prefix_match``), read
+without freeing the decode node's blocks. vLLM's own prefix cache is consulted first
 (``num_computed_tokens``). The lease check runs on the sidecar link's thread: until it answers,
 the request is reported as "not known yet" and vLLM's scheduler asks again next step
 (``engine_ext.lease_check``).
@@ -58,6 +60,7 @@ from kvbroker.engine_ext.engine_info import engine_info
 from kvbroker.engine_ext.idle import IdlePause
 from kvbroker.engine_ext.lease_check import PendingCheck, settle_remote
 from kvbroker.engine_ext.prefix import prefix_hashes
+from kvbroker.engine_ext.prefix_match import PendingMatch, settle_match
 from kvbroker.engine_ext.pressure import (
     RetainedRequest,
     admission_shortfall,
@@ -111,8 +114,9 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         # Requests vLLM tracks for retention (went through update_state_after_alloc with
         # transfer params); others must not be retained (vLLM 0.32 would leak their blocks).
         self._tracked: set[str] = set()
-        # Prefill side: lease checks still in flight, by request id.
+        # Prefill side: lease checks and prefix matches still in flight, by request id.
         self._pending_checks: dict[str, PendingCheck] = {}
+        self._pending_matches: dict[str, PendingMatch] = {}
         # Decode side: what is retained, by request id.
         self._retained: dict[str, RetainedRequest] = {}
         self._budget_blocks = int(self.settings.retention_max_fraction * kv_cache_config.num_blocks)
@@ -215,6 +219,17 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
             # preempted after it): vLLM 0.32 would report the remote tokens again without
             # starting a new read, leaving the request waiting forever. Recompute instead.
             handles.strip_handle(params)
+        if not settle_match(
+            self._pending_matches,
+            self.link,
+            request,
+            params,
+            _session(request),
+            num_computed_tokens,
+            self.settings,
+            self._block_size,
+        ):
+            return None, False  # the match by content is in flight: "not known yet"
         if params is not None and not settle_remote(
             self._pending_checks,
             self.link,
@@ -309,6 +324,7 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         request_id = request.request_id
         # Finished (e.g. aborted) while its lease check was in flight: nothing will ask again.
         self._pending_checks.pop(request_id, None)
+        self._pending_matches.pop(request_id, None)
         self._tail_plans.pop(request_id, None)
         self._unadmitted.pop(request_id, None)
         self._starved.discard(request_id)

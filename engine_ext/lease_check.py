@@ -21,6 +21,7 @@ from kvbroker.common.client.engine_link import EngineLink, LeaseAnswer
 from kvbroker.common.rules import handles
 from kvbroker.engine_ext import vllm_compat
 from kvbroker.engine_ext.prefix import verified_prefix_tokens
+from kvbroker.engine_ext.prefix_match import FORK_KEY
 from kvbroker.engine_ext.settings import KvBrokerSettings
 from kvbroker.engine_ext.verdict import (
     LeaseCheck,
@@ -109,6 +110,10 @@ def settle_remote(
         handles.strip_handle(params)
         return True
     params["remote_num_tokens"] = offer.verified_tokens
+    shared = check is not None and check.answer is not None and check.answer.shared
+    if shared or params.get(FORK_KEY):
+        # Forks read this lease by content: the read leaves the blocks to the registry.
+        vllm_compat.read_without_freeing(params)
     blocks = -(-offer.verified_tokens // block_size)
     params["remote_block_ids"] = [list(group)[:blocks] for group in params["remote_block_ids"]]
     log.info(

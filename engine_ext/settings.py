@@ -53,6 +53,11 @@ class KvBrokerSettings:
     # retained request instead of recomputing it (``engine_ext.retained_tail``); engines the
     # rules do not cover turn it off themselves (``vllm_compat.tail_reuse_unsupported``).
     retained_tail_reuse: bool = True
+    # A prefill engine asks the registry for another conversation's retained KV that a long
+    # prompt with no handle of its own starts with (a fork, a sub-agent given its parent's
+    # history: ``engine_ext.prefix_match``), and reads it without taking it; off: such a
+    # prompt is computed whole, as before.
+    prefix_match: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> KvBrokerSettings:
@@ -76,6 +81,7 @@ class KvBrokerSettings:
             retained_tail_reuse=_flag(
                 extra.get("kvbroker_retained_tail_reuse", cls.retained_tail_reuse)
             ),
+            prefix_match=_flag(extra.get("kvbroker_prefix_match", cls.prefix_match)),
         )
 
     def __post_init__(self) -> None:

@@ -75,6 +75,7 @@ __all__ = [
     "handshake_generation",
     "in_transfer_batch",
     "kv_connector_extra_config",
+    "read_without_freeing",
     "remote_read_attempted",
     "retains_kv",
     "served_model_name",
@@ -178,6 +179,25 @@ def local_hit_blocks_in_use(pool: BlockPool, request: Request, hit_blocks: int) 
 def remote_read_attempted(params: dict[str, Any]) -> bool:
     """vLLM 0.32 marks transfer params whose remote read it already started."""
     return bool(params.get("_remote_blocks_processed"))
+
+
+# vLLM's NIXL reader sends the decode node "REMOTE_REQUEST_ID:CONSUMERS" when a read completes,
+# and the decode node frees that request's blocks once all its consumers have; a message that
+# starts with "HB:" is a heartbeat instead, whose request ids extend the retention of those the
+# decode node knows and are otherwise ignored (pull_worker ``_get_new_notifs``, base_worker
+# ``_handle_heartbeat``; checked on vLLM 0.32). The read itself names the blocks by id, not the
+# request.
+_UNFREEING_READ = "HB:kvbroker-shared-read/"
+
+
+def read_without_freeing(params: dict[str, Any]) -> None:
+    """Makes a remote read leave the decode node's blocks retained: a fork reading its
+    parent's KV, or any read of a lease forks have pinned (the registry frees those blocks,
+    once the pins and the lease have ended). The completion notice names no request the
+    decode node retains, so it frees nothing."""
+    request_id = str(params.get("remote_request_id") or "")
+    if request_id and not request_id.startswith(_UNFREEING_READ):
+        params["remote_request_id"] = _UNFREEING_READ + request_id
 
 
 # ------------------------------------------------------------ requests and configuration

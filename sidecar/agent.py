@@ -29,7 +29,7 @@ from kvbroker.common.client.grpc_client import (
 )
 from kvbroker.common.process.tasks import until_first_exits
 from kvbroker.common.rules.clock import from_duration
-from kvbroker.common.rules.routing import read_refusal
+from kvbroker.common.rules.routing import pinned, read_refusal
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.sidecar.engine_probe import EngineProbe
 from kvbroker.sidecar.metrics import SidecarMetrics
@@ -109,20 +109,46 @@ class Agent:
     def deadlines(self) -> AsyncIterator[registry_pb2.LeaseCommand]:
         return self._relay.deadlines()
 
-    async def check_lease(self, lease_id: str, epoch: int) -> tuple[bool, str]:
+    async def check_lease(self, lease_id: str, epoch: int) -> sidecar_pb2.CheckLeaseResponse:
         """The fence before a read (``routing.read_refusal``), on the registry's current
-        record of the lease."""
+        record of the lease; ``shared`` when forks' read pins hold it (the read must not free
+        the blocks)."""
         session = self._current
         if session is None or not session.live:
-            return False, "the sidecar has no registry session"
+            return sidecar_pb2.CheckLeaseResponse(reason="the sidecar has no registry session")
         try:
             response = await session.stub.GetLease(
                 registry_pb2.GetLeaseRequest(lease_id=lease_id), timeout=RPC_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as error:
-            return False, f"registry could not confirm lease {lease_id}: {error.details()}"
+            return sidecar_pb2.CheckLeaseResponse(
+                reason=f"registry could not confirm lease {lease_id}: {error.details()}"
+            )
         refusal = read_refusal(response.lease, epoch)
-        return refusal is None, refusal or ""
+        return sidecar_pb2.CheckLeaseResponse(
+            usable=refusal is None, reason=refusal or "", shared=pinned(response.lease)
+        )
+
+    async def resolve_prefix(
+        self, request: sidecar_pb2.ResolvePrefixRequest, timeout_s: float
+    ) -> registry_pb2.MatchPrefixResponse:
+        """The registry's MatchPrefix for this node: a lease of another conversation the
+        engine's prompt starts with, pinned for its read. Raises ``grpc.aio.AioRpcError`` as
+        the registry answered, and ``SessionLostError`` with no live session."""
+        session = self._current
+        if session is None or not session.live or not self._model:
+            raise SessionLostError("the sidecar has no registry session")
+        response: registry_pb2.MatchPrefixResponse = await session.stub.MatchPrefix(
+            registry_pb2.MatchPrefixRequest(
+                node_id=self.config.node_id,
+                conversation_id=request.conversation_id,
+                model=self._model,
+                block_size=request.block_size,
+                probe_hashes=request.probe_hashes,
+            ),
+            timeout=min(timeout_s, RPC_TIMEOUT_S),
+        )
+        return response
 
     async def resolve_handle(
         self, request: sidecar_pb2.ResolveHandleRequest, timeout_s: float

@@ -49,8 +49,7 @@ class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
     ) -> sidecar_pb2.CheckLeaseResponse:
         if not request.lease_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_id is required")
-        usable, reason = await self.agent.check_lease(request.lease_id, request.epoch)
-        return sidecar_pb2.CheckLeaseResponse(usable=usable, reason=reason)
+        return await self.agent.check_lease(request.lease_id, request.epoch)
 
     async def ResolveHandle(
         self, request: sidecar_pb2.ResolveHandleRequest, context: grpc.aio.ServicerContext
@@ -68,6 +67,22 @@ class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
             # The registry's own answer (a bad conversation id, an unknown node), as it gave it.
             await context.abort(error.code(), error.details() or "")
         return sidecar_pb2.ResolveHandleResponse(hint=hint)
+
+    async def ResolvePrefix(
+        self, request: sidecar_pb2.ResolvePrefixRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.ResolvePrefixResponse:
+        if request.block_size == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block_size is required")
+        remaining = context.time_remaining()
+        try:
+            match = await self.agent.resolve_prefix(
+                request, remaining if remaining is not None else RPC_TIMEOUT_S
+            )
+        except SessionLostError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        return sidecar_pb2.ResolvePrefixResponse(match=match)
 
     async def WatchDeadlines(
         self, request: sidecar_pb2.WatchDeadlinesRequest, context: grpc.aio.ServicerContext

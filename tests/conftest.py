@@ -73,6 +73,7 @@ LAYERS = {
     "test_registry_failover": "integration",
     "test_registry_unit": "unit",
     "test_prefix_match": "unit",
+    "test_prefix_match_scheduler": "unit",
     "test_request_validation": "unit",
     "test_retention_policy": "unit",
     "test_retention_mirror": "unit",

@@ -19,8 +19,10 @@ from kvbroker.common.client.engine_link import Deadline, EngineLink
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import Announces, ChildProcess
+from kvbroker.common.rules.checkpoints import Checkpoints, probe_blocks
 from kvbroker.common.rules.clock import to_duration, to_timestamp
 from kvbroker.controlplane.server import ServerOptions, start_registry
+from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.config import SidecarConfig
 from kvbroker.stack import sidecar_command
@@ -806,3 +808,52 @@ async def test_a_replaced_engine_s_new_incarnation_ends_the_old_session_first() 
             await asyncio.gather(running, return_exceptions=True)
             await agent.close()
             await registry.stop(grace=0.1)
+
+
+async def test_a_fork_resolves_its_parent_s_prefix_through_its_sidecar(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Engine → sidecar → registry over real gRPC: a prefill engine's prompt that starts with
+    what the decode engine retained for another conversation of its tenant gets that lease,
+    pinned (the lease check then says it may be read, shared); another tenant's gets nothing."""
+    tokens = [(7 * i + 3) % 4000 + 5 for i in range(400)]
+    kept = Checkpoints.of(prefix_hashes(tokens, 16, 320))
+    retained = retained_blocks("decode-0", "acme/parent", "req-parent", tokens=320)
+    retained.block_hashes[:] = kept.hashes
+    retained.block_hash_stride = kept.stride
+    stack.link.retained(retained)
+    [parent] = await eventually(lambda: live_leases(stack.stub))
+    full = prefix_hashes(tokens, 16, 399)
+    probes = [full[b] for b in probe_blocks(399 // 16)]
+    async with FakeEngine("prefill-0") as engine:
+        socket_path = tmp_path / "p.sock"
+        sidecar = sidecar_process(
+            stack.registry.address, engine.url, "prefill-0", socket_path, role="prefill"
+        )
+        await sidecar.start()
+        link = EngineLink(f"unix:{socket_path}", engine_info("prefill-0", port=5602))
+        link.start()
+        try:
+            await eventually(lambda: asyncio.to_thread(link.attached.wait, 0.1))
+
+            async def matched(conversation: str) -> registry_pb2.MatchPrefixResponse | None:
+                answer = await asyncio.wrap_future(
+                    link.start_prefix_match(conversation, 16, probes, 2.0)
+                )
+                return answer.match
+
+            fork = await eventually(lambda: matched("acme/fork"))
+            assert fork is not None and fork.lease.lease_id == parent.lease_id
+            assert fork.matched_blocks == 16
+            check = await asyncio.wrap_future(
+                link.start_lease_check(parent.lease_id, parent.epoch, 2.0)
+            )
+            assert check.usable and check.shared, check.reason
+            other = await matched("evil/fork")
+            assert other is not None and not other.HasField("lease")
+            assert other.no_reuse == registry_pb2.NO_REUSE_REASON_NO_PREFIX_MATCH
+            [still] = await live_leases(stack.stub)
+            assert still.state == lease_pb2.LEASE_STATE_ACTIVE  # the parent's, unchanged
+        finally:
+            link.close()
+            await sidecar.stop()

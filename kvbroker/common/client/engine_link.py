@@ -62,6 +62,17 @@ class LeaseAnswer:
     # False when no answer came from the registry (no link, RPC failed): nothing was declined,
     # the lease just could not be checked.
     from_registry: bool = True
+    # Forks' read pins hold the lease: a read must not free its blocks.
+    shared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixAnswer:
+    """The registry's word on a prompt's prefix (MatchPrefix), or why there is none: the
+    match (a pinned lease, or a typed reason for none), or None when no answer came."""
+
+    match: registry_pb2.MatchPrefixResponse | None
+    reason: str = ""
 
 
 class EngineLink:
@@ -145,6 +156,22 @@ class EngineLink:
         request = sidecar_pb2.CheckLeaseRequest(lease_id=lease_id, epoch=epoch)
         # The call is made on the link's loop: grpc.aio calls belong to the loop they run on.
         return asyncio.run_coroutine_threadsafe(_check_lease(stub, request, timeout_s), loop)
+
+    def start_prefix_match(
+        self, conversation_id: str, block_size: int, probes: list[bytes], timeout_s: float
+    ) -> Future[PrefixAnswer]:
+        """Asks the registry, through the sidecar, for the live lease of another conversation
+        the prompt starts with (its hashes at blocks 2^k - 1), without waiting, as
+        ``start_lease_check`` does; any failure answers no match with the reason."""
+        loop, stub = self._loop, self._stub
+        if loop is None or stub is None or not self.attached.is_set():
+            unanswered: Future[PrefixAnswer] = Future()
+            unanswered.set_result(PrefixAnswer(None, "no link to the sidecar"))
+            return unanswered
+        request = sidecar_pb2.ResolvePrefixRequest(
+            conversation_id=conversation_id, block_size=block_size, probe_hashes=probes
+        )
+        return asyncio.run_coroutine_threadsafe(_resolve_prefix(stub, request, timeout_s), loop)
 
     def check_lease(self, lease_id: str, epoch: int, timeout_s: float) -> tuple[bool, str]:
         """``start_lease_check`` for callers that may block: waits at most about ``timeout_s``."""
@@ -262,4 +289,16 @@ async def _check_lease(
         response = await stub.CheckLease(request, timeout=timeout_s)
     except Exception as error:  # timeout, RPC error: the lease is not verified
         return LeaseAnswer(False, f"lease check failed: {error!r}", from_registry=False)
-    return LeaseAnswer(bool(response.usable), str(response.reason))
+    return LeaseAnswer(bool(response.usable), str(response.reason), shared=bool(response.shared))
+
+
+async def _resolve_prefix(
+    stub: sidecar_pb2_grpc.SidecarServiceStub,
+    request: sidecar_pb2.ResolvePrefixRequest,
+    timeout_s: float,
+) -> PrefixAnswer:
+    try:
+        response = await stub.ResolvePrefix(request, timeout=timeout_s)
+    except Exception as error:  # timeout, RPC error: no match, computed locally
+        return PrefixAnswer(None, f"prefix match failed: {error!r}")
+    return PrefixAnswer(response.match)
