@@ -37,12 +37,14 @@ import enum
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from kvbroker.common.rules import handles
 from kvbroker.common.rules.prompt_size import PromptSize, PromptText
+from kvbroker.common.rules.tenants import ApiKeys, KeyRefusal, KeyRefused, Tenant
 from kvbroker.engine_ext import vllm_compat
 from kvbroker.engine_ext.settings import KvBrokerSettings
 from kvbroker.v1 import registry_pb2, sidecar_pb2, sidecar_pb2_grpc
@@ -57,6 +59,8 @@ log = vllm_compat.engine_logger("session_reuse")
 
 COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 SESSION_HEADER = b"x-session-id"
+# Anthropic's header for an API key (its SDK and Claude Code send it).
+API_KEY_HEADER = b"x-api-key"
 # The longest request body read to look for a session: a larger one is refused with 413
 # (passing on what was read would hand the engine a part of the body as if it were whole).
 MAX_BODY_BYTES = 64 << 20
@@ -147,6 +151,8 @@ class SessionReuse:
     def __init__(self, app: App) -> None:
         self.app = app
         self._sidecar: sidecar_pb2_grpc.SidecarServiceStub | None = None
+        self._read_settings: KvBrokerSettings | None = None
+        self._api_keys: ApiKeys | None = None
         self._timeout_s = KvBrokerSettings.lease_check_timeout_s
         self._sizes = PromptSize()
 
@@ -174,6 +180,23 @@ class SessionReuse:
         forward = _replay(raw, receive)
         body = _json_object(raw)
         turn = read_turn(scope["headers"], body) if body is not None else None
+        if turn is not None and body is not None and not turn.prepared:
+            keys = self._keys(scope)
+            if keys is not None:
+                try:
+                    tenant: Tenant | None = keys.tenant(
+                        _header(scope, b"authorization"), _header(scope, API_KEY_HEADER)
+                    )
+                except KeyRefused as refused:
+                    if refused.refusal is KeyRefusal.UNKNOWN:
+                        await _refuse(send, 401, "Incorrect API key provided.", "invalid_api_key")
+                        return
+                    tenant = None  # no key (a router that forwards none): a plain turn
+                scope = _scoped(scope, body, tenant.conversation(turn.session_id) if tenant else "")
+                raw = json.dumps(body).encode()
+                scope = _with_length(scope, len(raw))
+                forward = _replay(raw, receive)
+                turn = read_turn(scope["headers"], body)
         sidecar = self._stub(scope) if turn is not None and not turn.prepared else None
         if turn is None or body is None or sidecar is None or not (turn.prefill_leg or turn.alone):
             await self.app(scope, forward, send)
@@ -226,17 +249,32 @@ class SessionReuse:
             return None
         return response.hint
 
+    def _settings(self, scope: Scope) -> KvBrokerSettings | None:
+        """The engine's own connector settings (None: it has no kvbroker connector)."""
+        if self._read_settings is None:
+            vllm_config = vllm_compat.app_vllm_config(scope.get("app"))
+            if vllm_config is None or vllm_config.kv_transfer_config is None:
+                return None
+            self._read_settings = KvBrokerSettings.from_extra_config(
+                vllm_compat.kv_connector_extra_config(vllm_config)
+            )
+        return self._read_settings
+
+    def _keys(self, scope: Scope) -> ApiKeys | None:
+        """The tenants' keys, when the engine is given a keys file (None: an open door).
+        A file it cannot read stops every session here rather than serving it open."""
+        settings = self._settings(scope)
+        if settings is None or not settings.api_keys:
+            return None
+        if self._api_keys is None:
+            self._api_keys = ApiKeys.load(Path(settings.api_keys))
+        return self._api_keys
+
     def _stub(self, scope: Scope) -> sidecar_pb2_grpc.SidecarServiceStub | None:
         """The sidecar, from the engine's own connector settings (None: it has none)."""
         if self._sidecar is None:
-            app = scope.get("app")
-            vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
-            if vllm_config is None or vllm_config.kv_transfer_config is None:
-                return None
-            settings = KvBrokerSettings.from_extra_config(
-                vllm_compat.kv_connector_extra_config(vllm_config)
-            )
-            if not settings.sidecar:
+            settings = self._settings(scope)
+            if settings is None or not settings.sidecar:
                 return None
             self._timeout_s = settings.lease_check_timeout_s
             channel = grpc.aio.insecure_channel(settings.sidecar)
@@ -290,6 +328,25 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError):
         return None  # vLLM answers a malformed body itself
     return body if isinstance(body, dict) else None
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    value = dict(scope["headers"]).get(name)
+    return value.decode("latin-1") if value is not None else None
+
+
+def _scoped(scope: Scope, body: dict[str, Any], conversation: str) -> Scope:
+    """The request naming ``conversation`` as its session ("": none) wherever vLLM reads one
+    (``_session``): the body's ``session_id`` set or removed, the header and ``vllm_xargs``'s
+    removed. Returns the new scope; ``body`` is changed in place."""
+    if conversation:
+        body["session_id"] = conversation
+    else:
+        body.pop("session_id", None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        xargs.pop("session_id", None)
+    return {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != SESSION_HEADER]}
 
 
 def _with_length(scope: Scope, length: int) -> Scope:

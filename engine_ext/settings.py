@@ -59,10 +59,17 @@ class KvBrokerSettings:
     # prompt is computed whole, as before.
     prefix_match: bool = True
 
+    # A keys file (``TENANT SHA256_HEX`` lines, the router's --api-keys form): the session
+    # middleware then resolves a session only for the tenant whose key the request carries
+    # (``kvbroker.common.rules.tenants``), and a request without a key as a plain turn. Empty:
+    # every session id is taken as given (an engine port only trusted callers reach).
+    api_keys: str = ""
+
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> KvBrokerSettings:
         return cls(
             sidecar=str(extra.get("kvbroker_sidecar", "")),
+            api_keys=str(extra.get("kvbroker_api_keys", "")),
             recompute_threshold=int(extra.get("kv_recompute_threshold", cls.recompute_threshold)),
             hard_cap_s=float(extra.get("decoder_kv_blocks_ttl", cls.hard_cap_s)),
             lease_check_timeout_s=float(

@@ -268,6 +268,13 @@ def end_without_retention(request: Request, retains: bool) -> registry_pb2.NotRe
     return registry_pb2.NOT_RETAINED_REASON_DECLINED
 
 
+def app_vllm_config(app: Any) -> VllmConfig | None:
+    """The engine's config as vLLM's API server keeps it on its app (``app.state.vllm_config``,
+    set where the server builds its state), for an ASGI middleware; None elsewhere."""
+    config = getattr(getattr(app, "state", None), "vllm_config", None)
+    return config if isinstance(config, VllmConfig) else None
+
+
 def kv_connector_extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     config = vllm_config.kv_transfer_config
     assert config is not None

@@ -1,16 +1,21 @@
 """The engine's session middleware as an ASGI app in front of a recording one: a body it will
 not read whole is refused with 413, never handed on cut short; a body it reads is handed on
-whole, however it arrived; a client gone mid-body gets nothing sent and the engine no request.
+whole, however it arrived; a client gone mid-body gets nothing sent and the engine no request;
+with a keys file, a session is its key's tenant's and a request without a key is a plain turn.
 (The resolving itself runs on real engines in tests/test_e2e_fleets.py.)"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvbroker.common.process.credentials import fresh_credential
 from kvbroker.engine_ext import session_reuse
 from kvbroker.engine_ext.session_reuse import Message, Receive, Scope, Send, SessionReuse
+from kvbroker.engine_ext.settings import KvBrokerSettings
 
 LIMIT = 1024
 
@@ -97,3 +102,78 @@ async def test_a_client_gone_mid_body_sends_the_engine_nothing() -> None:
     engine, sent = await call([body_of(LIMIT)[:100]], disconnect=True)
     assert engine.bodies == []
     assert sent == []
+
+
+def keyed(tmp_path: Path) -> tuple[SessionReuse, Engine, str]:
+    """The middleware of an engine given a keys file with tenant ``acme``'s key."""
+    token, line = fresh_credential("acme")
+    keys = tmp_path / "api-keys"
+    keys.write_text(line + "\n")
+    engine = Engine()
+    middleware = SessionReuse(engine)
+    # What the engine's connector settings say (vLLM's app state is not here).
+    middleware._read_settings = KvBrokerSettings(api_keys=str(keys))
+    return middleware, engine, token
+
+
+async def send_through(
+    middleware: SessionReuse, body: dict[str, Any], headers: list[tuple[bytes, bytes]]
+) -> list[Message]:
+    messages: list[Message] = [{"type": "http.request", "body": json.dumps(body).encode()}]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await middleware({**scope(), "headers": headers}, receive, send)
+    return sent
+
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_a_keyed_engine_scopes_the_session_to_the_key_s_tenant(tmp_path: Path) -> None:
+    """With a keys file, the session a request names is its key's tenant's (``acme/...``),
+    wherever vLLM would read it; another tenant's conversation cannot be named, whatever the
+    session id holds."""
+    middleware, engine, token = keyed(tmp_path)
+    for headers, body in (
+        ([(b"authorization", f"Bearer {token}".encode())], {**CHAT, "session_id": "conv-1"}),
+        ([(b"x-api-key", token.encode()), (b"x-session-id", b"conv-1")], CHAT),
+        ([(b"authorization", f"Bearer {token}".encode())], {**CHAT, "session_id": "globex/c"}),
+    ):
+        sent = await send_through(middleware, body, headers)
+        assert sent[0]["status"] == 200
+        received = json.loads(engine.bodies[-1])
+        session = body.get("session_id", "conv-1")
+        assert received["session_id"] == f"acme/{session}"
+
+
+async def test_a_keyed_engine_serves_a_request_without_a_key_as_a_plain_turn(
+    tmp_path: Path,
+) -> None:
+    """No key (a router that forwards none): the session is removed wherever vLLM reads one,
+    so the turn neither resolves nor retains anything of the conversation it names; a key the
+    file does not hold is refused (401)."""
+    middleware, engine, _ = keyed(tmp_path)
+    body = {**CHAT, "session_id": "acme/conv-1", "vllm_xargs": {"session_id": "acme/conv-1"}}
+    sent = await send_through(middleware, body, [(b"x-session-id", b"acme/conv-1")])
+    assert sent[0]["status"] == 200
+    received = json.loads(engine.bodies[-1])
+    assert "session_id" not in received and received["vllm_xargs"] == {}
+    sent = await send_through(
+        middleware, {**CHAT, "session_id": "c"}, [(b"authorization", b"Bearer wrong")]
+    )
+    assert sent[0]["status"] == 401
+    assert json.loads(sent[1]["body"])["error"]["type"] == "invalid_api_key"
+    assert len(engine.bodies) == 1  # the refused one never reached the engine
+
+
+async def test_an_open_engine_takes_session_ids_as_given(tmp_path: Path) -> None:
+    engine = Engine()
+    sent = await send_through(SessionReuse(engine), {**CHAT, "session_id": "acme/conv-1"}, [])
+    assert sent[0]["status"] == 200
+    assert json.loads(engine.bodies[-1])["session_id"] == "acme/conv-1"
