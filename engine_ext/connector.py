@@ -57,6 +57,7 @@ from kvbroker.engine_ext.connector_metrics import (
     worker_stats,
 )
 from kvbroker.engine_ext.engine_info import engine_info
+from kvbroker.engine_ext.fragmentation import issued_read
 from kvbroker.engine_ext.idle import IdlePause
 from kvbroker.engine_ext.lease_check import PendingCheck, settle_remote
 from kvbroker.engine_ext.prefix import prefix_hashes
@@ -275,6 +276,9 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        read = issued_read(self._sched, request)  # its blocks and runs (engine_ext.fragmentation)
+        if read is not None:
+            self._metrics.read(read)
         plan = self._tail_plans.pop(request.request_id, None)
         if plan is not None and num_external_tokens > 0:
             plan = TailPlan(plan.tail, plan.start, num_external_tokens)

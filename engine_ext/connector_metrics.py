@@ -22,6 +22,11 @@ Series (labels ``model_name`` and ``engine``, as vLLM's own):
 - ``kvbroker_reads_declined_total{reason}`` (counter, P): handles P did not read, by the
   verdict that settled them (``engine_ext.verdict``): ``decline`` (the registry refused the
   lease) or ``recompute`` (not worth a read, or the lease could not be checked).
+- ``kvbroker_read_blocks{direction}`` and ``kvbroker_read_runs{direction,side}``
+  (histograms): the blocks and the runs of consecutive block ids of every NIXL READ the
+  engine issued (``engine_ext.fragmentation``): ``d_to_p`` on a prefill engine reading
+  retained KV, ``p_to_d`` on a decode engine pulling a prefill leg; ``side`` ``paired`` is
+  the READ's descriptors per region, ``source`` and ``destination`` each side's own runs.
 
 How they reach ``/metrics``: the connector runs in vLLM's engine-core process and the API
 server serves ``/metrics``, and vLLM's one path between them is its KV connector stats. Every
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbroker.engine_ext import metric_catalog as catalog
+from kvbroker.engine_ext.fragmentation import DIRECTIONS, IssuedRead
 from kvbroker.engine_ext.pressure import RetainedRequest
 from kvbroker.engine_ext.verdict import Verdict
 from kvbroker.engine_ext.vllm_compat import (
@@ -74,12 +80,30 @@ def declined_key(reason: str) -> str:
     return f"{READS_DECLINED}.{reason}"
 
 
+READ_BLOCKS = catalog.READ_BLOCKS.name
+READ_RUNS = catalog.READ_RUNS.name
+# The ``side`` label's values, and the ReadShape field each is taken from.
+RUN_SIDES = {"paired": "runs", "source": "source_runs", "destination": "destination_runs"}
+
+
+def read_blocks_key(direction: str) -> str:
+    """The stats' key listing the blocks of each READ issued in ``direction``."""
+    return f"{READ_BLOCKS}.{direction}"
+
+
+def read_runs_key(direction: str, side: str) -> str:
+    """The stats' key listing the runs on ``side`` of each READ issued in ``direction``."""
+    return f"{READ_RUNS}.{direction}.{side}"
+
+
 KEYS = (
     RETAINED_BLOCKS,
     BUDGET_FREE_RATIO,
     LEASES_LIVE,
     READS_SERVED,
     *(declined_key(reason) for reason in DECLINE_REASONS),
+    *(read_blocks_key(direction) for direction in DIRECTIONS),
+    *(read_runs_key(direction, side) for direction in DIRECTIONS for side in RUN_SIDES),
 )
 
 
@@ -139,6 +163,14 @@ class KvBrokerStats(NixlKVConnectorStats):
             summary["Leases live"] = gauges.leases_live
         summary["Reads served"] = len(self.data[READS_SERVED])
         summary["Reads declined"] = sum(len(self.data[declined_key(r)]) for r in DECLINE_REASONS)
+        for direction in DIRECTIONS:
+            blocks = self.data[read_blocks_key(direction)]
+            if blocks:
+                summary[f"READs {direction}"] = len(blocks)
+                summary[f"READ blocks {direction}"] = sum(blocks)
+                summary[f"READ runs {direction}"] = sum(
+                    self.data[read_runs_key(direction, "paired")]
+                )
         return summary
 
     def newest_gauges(self) -> RetentionGauges | None:
@@ -174,6 +206,13 @@ class MetricsRecorder:
         """A remote handle's verdict was settled on the prefill side."""
         if verdict.value in DECLINE_REASONS:
             self._stats.data[declined_key(verdict.value)].append(1)
+
+    def read(self, issued: IssuedRead) -> None:
+        """The connector queued a READ of this shape."""
+        self._stats.data[read_blocks_key(issued.direction)].append(issued.shape.blocks)
+        for side, field in RUN_SIDES.items():
+            runs = getattr(issued.shape, field)
+            self._stats.data[read_runs_key(issued.direction, side)].append(runs)
 
     def take(self, gauges: RetentionGauges) -> KvBrokerStats | None:
         """What to ship this step: the events since the last take, and ``gauges`` when they
@@ -223,6 +262,30 @@ class KvBrokerPromMetrics(NixlPromMetrics):
             for engine, values in per_engine_labelvalues.items()
             for reason in DECLINE_REASONS
         }
+        histogram_cls: Any = self._histogram_cls
+        read_blocks = histogram_cls(
+            name=READ_BLOCKS,
+            documentation=catalog.READ_BLOCKS.documentation,
+            labelnames=[*labelnames, *catalog.READ_BLOCKS.extra_labels],
+            buckets=list(catalog.READ_SHAPE_BUCKETS),
+        )
+        read_runs = histogram_cls(
+            name=READ_RUNS,
+            documentation=catalog.READ_RUNS.documentation,
+            labelnames=[*labelnames, *catalog.READ_RUNS.extra_labels],
+            buckets=list(catalog.READ_SHAPE_BUCKETS),
+        )
+        self.read_blocks: dict[tuple[int, str], Any] = {
+            (engine, direction): read_blocks.labels(*values, direction)
+            for engine, values in per_engine_labelvalues.items()
+            for direction in DIRECTIONS
+        }
+        self.read_runs: dict[tuple[int, str, str], Any] = {
+            (engine, direction, side): read_runs.labels(*values, direction, side)
+            for engine, values in per_engine_labelvalues.items()
+            for direction in DIRECTIONS
+            for side in RUN_SIDES
+        }
         for engine in per_engine_labelvalues:
             self._set_gauges(engine, NOTHING_RETAINED)
 
@@ -253,6 +316,12 @@ class KvBrokerPromMetrics(NixlPromMetrics):
         for reason in DECLINE_REASONS:
             if stats.data[declined_key(reason)]:
                 self.reads_declined[engine_idx, reason].inc(len(stats.data[declined_key(reason)]))
+        for direction in DIRECTIONS:
+            for blocks in stats.data[read_blocks_key(direction)]:
+                self.read_blocks[engine_idx, direction].observe(blocks)
+            for side in RUN_SIDES:
+                for runs in stats.data[read_runs_key(direction, side)]:
+                    self.read_runs[engine_idx, direction, side].observe(runs)
 
 
 class ConnectorMetricsClasses:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# vLLM's own labels on every connector series; kvbroker's reads-declined adds ``reason``.
+# vLLM's own labels on every connector series; kvbroker's reads-declined adds ``reason``, the
+# READ shapes ``direction`` (and ``side``).
 VLLM_LABELS = ("model_name", "engine")
 
 
@@ -43,4 +44,30 @@ READS_DECLINED = EngineMetric(
     "the lease) or recompute (not worth a read, or the lease could not be checked).",
     ("reason",),
 )
-ENGINE_METRICS = (RETAINED_BLOCKS, BUDGET_FREE_RATIO, LEASES_LIVE, READS_SERVED, READS_DECLINED)
+# Powers of two up to a 256k-token READ of 16-token blocks.
+READ_SHAPE_BUCKETS = tuple(float(2**i) for i in range(15))
+READ_BLOCKS = EngineMetric(
+    "kvbroker_read_blocks",
+    "histogram",
+    "KV blocks per NIXL READ this engine issued, by direction: d_to_p (a prefill engine "
+    "reading retained KV under a lease) or p_to_d (a decode engine pulling a prefill leg).",
+    ("direction",),
+)
+READ_RUNS = EngineMetric(
+    "kvbroker_read_runs",
+    "histogram",
+    "Runs of consecutive block ids per NIXL READ this engine issued (what NIXL posts per "
+    "region: descriptors after merging abutting ones), by direction and side: paired (the "
+    "source and the destination id both the previous + 1: the READ's descriptors), source, "
+    "destination.",
+    ("direction", "side"),
+)
+ENGINE_METRICS = (
+    RETAINED_BLOCKS,
+    BUDGET_FREE_RATIO,
+    LEASES_LIVE,
+    READS_SERVED,
+    READS_DECLINED,
+    READ_BLOCKS,
+    READ_RUNS,
+)

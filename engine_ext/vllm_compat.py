@@ -75,6 +75,7 @@ __all__ = [
     "handshake_generation",
     "in_transfer_batch",
     "kv_connector_extra_config",
+    "pending_read",
     "read_without_freeing",
     "remote_read_attempted",
     "retains_kv",
@@ -158,6 +159,23 @@ def free_at(scheduler: NixlPullConnectorScheduler, request_id: str, deadline: fl
     """Has the worker free a retained request's blocks at ``deadline`` (``perf_counter``; the
     past means at the next step): vLLM's own expiry table for blocks kept for a remote read."""
     scheduler._reqs_need_send[request_id] = deadline
+
+
+def pending_read(
+    scheduler: NixlPullConnectorScheduler, request_id: str
+) -> tuple[list[int], list[int]] | None:
+    """The READ vLLM's NIXL scheduler queued for a request this step (in
+    ``update_state_after_alloc``): the remote block ids its handle names and the local blocks
+    allocated for them, KV cache group 0; None when it queued none or nothing to read (a full
+    local prefix hit). The worker pairs them as ``engine_ext.fragmentation`` says."""
+    queued = scheduler._reqs_need_recv.get(request_id)
+    if not isinstance(queued, tuple) or len(queued) < 2:
+        return None
+    request, local = queued[0], queued[1]
+    remote = (getattr(request, "kv_transfer_params", None) or {}).get("remote_block_ids")
+    if not local or not local[0] or not remote or not remote[0]:
+        return None
+    return [int(b) for b in remote[0]], [int(b) for b in local[0]]
 
 
 def free_blocks(pool: BlockPool) -> int:

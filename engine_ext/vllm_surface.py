@@ -129,6 +129,8 @@ SURFACE: tuple[Name, ...] = (
     # The NIXL scheduler's private state (vllm_compat.track_for_free, free_at, ...).
     Name(_SCHED, "NixlPullConnectorScheduler._reqs_in_batch", Kind.INSTANCE),
     Name(_SCHED, "NixlPullConnectorScheduler._reqs_need_send", Kind.INSTANCE),
+    # vllm_compat.pending_read: the READ queued for a request, (request, local ids, ...).
+    Name(_SCHED, "NixlPullConnectorScheduler._reqs_need_recv", Kind.INSTANCE),
     Name(
         _SCHED,
         "NixlPullConnectorScheduler.request_finished",
