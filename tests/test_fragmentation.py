@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from kvbroker.bench.read_shapes import shape_totals, summarise_shapes, turn_shapes
 from kvbroker.common.client.engine_link import LeaseAnswer
 from kvbroker.common.rules.fragmentation import ReadShape, paired_runs, read_shape, runs
 from kvbroker.engine_ext.connector import NixlConnector
@@ -136,3 +137,43 @@ def test_a_read_queued_by_vllms_scheduler_is_counted_and_exported(
     assert REGISTRY.get_sample_value("kvbroker_read_blocks_count", labels) == 1
     assert REGISTRY.get_sample_value("kvbroker_read_runs_sum", {**labels, "side": "source"}) == 1
     assert REGISTRY.get_sample_value("kvbroker_read_runs_count", {**labels, "side": "paired"}) == 1
+
+
+def test_a_turns_reads_are_the_difference_of_the_engines_histograms() -> None:
+    def metrics(reads: int, blocks: int, runs: int) -> str:
+        labels = 'model_name="m",engine="0",direction="d_to_p"'
+        return "\n".join(
+            [
+                "# TYPE kvbroker_read_blocks histogram",
+                f"kvbroker_read_blocks_count{{{labels}}} {reads}",
+                f"kvbroker_read_blocks_sum{{{labels}}} {blocks}",
+                "# TYPE kvbroker_read_runs histogram",
+                *(
+                    f'kvbroker_read_runs_sum{{{labels},side="{side}"}} {runs}'
+                    for side in ("paired", "source", "destination")
+                ),
+                "",
+            ]
+        )
+
+    before, after = shape_totals(metrics(2, 40, 10)), shape_totals(metrics(3, 72, 30))
+    window = turn_shapes(before, after)
+    assert window == {
+        D_TO_P: {"reads": 1, "blocks": 32, "runs": 20, "source_runs": 20, "destination_runs": 20}
+    }
+    assert turn_shapes(after, after) == {}
+    # Only windows with one READ of a direction count: theirs are that READ's figures.
+    two = {D_TO_P: {**window[D_TO_P], "reads": 2.0}}
+    summary = summarise_shapes([window, two, {}, window])
+    assert summary == {
+        D_TO_P: {
+            "reads": 2,
+            **{
+                f"{key}_p{q}": window[D_TO_P][key]
+                for key in window[D_TO_P]
+                if key != "reads"
+                for q in (50, 90)
+            },
+            "runs_per_block_p50": 20 / 32,
+        }
+    }

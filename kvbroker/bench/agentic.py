@@ -201,6 +201,7 @@ async def _session(
                 decode_wait_ms=decode_wait,
                 waited_for_blocks=decode_wait > config.stall_ms,
                 sent_s=round(sent, 3),
+                read_shapes=measured["read_shapes"],
             )
         )
         advance(1)

@@ -25,6 +25,7 @@ from kvbroker.bench.agentic_config import (
     fixed_ttl_registry_flags,
 )
 from kvbroker.bench.plotting import ready_plotting
+from kvbroker.bench.read_shapes import summarise_shapes
 from kvbroker.bench.stats import quantile
 
 
@@ -49,6 +50,9 @@ class AgenticRecord:
     waited_for_blocks: bool
     # When the request was sent, seconds since the arm began.
     sent_s: float
+    # The NIXL READs issued while it ran, by direction (``bench.read_shapes``): with several
+    # sessions at once, other turns' READs too.
+    read_shapes: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,6 +93,7 @@ def summarise(result: ArmResult) -> dict[str, Any]:
         "decode_wait_max_ms": max(waits, default=math.nan),
         "decode_kv_usage_mean": statistics.fmean(usage) if usage else math.nan,
         "decode_kv_usage_max": max(usage, default=math.nan),
+        "read_shapes": summarise_shapes(r.read_shapes for r in result.records),
         "decode_waiting_share": (
             sum(sample[2] > 0 for sample in result.decode_samples) / len(usage)
             if usage

@@ -36,6 +36,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvbroker.bench.plotting import ready_plotting
+from kvbroker.bench.read_shapes import summarise_shapes
 from kvbroker.bench.routers import (
     FOREIGN_ARMS,
     router_comparisons,
@@ -324,6 +325,7 @@ def summarise(records: Sequence[TurnRecord]) -> list[dict[str, Any]]:
                 **vars(Spread.of([r.ttft_ms for r in chosen])),
                 "input_tokens": statistics.median(r.input_num_tokens for r in chosen),
                 "paths": dict(Counter(r.path for r in chosen)),
+                "read_shapes": summarise_shapes(r.read_shapes for r in chosen),
             }
             for arm in ALL_ARMS
             if (chosen := by_arm.get(arm))
@@ -447,6 +449,8 @@ def write(
                 "targets": {"within_best": WITHIN_BEST, "speedup_over_read": SPEEDUP_OVER_READ},
                 "verdict": verdict(rows),
                 "rows": list(rows),
+                # Every READ's blocks and runs, follow-ups and openings (bench.read_shapes).
+                "read_shapes": summarise_shapes(record.read_shapes for record in records),
             },
             indent=2,
         )

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
+from kvbroker.bench.read_shapes import ShapeTotals, shape_totals, turn_shapes
 from kvbroker.common.rules.engine_metrics import Totals, read_totals
 from kvbroker.stack import Stack
 
@@ -40,9 +41,22 @@ class TurnRecord:
     decision: str
     # The path the turn took (READ, DECODE_LOCAL, RECOMPUTE).
     path: str = "?"
+    # The NIXL READs issued during the turn, by direction (d_to_p: P reading retained KV;
+    # p_to_d: D pulling the prefill leg): reads, blocks, runs (``bench.read_shapes``).
+    read_shapes: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+async def read_shape_totals(client: httpx.AsyncClient, stack: Stack) -> dict[str, ShapeTotals]:
+    """The READ shapes P and D have issued so far (each engine counts the READs it issues)."""
+    totals: dict[str, ShapeTotals] = {}
+    for engine in (stack.prefill, stack.decode):
+        text = (await client.get(f"{stack.url(engine)}/metrics")).text
+        for direction, found in shape_totals(text).items():
+            totals[direction] = found.plus(totals.get(direction, ShapeTotals()))
+    return totals
 
 
 async def prefill_totals(client: httpx.AsyncClient, prefill_url: str) -> Totals:
@@ -143,10 +157,12 @@ async def measured_turn(
     (asking for ``path``, if given); returns the answer and its measurements."""
     prefill_url = stack.url(stack.prefill)
     before = await prefill_totals(client, prefill_url)
+    shapes_before = await read_shape_totals(client, stack)
     turn = await streamed_turn(client, stack, messages, session, max_tokens, path, base_url)
     if turn.status != 200:
         raise RuntimeError(f"router answered {turn.status}: {turn.error!r}")
     after = await prefill_totals(client, prefill_url)
+    shapes_after = await read_shape_totals(client, stack)
     headers = turn.headers
     return turn.text, {
         "input_num_tokens": int(turn.usage.get("prompt_tokens", 0)),
@@ -159,4 +175,5 @@ async def measured_turn(
         "kv_reads": int(after.reads - before.reads),
         "decision": headers.get("x-kvbroker-decision", "?"),
         "path": headers.get("x-kvbroker-path", "?"),
+        "read_shapes": turn_shapes(shapes_before, shapes_after),
     }
