@@ -1,0 +1,231 @@
+"""Forks reuse what their parent retained, found by content (issue 41), end to end on real
+vLLM CPU servers through the router.
+
+A parent conversation of two turns (REUSE on the second); then a sub-agent whose messages are
+the parent's whole history, its last answer included, plus a task of its own, under a new
+session id and no header. Its prefill engine finds the parent's lease by its prompt's prefix
+hashes (MatchPrefix, through its sidecar) and reads the parent's KV from the decode node,
+computing only what follows the shared prefix; its answer is token for token the same request's
+with reuse off (no session id: plain P/D, which is never matched by content); the parent's
+lease stays the parent's, and its next turn is REUSE. Four forks at once all read the parent's
+KV and answer as with reuse off. A fork under another tenant's scoped id reads nothing.
+
+The observable that P computed only the part past the shared prefix: P's own counters
+(``vllm:request_prefill_kv_computed_tokens`` and its NIXL reads, ``bench.turns.
+prefill_totals``), per turn, against the prompt's size and the parent's retained tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from kvbroker.bench.turns import prefill_totals
+from kvbroker.common.process.tasks import poll_until
+from kvbroker.common.rules.engine_metrics import Totals
+from kvbroker.stack import Stack, StackConfig
+from kvbroker.testing.turns import current_lease, retained_after
+from kvbroker.v1 import lease_pb2
+from tests.test_e2e import MODEL, user_message
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+LIVE = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
+# The stack's block size (StackConfig's default): the granularity of a verified prefix.
+BLOCK = 32
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"))
+    async with Stack(config) as running:
+        yield running
+
+
+@dataclass(frozen=True)
+class Answered:
+    text: str
+    decision: str
+    path: str
+    prompt_tokens: int
+    # What P did for this turn alone: tokens it computed, and its reads from D.
+    computed: float
+    reads: float
+
+
+async def ask(
+    stack: Stack, http: httpx.AsyncClient, messages: list[dict[str, str]], session: str | None
+) -> tuple[str, str, str, int]:
+    """The answer, the router's decision and path (from its headers), the prompt's tokens."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    if session is not None:
+        body["session_id"] = session
+    response = await http.post(f"{stack.router_url}/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    return (
+        answer["choices"][0]["message"]["content"],
+        response.headers.get("x-kvbroker-decision", ""),
+        response.headers.get("x-kvbroker-path", ""),
+        int(answer["usage"]["prompt_tokens"]),
+    )
+
+
+async def p_totals(stack: Stack, http: httpx.AsyncClient, after: Totals | None = None) -> Totals:
+    """P's totals, once they count every prefill finished since ``after`` (vLLM observes a
+    request's histograms when it finishes)."""
+    url = stack.url(stack.prefill)
+    if after is None:
+        return await prefill_totals(http, url)
+
+    async def caught_up() -> Totals | None:
+        now = await prefill_totals(http, url)
+        return now if now.prefills > after.prefills else None
+
+    now = await poll_until(caught_up, 30, "P's metrics counting the turn's prefill")
+    assert now is not None
+    return now
+
+
+async def turn(
+    stack: Stack,
+    http: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    session: str | None,
+) -> Answered:
+    """One turn alone on the stack, with what P did for it; with a session id, until D's
+    retention of it has reached the registry."""
+    before = await p_totals(stack, http)
+    lease = await current_lease(stack.registry_address, session) if session else None
+    text, decision, path, prompt_tokens = await ask(stack, http, messages, session)
+    # A turn on the decode node alone has no prefill leg: P did nothing.
+    after = await p_totals(stack, http, None if path == "DECODE_LOCAL" else before)
+    if session is not None:
+        await retained_after(stack.registry_address, session, lease.epoch if lease else 0)
+    return Answered(
+        text,
+        decision,
+        path,
+        prompt_tokens,
+        after.computed_tokens - before.computed_tokens,
+        after.reads - before.reads,
+    )
+
+
+def history(seed: int) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": user_message(seed, lines=30)},
+        {"role": "user", "content": user_message(seed + 1, lines=30)},
+    ]
+
+
+def task(n: int) -> dict[str, str]:
+    return {"role": "user", "content": f"Sub-task {n}: list the names above, one per line."}
+
+
+async def parent_of_two_turns(
+    stack: Stack, http: httpx.AsyncClient, session: str, seed: int
+) -> tuple[list[dict[str, str]], lease_pb2.Lease]:
+    """The parent's two turns (the second REUSE); its messages with the last answer, and its
+    lease."""
+    messages = history(seed)
+    first = await turn(stack, http, messages, session)
+    messages += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": user_message(seed + 2, lines=4)},
+    ]
+    second = await turn(stack, http, messages, session)
+    assert second.decision == "REUSE"
+    messages.append({"role": "assistant", "content": second.text})
+    lease = await current_lease(stack.registry_address, session)
+    assert lease is not None and lease.state in LIVE
+    return messages, lease
+
+
+def assert_read_the_parent(fork: Answered, parent: lease_pb2.Lease) -> None:
+    """P read from D once and computed only what follows the shared prefix: at most the
+    prompt past the parent's retained tokens, plus the blocks the verified prefix stops short
+    of them (the parent's unfinished last block, and the tokens the template re-renders)."""
+    assert fork.reads == 1
+    past_parent = fork.prompt_tokens - parent.token_count
+    assert fork.computed <= past_parent + 2 * BLOCK, (fork, parent.token_count)
+    assert fork.computed < fork.prompt_tokens / 2
+
+
+async def test_a_fork_reads_its_parent_s_kv_and_answers_as_with_reuse_off(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    messages, parent = await parent_of_two_turns(stack, http, "acme/parent", seed=3)
+    fork_messages = [*messages, task(1)]
+
+    fork = await turn(stack, http, fork_messages, "acme/sub-agent-1")
+    assert fork.decision == "MISS"  # the router knows nothing of it: the engine found it
+    assert_read_the_parent(fork, parent)
+
+    # Reuse off: the same request without a session id is plain P/D, never matched by content.
+    off = await turn(stack, http, fork_messages, None)
+    assert off.reads == 0 and off.computed == off.prompt_tokens == fork.prompt_tokens
+    assert fork.text == off.text
+
+    # The parent's lease is still the parent's, and its next turn is REUSE.
+    still = await current_lease(stack.registry_address, "acme/parent")
+    assert still is not None and still.lease_id == parent.lease_id and still.state in LIVE
+    nxt = await turn(stack, http, [*messages, task(2)], "acme/parent")
+    assert nxt.decision == "REUSE"
+
+
+async def test_four_forks_at_once_all_read_the_parent_s_kv(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    messages, parent = await parent_of_two_turns(stack, http, "acme/parent-4", seed=11)
+    forks = [[*messages, task(n)] for n in range(4)]
+    before = await p_totals(stack, http)
+    answers = await asyncio.gather(
+        *(ask(stack, http, fork, f"acme/sub-agent-4-{n}") for n, fork in enumerate(forks))
+    )
+
+    async def all_four() -> Totals | None:
+        now = await prefill_totals(http, stack.url(stack.prefill))
+        return now if now.prefills >= before.prefills + 4 else None
+
+    after = await poll_until(all_four, 30, "P's metrics counting four prefills")
+    assert after is not None
+    prompts = sum(prompt for _, _, _, prompt in answers)
+    assert after.reads - before.reads == 4
+    assert after.computed_tokens - before.computed_tokens <= (
+        prompts - 4 * parent.token_count + 4 * 2 * BLOCK
+    )
+    for fork, (text, _, _, _) in zip(forks, answers, strict=True):
+        off = await turn(stack, http, fork, None)
+        assert text == off.text  # no stale block read: every answer as with reuse off
+    still = await current_lease(stack.registry_address, "acme/parent-4")
+    assert still is not None and still.lease_id == parent.lease_id and still.state in LIVE
+    nxt = await turn(stack, http, [*messages, task(9)], "acme/parent-4")
+    assert nxt.decision == "REUSE"
+
+
+async def test_a_fork_under_another_tenant_resolves_nothing_of_the_parent_s(
+    stack: Stack, http: httpx.AsyncClient
+) -> None:
+    """Scoped ids as the router's ``--api-keys`` makes them (``TENANT/SESSION``): the same
+    history under another tenant is computed whole."""
+    messages, parent = await parent_of_two_turns(stack, http, "acme/parent-t", seed=19)
+    other = await turn(stack, http, [*messages, task(1)], "evil/sub-agent")
+    assert other.reads == 0 and other.computed == other.prompt_tokens
+    still = await current_lease(stack.registry_address, "acme/parent-t")
+    assert still is not None and still.lease_id == parent.lease_id and still.state in LIVE
