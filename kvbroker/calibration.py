@@ -149,4 +149,6 @@ def measured_costs(
         read_us_per_block=(
             read_us_per_block if read_us_per_block is not None else default.read_us_per_block
         ),
+        # A measured per-block figure is the reads' whole time, their runs included.
+        read_us_per_run=0.0 if read_us_per_block is not None else default.read_us_per_run,
     )

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbroker.common.rules.clock import to_timestamp
-from kvbroker.common.rules.costs import DEFAULT_COSTS, Costs
+from kvbroker.common.rules.costs import DEFAULT_COSTS, GPU_COSTS, Costs
 from kvbroker.common.rules.labels import label
 from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.placement import planner
@@ -52,6 +52,61 @@ def chosen(t: Turn, *prefills: Prefill, config: PlannerConfig = CFG) -> str:
 
 def estimate(found: planner.Plan, path: int, prefill: str = "p0") -> planner.Estimate:
     return next(e for e in found.estimates if e.path == path and e.prefill_node_id in ("", prefill))
+
+
+# GPU_COSTS' READ figures (the H200 table of issue 35) with a GPU prefill: an 8B-class model
+# in vLLM on one H200, assumed at about 50k tokens/s (24k tokens in ~0.5 s; transformers eager
+# took 1.05 s on the same GPU, docs/gpu-transfer.md).
+H200_8B = replace(
+    GPU_COSTS, prefill_fixed_ms=10.0, prefill_us_per_token=20.0, prefill_ns_per_token_context=0.5
+)
+
+
+def test_a_scattered_24k_read_on_gpus_is_recomputed_and_the_same_blocks_in_runs_are_read() -> None:
+    """A 24k-token READ (1,536 blocks of 16) costs its runs on a GPU: scattered, ~0.8 s, more
+    than recomputing the prompt; the same number of blocks in 24 runs of 64 (each turn's blocks
+    together), ~17 ms."""
+    scattered = tuple(range(0, 2 * 1536, 2))  # no two ids abut: 1,536 runs
+    in_runs = tuple(b for start in range(0, 48 * 64, 128) for b in range(start, start + 64))
+    assert len(in_runs) == len(scattered) == 1536
+    # A 3,000-token tool result: over the decode node's local limit, so READ or RECOMPUTE.
+    chosen_path = {}
+    for name, ids in (("scattered", scattered), ("runs", in_runs)):
+        t = turn(retained=24_576, new=3000, retained_block_ids=ids)
+        found = planner.plan(t, [p(costs=H200_8B)], H200_8B, CFG)
+        chosen_path[name] = label(registry_pb2.TurnPath, found.path)
+        if name == "scattered":
+            assert estimate(found, planner.READ).ttft_ms > 750
+            assert estimate(found, planner.RECOMPUTE).ttft_ms < 600
+        else:
+            assert estimate(found, planner.READ).ttft_ms < 150
+    assert chosen_path == {"scattered": "RECOMPUTE", "runs": "READ"}
+    # Without the ids the READ is priced as scattered; on CPU engines runs cost nothing apart.
+    unknown = planner.plan(turn(retained=24_576, new=3000), [p(costs=H200_8B)], H200_8B, CFG)
+    assert unknown.path == planner.RECOMPUTE
+    cpu = [
+        estimate(plan(turn(retained=24_576, new=3000, retained_block_ids=ids)), planner.READ)
+        for ids in (scattered, in_runs)
+    ]
+    assert cpu[0].ttft_ms == cpu[1].ttft_ms
+
+
+def test_the_read_counts_the_runs_beyond_the_prefill_nodes_cache() -> None:
+    # Blocks 0-3 abut, then each is alone: P caching the first 4 blocks leaves 4 lone ones.
+    t = turn(retained=128, new=10, retained_block_ids=(0, 1, 2, 3, 10, 20, 30, 40))
+    assert t.read_runs(0) == 5
+    assert t.read_runs(4) == 4
+    assert turn(retained=128, new=10).read_runs(0) is None
+    lease = lease_pb2.Lease(
+        lease_id="l-1",
+        handle=lease_pb2.KvHandle(
+            remote_request_id="d-1", remote_block_groups=[lease_pb2.BlockIdGroup(block_ids=[4, 5])]
+        ),
+    )
+    assert planner.retained_block_ids(codec.lease_of(lease)) == (4, 5)
+    assert planner.retained_block_ids(None) == ()
+    assert GPU_COSTS.read_ms(1536, 1536) == pytest.approx(787.7)
+    assert GPU_COSTS.read_ms(1536) == GPU_COSTS.read_ms(1536, 1536)  # unknown: scattered
 
 
 def test_a_one_line_follow_up_moves_no_kv() -> None:

@@ -278,6 +278,7 @@ class Hints:
             block_size=holder.spec.block_size,
             decode_running=holder.pending,
             holder_decodes=decode is holder,
+            retained_block_ids=planner.retained_block_ids(lease),
         )
         candidates = [
             planner.Prefill(

@@ -21,12 +21,21 @@ Estimated time to first token of each, from the turn (retained and new tokens) a
 nodes' ``Costs`` (measured by ``kvbroker calibrate``, defaults until then) and load:
 
     prefill(new, context) = fixed + new * per_token + new * context * per_token_context
-    read(blocks)          = read_fixed + blocks * read_per_block
+    read(blocks, runs)    = read_fixed + blocks * read_per_block + runs * read_per_run
 
     DECODE_LOCAL = prefill_D(new, retained)                         * load_D
     READ         = lease_check + read_P(retained blocks - cached blocks)
                    + prefill_P(new, retained) * load_P + read_D(new blocks)
     RECOMPUTE    = prefill_P(all - cached, cached) * load_P + read_D(all blocks)
+
+A READ's runs are the stretches of consecutive block ids it pairs on both sides
+(``kvbroker.common.rules.fragmentation``): on a GPU they, not the bytes, are what it costs. The
+planner knows the source side of the D→P read (the lease's block ids, less the ones P's cache
+holds) and not its destination, which P allocates only after the decision: it counts the
+source's runs, a lower bound (a run of the READ needs a run on both sides). A lease whose ids
+are not known is priced as scattered. The P→D pulls of both paths read blocks P allocates
+afresh for the prompt and D for the decode: priced as one run, their lower bound too, alike
+for both paths.
 
 where load = 1 + running requests (an engine shares its compute between what it runs) and
 all = retained + new. READ and RECOMPUTE are weighed on each candidate prefill node: the
@@ -43,7 +52,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbroker.common.rules.costs import Costs
-from kvbroker.v1 import registry_pb2
+from kvbroker.common.rules.fragmentation import runs
+from kvbroker.controlplane.records.model import Lease
+from kvbroker.v1 import lease_pb2, registry_pb2
 
 DECODE_LOCAL = registry_pb2.TURN_PATH_DECODE_LOCAL
 READ = registry_pb2.TURN_PATH_READ
@@ -111,12 +122,31 @@ class Turn:
     decode_running: int  # requests the holder runs (or queues) now
     # Whether the turn's decode node is the holder (it is unless the holder is draining).
     holder_decodes: bool = True
+    # The holder's block ids of the retained tokens, in order (the lease's handle; empty: not
+    # known, and the READ is priced as scattered).
+    retained_block_ids: tuple[int, ...] = ()
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // max(self.block_size, 1))
 
     def whole_blocks(self, tokens: int) -> int:
         return tokens // max(self.block_size, 1)
+
+    def read_runs(self, cached_blocks: int) -> int | None:
+        """Runs of the retained blocks a READ takes beyond P's ``cached_blocks``: those of the
+        source ids, a lower bound of the READ's (None: the ids are not known)."""
+        if not self.retained_block_ids:
+            return None
+        return runs(self.retained_block_ids[cached_blocks:])
+
+
+def retained_block_ids(lease: Lease | None) -> tuple[int, ...]:
+    """A lease's retained block ids (its handle's first KV cache group), for ``Turn``: the
+    registry keeps them packed (``codec.handle_of``), unpacked only here."""
+    if lease is None or not lease.handle.packed:
+        return ()
+    groups = lease_pb2.KvHandle.FromString(lease.handle.packed).remote_block_groups
+    return tuple(groups[0].block_ids) if groups else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,12 +240,14 @@ def _prefill_legs(
     costs = prefill.costs
     read = (
         config.lease_check_ms
-        + costs.read_ms(max(turn.blocks(retained) - cached_blocks, 0))
+        + costs.read_ms(
+            max(turn.blocks(retained) - cached_blocks, 0), turn.read_runs(cached_blocks)
+        )
         + costs.prefill_ms(new, retained) * load_p
-        + decode.read_ms(turn.blocks(new))
+        + decode.read_ms(turn.blocks(new), 1)
     )
     recompute = costs.prefill_ms(total - cached, cached) * load_p + decode.read_ms(
-        turn.blocks(total)
+        turn.blocks(total), 1
     )
     return [
         Estimate(READ, read, _read_refusal(turn, prefill, cached, config), prefill.node_id, cached),

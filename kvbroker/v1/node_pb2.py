@@ -26,31 +26,31 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbroker/v1/node.proto\x12\x0bkvbroker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"V\n\x08NodeLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\"\xd2\x01\n\x0b\x43ostProfile\x12\x18\n\x10prefill_fixed_ms\x18\x01 \x01(\x01\x12\x1c\n\x14prefill_us_per_token\x18\x02 \x01(\x01\x12$\n\x1cprefill_ns_per_token_context\x18\x03 \x01(\x01\x12\x15\n\rread_fixed_ms\x18\x04 \x01(\x01\x12\x19\n\x11read_us_per_block\x18\x05 \x01(\x01\x12\x33\n\x0f\x63\x61librated_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb1\x01\n\nEngineWork\x12\x10\n\x08prefills\x18\x01 \x01(\x04\x12\x1f\n\x17prefill_computed_tokens\x18\x02 \x01(\x04\x12\x1d\n\x15prefill_cached_tokens\x18\x03 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\r\n\x05reads\x18\x05 \x01(\x04\x12\x13\n\x0bread_blocks\x18\x06 \x01(\x01\x12\x14\n\x0cread_seconds\x18\x07 \x01(\x01\"^\n\x0e\x43ostCorrection\x12\x0f\n\x07prefill\x18\x01 \x01(\x01\x12\x0c\n\x04read\x18\x02 \x01(\x01\x12\x17\n\x0fprefill_samples\x18\x03 \x01(\r\x12\x14\n\x0cread_samples\x18\x04 \x01(\r\"\xf7\x04\n\x08NodeSpec\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.kvbroker.v1.NodeRole\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x19\n\x11side_channel_host\x18\x04 \x01(\t\x12\x19\n\x11side_channel_port\x18\x05 \x01(\r\x12\x15\n\rhttp_base_url\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\t \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\n \x01(\x04\x12\x13\n\x0bincarnation\x18\x0b \x01(\t\x12\x1f\n\x17retention_budget_blocks\x18\x0c \x01(\x04\x12\x35\n\x12retention_hard_cap\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0eprefix_caching\x18\x0e \x01(\x08\x12.\n\x0ckv_retention\x18\x0f \x01(\x0e\x32\x18.kvbroker.v1.KvRetention\x12\x14\n\x0cvllm_version\x18\x10 \x01(\t\x12\x1e\n\x16nixl_connector_version\x18\x11 \x01(\r\x12\x1f\n\x17registration_generation\x18\x12 \x01(\x04\x12\x18\n\x10gateway_endpoint\x18\x13 \x01(\t\x12\x18\n\x10\x64ynamo_worker_id\x18\x14 \x01(\t\x12\x16\n\x0ekubernetes_pod\x18\x15 \x01(\t\x12(\n\tkv_device\x18\x16 \x01(\x0e\x32\x15.kvbroker.v1.KvDevice\"\x82\x03\n\x04Node\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.kvbroker.v1.NodeSpec\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.kvbroker.v1.NodeState\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.kvbroker.v1.NodeLoad\x12\x33\n\x0fregistered_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x37\n\x13last_heartbeat_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blive_leases\x18\x06 \x01(\r\x12\x17\n\x0fretained_blocks\x18\x07 \x01(\x04\x12&\n\x04\x63ost\x18\x08 \x01(\x0b\x32\x18.kvbroker.v1.CostProfile\x12\x0f\n\x07\x64rained\x18\t \x01(\x08\x12\x34\n\x0f\x63ost_correction\x18\n \x01(\x0b\x32\x1b.kvbroker.v1.CostCorrection*f\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x12\n\x0eNODE_ROLE_BOTH\x10\x03*V\n\x0bKvRetention\x12\x1c\n\x18KV_RETENTION_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_RETENTION_ON\x10\x01\x12\x14\n\x10KV_RETENTION_OFF\x10\x02*\x85\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_STATE_READY\x10\x01\x12\x18\n\x14NODE_STATE_NOT_READY\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x12\x13\n\x0fNODE_STATE_DOWN\x10\x04*L\n\x08KvDevice\x12\x19\n\x15KV_DEVICE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DEVICE_CPU\x10\x01\x12\x12\n\x0eKV_DEVICE_CUDA\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbroker/v1/node.proto\x12\x0bkvbroker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"V\n\x08NodeLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\"\xeb\x01\n\x0b\x43ostProfile\x12\x18\n\x10prefill_fixed_ms\x18\x01 \x01(\x01\x12\x1c\n\x14prefill_us_per_token\x18\x02 \x01(\x01\x12$\n\x1cprefill_ns_per_token_context\x18\x03 \x01(\x01\x12\x15\n\rread_fixed_ms\x18\x04 \x01(\x01\x12\x19\n\x11read_us_per_block\x18\x05 \x01(\x01\x12\x33\n\x0f\x63\x61librated_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fread_us_per_run\x18\x07 \x01(\x01\"\xb1\x01\n\nEngineWork\x12\x10\n\x08prefills\x18\x01 \x01(\x04\x12\x1f\n\x17prefill_computed_tokens\x18\x02 \x01(\x04\x12\x1d\n\x15prefill_cached_tokens\x18\x03 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\r\n\x05reads\x18\x05 \x01(\x04\x12\x13\n\x0bread_blocks\x18\x06 \x01(\x01\x12\x14\n\x0cread_seconds\x18\x07 \x01(\x01\"^\n\x0e\x43ostCorrection\x12\x0f\n\x07prefill\x18\x01 \x01(\x01\x12\x0c\n\x04read\x18\x02 \x01(\x01\x12\x17\n\x0fprefill_samples\x18\x03 \x01(\r\x12\x14\n\x0cread_samples\x18\x04 \x01(\r\"\xf7\x04\n\x08NodeSpec\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.kvbroker.v1.NodeRole\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x19\n\x11side_channel_host\x18\x04 \x01(\t\x12\x19\n\x11side_channel_port\x18\x05 \x01(\r\x12\x15\n\rhttp_base_url\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x17\n\x0f\x63\x61pacity_blocks\x18\t \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\n \x01(\x04\x12\x13\n\x0bincarnation\x18\x0b \x01(\t\x12\x1f\n\x17retention_budget_blocks\x18\x0c \x01(\x04\x12\x35\n\x12retention_hard_cap\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0eprefix_caching\x18\x0e \x01(\x08\x12.\n\x0ckv_retention\x18\x0f \x01(\x0e\x32\x18.kvbroker.v1.KvRetention\x12\x14\n\x0cvllm_version\x18\x10 \x01(\t\x12\x1e\n\x16nixl_connector_version\x18\x11 \x01(\r\x12\x1f\n\x17registration_generation\x18\x12 \x01(\x04\x12\x18\n\x10gateway_endpoint\x18\x13 \x01(\t\x12\x18\n\x10\x64ynamo_worker_id\x18\x14 \x01(\t\x12\x16\n\x0ekubernetes_pod\x18\x15 \x01(\t\x12(\n\tkv_device\x18\x16 \x01(\x0e\x32\x15.kvbroker.v1.KvDevice\"\x82\x03\n\x04Node\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.kvbroker.v1.NodeSpec\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.kvbroker.v1.NodeState\x12#\n\x04load\x18\x03 \x01(\x0b\x32\x15.kvbroker.v1.NodeLoad\x12\x33\n\x0fregistered_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x37\n\x13last_heartbeat_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0blive_leases\x18\x06 \x01(\r\x12\x17\n\x0fretained_blocks\x18\x07 \x01(\x04\x12&\n\x04\x63ost\x18\x08 \x01(\x0b\x32\x18.kvbroker.v1.CostProfile\x12\x0f\n\x07\x64rained\x18\t \x01(\x08\x12\x34\n\x0f\x63ost_correction\x18\n \x01(\x0b\x32\x1b.kvbroker.v1.CostCorrection*f\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x12\n\x0eNODE_ROLE_BOTH\x10\x03*V\n\x0bKvRetention\x12\x1c\n\x18KV_RETENTION_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_RETENTION_ON\x10\x01\x12\x14\n\x10KV_RETENTION_OFF\x10\x02*\x85\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_STATE_READY\x10\x01\x12\x18\n\x14NODE_STATE_NOT_READY\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x12\x13\n\x0fNODE_STATE_DOWN\x10\x04*L\n\x08KvDevice\x12\x19\n\x15KV_DEVICE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DEVICE_CPU\x10\x01\x12\x12\n\x0eKV_DEVICE_CUDA\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbroker.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEROLE']._serialized_start=1704
-  _globals['_NODEROLE']._serialized_end=1806
-  _globals['_KVRETENTION']._serialized_start=1808
-  _globals['_KVRETENTION']._serialized_end=1894
-  _globals['_NODESTATE']._serialized_start=1897
-  _globals['_NODESTATE']._serialized_end=2030
-  _globals['_KVDEVICE']._serialized_start=2032
-  _globals['_KVDEVICE']._serialized_end=2108
+  _globals['_NODEROLE']._serialized_start=1729
+  _globals['_NODEROLE']._serialized_end=1831
+  _globals['_KVRETENTION']._serialized_start=1833
+  _globals['_KVRETENTION']._serialized_end=1919
+  _globals['_NODESTATE']._serialized_start=1922
+  _globals['_NODESTATE']._serialized_end=2055
+  _globals['_KVDEVICE']._serialized_start=2057
+  _globals['_KVDEVICE']._serialized_end=2133
   _globals['_NODELOAD']._serialized_start=104
   _globals['_NODELOAD']._serialized_end=190
   _globals['_COSTPROFILE']._serialized_start=193
-  _globals['_COSTPROFILE']._serialized_end=403
-  _globals['_ENGINEWORK']._serialized_start=406
-  _globals['_ENGINEWORK']._serialized_end=583
-  _globals['_COSTCORRECTION']._serialized_start=585
-  _globals['_COSTCORRECTION']._serialized_end=679
-  _globals['_NODESPEC']._serialized_start=682
-  _globals['_NODESPEC']._serialized_end=1313
-  _globals['_NODE']._serialized_start=1316
-  _globals['_NODE']._serialized_end=1702
+  _globals['_COSTPROFILE']._serialized_end=428
+  _globals['_ENGINEWORK']._serialized_start=431
+  _globals['_ENGINEWORK']._serialized_end=608
+  _globals['_COSTCORRECTION']._serialized_start=610
+  _globals['_COSTCORRECTION']._serialized_end=704
+  _globals['_NODESPEC']._serialized_start=707
+  _globals['_NODESPEC']._serialized_end=1338
+  _globals['_NODE']._serialized_start=1341
+  _globals['_NODE']._serialized_end=1727
 # @@protoc_insertion_point(module_scope)

@@ -63,20 +63,22 @@ class NodeLoad(_message.Message):
     def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
 
 class CostProfile(_message.Message):
-    __slots__ = ("prefill_fixed_ms", "prefill_us_per_token", "prefill_ns_per_token_context", "read_fixed_ms", "read_us_per_block", "calibrated_time")
+    __slots__ = ("prefill_fixed_ms", "prefill_us_per_token", "prefill_ns_per_token_context", "read_fixed_ms", "read_us_per_block", "calibrated_time", "read_us_per_run")
     PREFILL_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_US_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NS_PER_TOKEN_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     READ_FIXED_MS_FIELD_NUMBER: _ClassVar[int]
     READ_US_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     CALIBRATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    READ_US_PER_RUN_FIELD_NUMBER: _ClassVar[int]
     prefill_fixed_ms: float
     prefill_us_per_token: float
     prefill_ns_per_token_context: float
     read_fixed_ms: float
     read_us_per_block: float
     calibrated_time: _timestamp_pb2.Timestamp
-    def __init__(self, prefill_fixed_ms: _Optional[float] = ..., prefill_us_per_token: _Optional[float] = ..., prefill_ns_per_token_context: _Optional[float] = ..., read_fixed_ms: _Optional[float] = ..., read_us_per_block: _Optional[float] = ..., calibrated_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    read_us_per_run: float
+    def __init__(self, prefill_fixed_ms: _Optional[float] = ..., prefill_us_per_token: _Optional[float] = ..., prefill_ns_per_token_context: _Optional[float] = ..., read_fixed_ms: _Optional[float] = ..., read_us_per_block: _Optional[float] = ..., calibrated_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., read_us_per_run: _Optional[float] = ...) -> None: ...
 
 class EngineWork(_message.Message):
     __slots__ = ("prefills", "prefill_computed_tokens", "prefill_cached_tokens", "prefill_seconds", "reads", "read_blocks", "read_seconds")

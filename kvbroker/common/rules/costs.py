@@ -2,7 +2,13 @@
 ``kvbroker calibrate`` measures and the registry stores (``node_pb2.CostProfile``), and the
 defaults until a node is calibrated (:func:`default_costs`, by where the node keeps its KV).
 The planner weighs them scaled by the node's live correction
-(``controlplane/sessions/cost_correction.py``)."""
+(``controlplane/sessions/cost_correction.py``).
+
+A READ costs ``fixed + runs x per_run + blocks x per_block``: on a GPU what a READ costs is
+its descriptors, one per region for each run of consecutive block ids
+(``kvbroker.common.rules.fragmentation``), at about 8 µs each whatever their bytes, and the
+bytes themselves at over 1 TB/s (``per_block``); on the CPU engines the bytes dominate and the
+calibrated per-block figure covers both (``per_run`` 0)."""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ class Costs:
     prefill_ns_per_token_context: float
     read_fixed_ms: float
     read_us_per_block: float
+    # Per run of consecutive block ids (0: the per-block figure covers the descriptors).
+    read_us_per_run: float = 0.0
 
     def prefill_ms(self, new_tokens: float, context_tokens: float) -> float:
         return (
@@ -29,8 +37,15 @@ class Costs:
             + new_tokens * context_tokens * self.prefill_ns_per_token_context / 1e6
         )
 
-    def read_ms(self, blocks: float) -> float:
-        return self.read_fixed_ms + blocks * self.read_us_per_block / 1e3
+    def read_ms(self, blocks: float, runs: float | None = None) -> float:
+        """A READ of ``blocks`` in ``runs`` runs of consecutive ids (None: not known, priced as
+        scattered, every block its own run)."""
+        runs = blocks if runs is None else min(runs, blocks)
+        return (
+            self.read_fixed_ms
+            + blocks * self.read_us_per_block / 1e3
+            + runs * self.read_us_per_run / 1e3
+        )
 
     def scaled(self, prefill: float, read: float) -> Costs:
         """These costs with the prefill figures times ``prefill`` and the read figures times
@@ -41,6 +56,7 @@ class Costs:
             self.prefill_ns_per_token_context * prefill,
             self.read_fixed_ms * read,
             self.read_us_per_block * read,
+            self.read_us_per_run * read,
         )
 
     @classmethod
@@ -51,6 +67,7 @@ class Costs:
             profile.prefill_ns_per_token_context,
             profile.read_fixed_ms,
             profile.read_us_per_block,
+            profile.read_us_per_run,
         )
 
     def to_proto(self, into: node_pb2.CostProfile) -> None:
@@ -59,6 +76,7 @@ class Costs:
         into.prefill_ns_per_token_context = self.prefill_ns_per_token_context
         into.read_fixed_ms = self.read_fixed_ms
         into.read_us_per_block = self.read_us_per_block
+        into.read_us_per_run = self.read_us_per_run
 
 
 # Until a fleet is calibrated: the 20M-parameter test model on one CPU core of this project's
@@ -80,34 +98,31 @@ class KvDevice(StrEnum):
     CUDA = "cuda"
 
 
-# A READ between GPU engines, from issue 27's H200 pair (docs/gpu-transfer.md): 24k tokens
-# (1536 blocks) of a 32B-class model (64 layers) in 767 ms with vLLM 0.32's per-block
-# descriptors, two a layer (K and V), against 24 ms with one descriptor per layer. The bytes
-# cost 24 ms over the 1536 blocks; each descriptor the rest over 1536 x 128 descriptors.
-# vLLM 0.33's packed cache issues one descriptor per layer and block (its strided lists are
-# prepared once and change nothing per READ), so a block costs 64 descriptors and its bytes.
-# `kvbroker bench nixl-read` on the one-GPU machine lent here could not replace these: its UCX
-# had no CUDA IPC and emulated the READ over TCP loopback (docs/gpu-transfer.md).
+# A READ between GPU engines, from issue 35's H200 (docs/gpu-transfer.md): one NIXL agent
+# READing from itself over UCX cuda_copy, 64 layers x 8 KV heads x 128, bf16, 16-token blocks
+# (4 MiB a block over all layers), vLLM 0.33's packed cache (one region per layer, so one
+# descriptor per layer for each run). 24,576 tokens (1,536 blocks): one descriptor per block
+# and layer with random ids (1,536 runs, 98,304 descriptors) 787.7 ms; one descriptor per
+# region (the bytes alone) 4.87 ms. The bytes cost 4.87 ms over the 1,536 blocks; each
+# descriptor the rest over the 98,304; a run is 64 of them.
 _H200_BLOCKS = 1536
-_H200_PER_BLOCK_MS = 767.0
-_H200_CONTIGUOUS_MS = 24.0
-_SPLIT_DESCRIPTORS_PER_BLOCK = 128
-_PACKED_DESCRIPTORS_PER_BLOCK = 64
+_H200_SCATTERED_MS = 787.7
+_H200_CONTIGUOUS_MS = 4.87
+_PACKED_DESCRIPTORS_PER_RUN = 64  # one region per layer
 _GPU_US_PER_DESCRIPTOR = (
-    1e3 * (_H200_PER_BLOCK_MS - _H200_CONTIGUOUS_MS) / (_H200_BLOCKS * _SPLIT_DESCRIPTORS_PER_BLOCK)
+    1e3 * (_H200_SCATTERED_MS - _H200_CONTIGUOUS_MS) / (_H200_BLOCKS * _PACKED_DESCRIPTORS_PER_RUN)
 )
-_GPU_BYTES_US_PER_BLOCK = 1e3 * _H200_CONTIGUOUS_MS / _H200_BLOCKS
 
 # Until a GPU fleet is calibrated. Only the READ figures are GPU figures: the prefill ones
 # stay the CPU defaults, which no GPU measurement here replaced (calibration measures both).
-# The fixed part of a READ on a warm NIXL connection (making and posting the request, its
-# completion) was not separated by any measurement: 1 ms, which errs toward recomputing the
-# smallest suffixes.
+# The fixed part is 0: a least-squares fit of the table's nine packed cells puts it below zero
+# (-0.5 ms), and its smallest READ (2,048 tokens in one run, 0.54 ms) already costs less than
+# one run and its bytes by these figures.
 GPU_COSTS = replace(
     DEFAULT_COSTS,
-    read_fixed_ms=1.0,
-    read_us_per_block=_PACKED_DESCRIPTORS_PER_BLOCK * _GPU_US_PER_DESCRIPTOR
-    + _GPU_BYTES_US_PER_BLOCK,
+    read_fixed_ms=0.0,
+    read_us_per_block=1e3 * _H200_CONTIGUOUS_MS / _H200_BLOCKS,
+    read_us_per_run=_PACKED_DESCRIPTORS_PER_RUN * _GPU_US_PER_DESCRIPTOR,
 )
 
 
