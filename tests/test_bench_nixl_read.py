@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +16,14 @@ from kvbroker.bench.nixl_layout import (
     ReadConfig,
     chunk_ids,
     desc_ids,
+    parse_shapes,
     per_block_descs,
     regions,
+    run_ids,
     strided_descs,
 )
 from kvbroker.common.rules.costs import DEFAULT_COSTS, GPU_COSTS, KvDevice, default_costs
+from kvbroker.common.rules.fragmentation import paired_runs, runs
 from kvbroker.stack import KVBROKER
 
 TINY = ("--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--block-size", "16")
@@ -61,6 +65,51 @@ def test_reads_every_layout_and_form_on_dram(tmp_path: Path) -> None:
     assert "packed/strided" in ran.stdout
     measured = (tmp_path / "nixl_read.cells.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in measured] == report["cells"]
+
+
+def test_one_agent_reads_from_itself_in_loopback_with_reads_shaped_by_runs(
+    tmp_path: Path,
+) -> None:
+    """The loopback mode, without the kvbroker CLI (as on a GPU machine with only torch and
+    nixl): one agent, both caches registered with it, every cell checked byte for byte."""
+    ran = subprocess.run(
+        [
+            sys.executable, "-m", "kvbroker.bench.nixl_read", "--loopback", "--device", "cpu",
+            "--tokens", "32,64", *TINY, "--warmup", "0", "--repeats", "2",
+            "--forms", "scattered,adjacent,contiguous", "--shapes", "128:3,64:1",
+            "--output", str(tmp_path),
+        ],
+        check=False, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr + ran.stdout
+    report = json.loads((tmp_path / "nixl_read.json").read_text())
+    assert (tmp_path / "nixl_read.png").stat().st_size > 0
+    assert "loopback" in report["meta"]["processes"]
+    assert report["meta"]["ucx_backend_params"] == {"ucx_error_handling_mode": "none"}
+    assert report["meta"]["ucx_env"]["UCX_CUDA_IPC_ENABLE_SAME_PROCESS"] == "y"
+    cells = {(c["layout"], c["form"], c["tokens"]): c for c in report["cells"]}
+    assert len(cells) == 2 * 3 * 2 + 2 * 2
+    assert cells["packed", "runs", 128]["runs"] == 3
+    assert cells["split", "runs", 64]["runs"] == 1
+    assert cells["packed", "adjacent", 64]["runs"] == 1
+    assert cells["split", "runs", 128]["descriptors"] == 8 * 4  # per-block: 8 blocks, 4 regions
+    assert set(report["fits"]) == {f"{lay}/{f}" for lay in ("split", "packed")
+                                   for f in ("scattered", "adjacent", "contiguous")}  # fmt: skip
+
+
+def test_reads_in_runs_have_exactly_their_runs_on_both_sides() -> None:
+    rng = np.random.default_rng(3)
+    for blocks, wanted in ((1, 1), (10, 1), (10, 10), (1536, 120), (129, 69)):
+        src, dst = run_ids(rng, 3072, blocks, wanted)
+        assert len(set(src.tolist())) == len(set(dst.tolist())) == blocks
+        assert max(src.max(), dst.max()) < 3072
+        assert runs(src.tolist()) == runs(dst.tolist()) == wanted
+        assert paired_runs(src.tolist(), dst.tolist()) == wanted
+    assert parse_shapes("24k:120, 2048:3") == ((24576, 120), (2048, 3))
+    with pytest.raises(ValueError, match="tokens:runs"):
+        parse_shapes("24k")
+    with pytest.raises(ValueError, match="between 1 and 2"):
+        ReadConfig(tokens=(64,), shapes=((32, 3),))
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The two processes of ``kvbroker bench nixl-read``: the owner D, whose KV cache the reader P
 pulls from, each with its cache registered with a NIXL agent on UCX (``bench/nixl_read.py``
-runs them and reports)."""
+runs them and reports); or, in loopback mode, one agent holding both caches and READing from
+itself (:func:`loopback_reader`)."""
 
 from __future__ import annotations
 
@@ -15,24 +16,43 @@ from kvbroker.bench.nixl_layout import (
     CHECKSUM_MODULUS,
     POISON,
     REGIONS_PER_LAYER,
+    RUNS,
     ReadConfig,
     chunk_ids,
     desc_ids,
     per_block_descs,
     regions,
+    run_ids,
     span_descs,
     strided_descs,
 )
 from kvbroker.bench.stats import quantile
+from kvbroker.common.rules.fragmentation import paired_runs
+
+# Loopback: UCX's GPU transports within one process (the recipe of issue 35: without them one
+# GPU's UCX emulates the READ over TCP), set before the agent's UCX backend starts.
+LOOPBACK_ENV = {"UCX_TLS": "cuda_copy,cuda_ipc,self,sm", "UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "y"}
+# And the backend's own option: no error handling endpoints, which cuda_copy lacks.
+LOOPBACK_UCX_PARAMS = {"ucx_error_handling_mode": "none"}
+
+
+def new_agent(name: str, loopback: bool) -> Any:
+    """A NIXL agent with the UCX backend: as the connector makes it, or for loopback."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    if not loopback:
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    agent.create_backend("UCX", dict(LOOPBACK_UCX_PARAMS))
+    return agent
 
 
 class Cache:
     """One process's KV cache: a random-filled byte tensor per layer (never zeros: they would
     hide a transfer that moved nothing), registered with a NIXL agent on UCX."""
 
-    def __init__(self, config: ReadConfig, name: str, seed: int) -> None:
+    def __init__(self, config: ReadConfig, name: str, seed: int, agent: Any = None) -> None:
         import torch
-        from nixl._api import nixl_agent, nixl_agent_config
 
         self.torch = torch
         self.config = config
@@ -55,7 +75,7 @@ class Cache:
             for _ in range(config.layers)
         ]
         self.bases = [int(layer.data_ptr()) for layer in self.layers]
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.agent = agent if agent is not None else new_agent(name, config.loopback)
         self.agent.register_memory([layer.view(torch.uint8) for layer in self.layers])
         weights = torch.arange(config.chunk_bytes // 4, dtype=torch.int64, device=self.device)
         self.weights = weights % CHECKSUM_MODULUS + 1
@@ -112,15 +132,34 @@ def receive(conn: Connection, owner: Any, timeout_s: float) -> dict[str, Any]:
     return hello
 
 
+def loopback_reader(config: ReadConfig) -> Reader:
+    """One agent with both caches registered, READing from the source into the destination:
+    the hello a handshake would bring comes from the source cache in this process."""
+    source = Cache(config, "loopback", config.seed + 1)
+    destination = Cache(config, "loopback", config.seed + 2, agent=source.agent)
+    hello = {
+        "metadata": None,
+        "bases": source.bases,
+        "device_id": source.device_id,
+        "sums": np.stack([source.sums(layer) for layer in range(config.layers)]),
+    }
+    reader = Reader(config, destination, hello)
+    reader.source = source  # its memory is READ from: it lives as long as the reader
+    return reader
+
+
 class Reader:
     """P: prepares every layout's descriptor lists once (as the connector does at its
-    handshake) and times READs from D."""
+    handshake) and times READs from D (from its own agent when ``hello`` has no metadata:
+    loopback)."""
 
     def __init__(self, config: ReadConfig, cache: Cache, hello: dict[str, Any]) -> None:
         self.config = config
         self.cache = cache
+        self.source: Cache | None = None  # loopback: the cache READ from, in this process
         self.agent = cache.agent
-        self.remote = self.agent.add_remote_agent(hello["metadata"])
+        metadata = hello["metadata"]
+        self.remote = self.agent.name if metadata is None else self.agent.add_remote_agent(metadata)
         self.remote_bases: list[int] = hello["bases"]
         self.remote_device: int = hello["device_id"]
         self.remote_sums: Any = hello["sums"]
@@ -141,9 +180,12 @@ class Reader:
     def _prep(self, agent: str, descs: Any) -> Any:
         return self.agent.prep_xfer_dlist(agent, descs, mem_type=self.cache.mem_type)
 
-    def _block_ids(self, form: str, blocks: int) -> tuple[Any, Any]:
+    def _block_ids(self, form: str, blocks: int, runs: int | None = None) -> tuple[Any, Any]:
         """Source (D) and destination (P) block ids, fresh for every READ."""
         nb = self.config.num_blocks
+        if form == RUNS:
+            assert runs is not None
+            return run_ids(self.rng, nb, blocks, runs)  # type: ignore[no-any-return]
         if form in ("scattered", "strided"):
             # Random ids rarely abut, and the ones that do are what a fragmented cache has.
             return (
@@ -175,6 +217,7 @@ class Reader:
             ids = np.arange(count, dtype=np.int32)
             return local, ids, remote, ids, [local, remote]
         local, remote = self.prepared[layout, "strided" if form == "strided" else "per-block"]
+        # The "runs" form issues per-block descriptors, as "scattered" and "adjacent" do.
         nb = self.config.num_blocks
         return local, desc_ids(count, nb, dst), remote, desc_ids(count, nb, src), []
 
@@ -196,14 +239,20 @@ class Reader:
         self.agent.release_xfer_handle(handle)
         return (done - started) * 1e3, (made - started) * 1e3
 
-    def cell(self, layout: str, form: str, tokens: int) -> dict[str, Any]:
+    def cell(
+        self, layout: str, form: str, tokens: int, shape_runs: int | None = None
+    ) -> dict[str, Any]:
+        """One point: ``warmup`` + ``repeats`` READs of ``tokens``, each with fresh ids of
+        ``form`` (``runs``: in ``shape_runs`` runs on both sides)."""
         config = self.config
         blocks = config.blocks(tokens)
         times: list[float] = []
         making: list[float] = []
+        paired: list[int] = []
         runs = config.warmup + config.repeats
         for run in range(runs):
-            src, dst = self._block_ids(form, blocks)
+            src, dst = self._block_ids(form, blocks, shape_runs)
+            paired.append(paired_runs(src.tolist(), dst.tolist()))
             local, local_ids, remote, remote_ids, temporary = self._handles(layout, form, src, dst)
             checked = run == runs - 1
             if checked:
@@ -225,6 +274,9 @@ class Reader:
             "tokens": tokens,
             "blocks": blocks,
             "descriptors": descriptors,
+            # Runs of consecutive ids on both sides (NIXL merges each into one descriptor per
+            # region), the median over the READs.
+            "runs": int(statistics.median(paired)),
             "bytes": nbytes,
             "median_ms": median,
             "p90_ms": quantile(times, 0.9),

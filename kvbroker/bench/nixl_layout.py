@@ -13,6 +13,8 @@ import numpy as np
 DEVICES = ("cuda", "cpu")
 LAYOUTS = ("split", "packed")
 FORMS = ("scattered", "adjacent", "strided", "contiguous")
+# The form of ``ReadConfig.shapes``: per-block descriptors for blocks in a given number of runs.
+RUNS = "runs"
 # The form vLLM 0.33's connector issues: the planner's GPU READ cost is fitted on it.
 VLLM_033 = ("packed", "strided")
 # Regions a layer registers, by layout.
@@ -43,6 +45,12 @@ class ReadConfig:
     seed: int = 0
     # One READ (or the owner's start) taking longer than this is a failure, not a figure.
     timeout_s: float = 120.0
+    # One NIXL agent READing from its own registered memory (source and destination caches in
+    # one process), instead of a reader and an owner process.
+    loopback: bool = False
+    # (tokens, runs): READs of per-block descriptors whose ids come in that many runs on both
+    # sides (form ``runs``), shaped like the READs the workloads measured.
+    shapes: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -58,6 +66,12 @@ class ReadConfig:
                 )
         if not self.tokens or min(self.tokens) < 1:
             raise ValueError("token counts must be whole numbers of at least 1")
+        for tokens, runs in self.shapes:
+            if tokens < 1 or not 1 <= runs <= self.blocks(tokens):
+                raise ValueError(
+                    f"shape {tokens}:{runs}: a READ of {tokens} tokens has between 1 and "
+                    f"{max(self.blocks(tokens), 1)} runs"
+                )
         for name in ("layers", "kv_heads", "head_dim", "block_size", "element_bytes", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -74,7 +88,7 @@ class ReadConfig:
     @property
     def num_blocks(self) -> int:
         """Blocks in each cache: twice the largest read, so scattered ids can scatter."""
-        return 2 * self.blocks(max(self.tokens))
+        return 2 * self.blocks(max((*self.tokens, *(t for t, _ in self.shapes))))
 
     @property
     def cache_bytes(self) -> int:
@@ -83,6 +97,41 @@ class ReadConfig:
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+
+def parse_shapes(value: str) -> tuple[tuple[int, int], ...]:
+    """``--shapes``: comma-separated ``tokens:runs`` (``24k:120``; a ``k`` means 1024)."""
+    out = []
+    for part in (p.strip().lower() for p in value.split(",") if p.strip()):
+        tokens, _, runs = part.partition(":")
+        number = tokens.removesuffix("k")
+        if not (number.isdigit() and runs.isdigit()):
+            raise ValueError(f"shape {part!r} is not tokens:runs (like 24k:120)")
+        out.append((int(number) * (1024 if tokens.endswith("k") else 1), int(runs)))
+    return tuple(out)
+
+
+def run_ids(rng: Any, num_blocks: int, blocks: int, runs: int) -> tuple[Any, Any]:
+    """Source and destination ids of a READ of ``blocks`` in exactly ``runs`` runs on both
+    sides (``kvbroker.common.rules.fragmentation.paired_runs``): the same random cut into
+    runs on both sides, each side's runs placed at random in its cache, never abutting (a gap
+    of at least one block between any two), in random order."""
+    cuts = np.sort(rng.choice(np.arange(1, blocks), runs - 1, replace=False))
+    lengths = np.diff(np.concatenate([[0], cuts, [blocks]])).astype(np.int64)
+
+    def side() -> Any:
+        order = rng.permutation(runs)  # where each run sits in the cache, left to right
+        spare = num_blocks - blocks - (runs - 1)  # blocks left after the one-block gaps
+        extra = np.diff(np.sort(rng.integers(0, spare + 1, size=runs)), prepend=0)
+        starts = np.empty(runs, dtype=np.int64)
+        position = 0
+        for slot, run in enumerate(order):
+            position += int(extra[slot]) + (1 if slot else 0)
+            starts[run] = position
+            position += int(lengths[run])
+        return np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+
+    return side(), side()
 
 
 # -- descriptors: address arithmetic only, no NIXL ------------------------------------------

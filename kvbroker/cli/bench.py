@@ -422,10 +422,25 @@ def bench_nixl_read(
     warmup: Annotated[int, typer.Option(min=0, help="Untimed READs per point.")] = 2,
     repeats: Annotated[int, typer.Option(min=1, help="Timed READs per point.")] = 7,
     seed: Annotated[int, typer.Option(help="Seed for block ids and cache contents.")] = 0,
+    loopback: Annotated[
+        bool,
+        typer.Option(
+            help="One NIXL agent in one process READing from its own memory (UCX cuda_copy "
+            "on one GPU), instead of a reader and an owner process."
+        ),
+    ] = False,
+    shapes: Annotated[
+        str,
+        typer.Option(
+            help="Also READs of TOKENS:RUNS, comma-separated (24k:120): per-block "
+            "descriptors whose ids come in that many runs on both sides."
+        ),
+    ] = "",
 ) -> None:
-    """One NIXL READ of a conversation's KV blocks between two processes, by cache layout and
-    descriptor form (bf16, needs torch and nixl, not vLLM): a table, JSON and a plot."""
-    from kvbroker.bench.nixl_layout import ReadConfig
+    """One NIXL READ of a conversation's KV blocks between two processes (or one agent, in
+    loopback), by cache layout and descriptor form (bf16, needs torch and nixl, not vLLM): a
+    table, JSON and a plot."""
+    from kvbroker.bench.nixl_layout import ReadConfig, parse_shapes
     from kvbroker.bench.nixl_read import print_table, run_reads, tokens_list, write
 
     try:
@@ -441,6 +456,8 @@ def bench_nixl_read(
             warmup=warmup,
             repeats=repeats,
             seed=seed,
+            loopback=loopback,
+            shapes=parse_shapes(shapes),
         )
     except ValueError as error:
         fail(str(error), 2)
