@@ -57,7 +57,7 @@ from kvbroker.engine_ext.connector_metrics import (
     worker_stats,
 )
 from kvbroker.engine_ext.engine_info import engine_info
-from kvbroker.engine_ext.fragmentation import issued_read
+from kvbroker.engine_ext.fragmentation import coalesce_destination, issued_read
 from kvbroker.engine_ext.idle import IdlePause
 from kvbroker.engine_ext.lease_check import PendingCheck, settle_remote
 from kvbroker.engine_ext.prefix import prefix_hashes
@@ -171,6 +171,7 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         the one documented way for a connector to see how many blocks are free."""
         super().bind_kv_cache_manager(kv_cache_manager)
         self._block_pool = kv_cache_manager.block_pool
+        self._kv_cache_manager = kv_cache_manager  # engine_ext.fragmentation
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -276,6 +277,7 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        coalesce_destination(getattr(self, "_kv_cache_manager", None), self._sched, request)
         read = issued_read(self._sched, request)  # its blocks and runs (engine_ext.fragmentation)
         if read is not None:
             self._metrics.read(read)

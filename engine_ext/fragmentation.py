@@ -9,6 +9,11 @@ scheduler side knows the READ's descriptors before the worker posts it, and the 
 counts them there (``engine_ext.connector_metrics``: ``kvbroker_read_blocks`` and
 ``kvbroker_read_runs``).
 
+The READ's destination is the reader's freshly allocated blocks, which vLLM hands out in
+descending ids after a free (``vllm_compat.sort_read_destination`` says why): the connector
+first puts them in ascending order (:func:`coalesce_destination`), so that a source in runs
+lands in runs.
+
 Two kinds of READ go through the same path, told apart by the handle: a prefill engine reading
 a conversation's retained KV from the decode engine that holds it (``d_to_p``: the handle
 carries a kvbroker lease) and a decode engine pulling a prefill leg's KV from the prefill
@@ -23,7 +28,13 @@ from typing import Any
 
 from kvbroker.common.rules import handles
 from kvbroker.common.rules.fragmentation import ReadShape, read_shape
-from kvbroker.engine_ext.vllm_compat import NixlPullConnectorScheduler, Request, pending_read
+from kvbroker.engine_ext.vllm_compat import (
+    KVCacheManager,
+    NixlPullConnectorScheduler,
+    Request,
+    pending_read,
+    sort_read_destination,
+)
 
 D_TO_P = "d_to_p"
 P_TO_D = "p_to_d"
@@ -51,6 +62,14 @@ def paired_ids(remote: Sequence[int], local: Sequence[int]) -> tuple[list[int], 
 def direction_of(params: Mapping[str, Any]) -> str:
     """``d_to_p`` for a read of retained KV under a kvbroker lease, else ``p_to_d``."""
     return D_TO_P if params.get(handles.LEASE_ID_KEY) else P_TO_D
+
+
+def coalesce_destination(
+    manager: KVCacheManager | None, scheduler: NixlPullConnectorScheduler, request: Request
+) -> bool:
+    """Puts the destination blocks of the READ queued for ``request`` in ascending order (call
+    it right after vLLM's ``update_state_after_alloc``); False where nothing was changed."""
+    return manager is not None and sort_read_destination(manager, scheduler, request.request_id)
 
 
 def issued_read(scheduler: NixlPullConnectorScheduler, request: Request) -> IssuedRead | None:

@@ -84,6 +84,7 @@ __all__ = [
     "set_block_copies",
     "side_channel_address",
     "sleep_mode_refusal",
+    "sort_read_destination",
     "tail_reuse_unsupported",
     "token_identity",
     "track_for_free",
@@ -176,6 +177,39 @@ def pending_read(
     if not local or not local[0] or not remote or not remote[0]:
         return None
     return [int(b) for b in remote[0]], [int(b) for b in local[0]]
+
+
+def sort_read_destination(
+    manager: KVCacheManager, scheduler: NixlPullConnectorScheduler, request_id: str
+) -> bool:
+    """Puts the blocks just allocated for the READ queued for a request in ascending id order,
+    in the request's block table and in the queued READ alike; False (nothing changed) where
+    the request is not as this expects: one KV cache group whose table ends with exactly the
+    queued blocks.
+
+    vLLM frees a finished request's blocks last block first (so that its tail is evicted
+    first, ``SingleTypeKVCacheManager.free``) and allocates from the head of the free queue,
+    so a fresh allocation after a free comes in descending ids, none abutting the next in a
+    READ's order. The READ's destination blocks hold nothing yet (vLLM parks the request
+    until the READ is done, and hashes its blocks only then), so which of them takes which
+    position is free to choose, as long as the table and the READ agree: both get the same
+    ascending order, and a READ from a source in runs posts a descriptor per run, not per
+    block."""
+    queued = scheduler._reqs_need_recv.get(request_id)
+    if not isinstance(queued, tuple) or len(queued) < 2:
+        return False
+    local = queued[1]
+    managers = manager.coordinator.single_type_managers
+    if len(local) != 1 or len(managers) != 1 or not local[0]:
+        return False
+    table = managers[0].req_to_blocks.get(request_id)
+    count = len(local[0])
+    if table is None or [b.block_id for b in table[-count:]] != list(local[0]):
+        return False
+    table[-count:] = sorted(table[-count:], key=lambda block: block.block_id)
+    ordered = [block.block_id for block in table[-count:]]
+    scheduler._reqs_need_recv[request_id] = (queued[0], type(local)([ordered]), *queued[2:])
+    return True
 
 
 def free_blocks(pool: BlockPool) -> int:

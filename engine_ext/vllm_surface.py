@@ -131,6 +131,18 @@ SURFACE: tuple[Name, ...] = (
     Name(_SCHED, "NixlPullConnectorScheduler._reqs_need_send", Kind.INSTANCE),
     # vllm_compat.pending_read: the READ queued for a request, (request, local ids, ...).
     Name(_SCHED, "NixlPullConnectorScheduler._reqs_need_recv", Kind.INSTANCE),
+    # vllm_compat.sort_read_destination: a request's block table, one group.
+    Name("vllm.v1.core.kv_cache_manager", "KVCacheManager.coordinator", Kind.INSTANCE),
+    Name(
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator.single_type_managers",
+        Kind.INSTANCE,
+    ),
+    Name(
+        "vllm.v1.core.single_type_kv_cache_manager",
+        "SingleTypeKVCacheManager.req_to_blocks",
+        Kind.INSTANCE,
+    ),
     Name(
         _SCHED,
         "NixlPullConnectorScheduler.request_finished",

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
+from vllm import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from kvbroker.bench.read_shapes import shape_totals, summarise_shapes, turn_shapes
 from kvbroker.common.client.engine_link import LeaseAnswer
@@ -28,6 +29,7 @@ from tests.test_connector_scheduler import (  # noqa: F401 - fixtures
     engine_config,
     link,
     prompt,
+    real_scheduler,
     request_with_handle,
     scheduler,
 )
@@ -45,6 +47,15 @@ def vllm_config() -> VllmConfig:
             "kvbroker_lease_check_timeout_s": WAIT_S,
             "kvbroker_idle_step_sleep_s": 0,
         },
+    )
+
+
+def plain_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
     )
 
 
@@ -177,3 +188,41 @@ def test_a_turns_reads_are_the_difference_of_the_engines_histograms() -> None:
             "runs_per_block_p50": 20 / 32,
         }
     }
+
+
+def test_a_reads_destination_blocks_are_put_in_ascending_order(vllm_config: VllmConfig) -> None:
+    """vLLM frees a request's blocks last first and allocates from the head of the free
+    queue: after a free, the READ's fresh destination comes in descending ids (10 runs for a
+    source in one). The connector sorts them, in the block table and the queued READ alike."""
+    small = real_scheduler(vllm_config, 16)  # 15 usable blocks
+    try:
+        connector = small.connector
+        assert isinstance(connector, NixlConnector)
+        fake = FakeLeaseLink()
+        connector.link = fake
+        filler = plain_request("filler", prompt(13 * BLOCK_SIZE - 8))
+        small.add_request(filler)
+        small.schedule()
+        assert len(small.kv_cache_manager.get_block_ids("filler")[0]) == 13
+        small.finish_requests("filler", RequestStatus.FINISHED_ABORTED)  # frees 13, 12, ..., 1
+        free = small.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()
+        assert runs([block.block_id for block in free[:10]]) == 10  # what the READ gets
+
+        request = request_with_handle("r-read", prompt(), remote_tokens=192, verified_tokens=160)
+        small.add_request(request)
+        small.schedule()
+        fake.checks[0][2].set_result(LeaseAnswer(True, "live"))
+        output = small.schedule()
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+        table = small.kv_cache_manager.get_block_ids("r-read")[0]
+        meta: Any = output.kv_connector_metadata
+        sent = list(meta.reqs_to_recv["r-read"].local_block_ids[0])  # what the worker reads into
+        assert sent == table == sorted(table) and len(table) == 160 // BLOCK_SIZE
+        # Before the sort the free queue gave 13, 12, ..., 4: 10 runs; now one.
+        stats = connector.get_kv_connector_stats()
+        assert isinstance(stats, KvBrokerStats)
+        assert stats.data[read_runs_key(D_TO_P, "destination")] == [1]
+        assert stats.data[read_runs_key(D_TO_P, "paired")] == [1]
+    finally:
+        small.shutdown()
