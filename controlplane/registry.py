@@ -489,6 +489,15 @@ class Registry:
                 node_id, conversation_id, model, block_size, list(probes)
             )
 
+    async def end_read_pin(self, node_id: str, lease_id: str, pin_id: str) -> None:
+        """``node_id``'s read of a pinned lease has ended: its pin ends (an unknown one, or
+        another node's, is left alone; pins also end at their timeout)."""
+        self._validate.id(node_id, "node_id")
+        self._validate.id(lease_id, "lease_id")
+        self._validate.id(pin_id, "pin_id")
+        async with self._mutation():
+            self.leases.pins.end(lease_id, pin_id, node_id)
+
     # ----------------------------------------------------------------- deadlines
 
     async def _on_deadlines(self, keys: list[DeadlineKey]) -> None:

@@ -61,7 +61,7 @@ from kvbroker.engine_ext.fragmentation import coalesce_destination, issued_read
 from kvbroker.engine_ext.idle import IdlePause
 from kvbroker.engine_ext.lease_check import PendingCheck, settle_remote
 from kvbroker.engine_ext.prefix import prefix_hashes
-from kvbroker.engine_ext.prefix_match import PendingMatch, settle_match
+from kvbroker.engine_ext.prefix_match import PendingMatch, end_pin, settle_match
 from kvbroker.engine_ext.pressure import (
     RetainedRequest,
     admission_shortfall,
@@ -331,6 +331,7 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         # Finished (e.g. aborted) while its lease check was in flight: nothing will ask again.
         self._pending_checks.pop(request_id, None)
         self._pending_matches.pop(request_id, None)
+        end_pin(self.link, request.kv_transfer_params)  # its read, if any, is over
         self._tail_plans.pop(request_id, None)
         self._unadmitted.pop(request_id, None)
         self._starved.discard(request_id)

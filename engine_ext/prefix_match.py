@@ -45,6 +45,8 @@ log = vllm_compat.engine_logger("prefix_match")
 _MATCHED_KEY = "_kvbroker_prefix_matched"
 # Set on a handle that came from a match: its read must not free the blocks.
 FORK_KEY = "kvbroker_fork_read"
+# The match's pin, [lease id, pin id], ended when the request finishes (``end_pin``).
+PIN_KEY = "kvbroker_read_pin"
 
 
 @dataclass(slots=True)
@@ -122,6 +124,7 @@ def settle_match(
         return True
     params.update(handles.prefill_params(match.lease))
     params[FORK_KEY] = True
+    params[PIN_KEY] = [match.lease.lease_id, match.pin_id]
     log.info(
         "kvbroker prefix match for %s: lease %s of another conversation, %d blocks shared",
         request_id,
@@ -143,3 +146,12 @@ def _answer(asked: PendingMatch, wait_s: float) -> registry_pb2.MatchPrefixRespo
     if answer.match is None:
         log.info("kvbroker prefix match not made: %s", answer.reason)
     return answer.match
+
+
+def end_pin(link: EngineLink | None, params: dict[str, Any] | None) -> None:
+    """A request a match pinned a lease for has finished, its read with it (read, declined or
+    failed): the pin ends now rather than at its timeout, so the parent's blocks are again
+    its holder's to release under pressure."""
+    pin = params.pop(PIN_KEY, None) if params else None
+    if link is not None and isinstance(pin, list) and len(pin) == 2 and all(pin):
+        link.end_pin(str(pin[0]), str(pin[1]))

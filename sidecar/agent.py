@@ -171,6 +171,20 @@ class Agent:
         )
         return response.hint
 
+    async def end_pin(self, lease_id: str, pin_id: str) -> None:
+        """The engine's read of a lease pinned for it has ended: the registry's EndReadPin.
+        Best effort: a pin not ended here ends at its timeout."""
+        session = self._current
+        if session is None or not session.live:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await session.stub.EndReadPin(
+                registry_pb2.EndReadPinRequest(
+                    node_id=self.config.node_id, lease_id=lease_id, pin_id=pin_id
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+
     # ------------------------------------------------------------ registry side
 
     def node_spec(self, model: str) -> node_pb2.NodeSpec:

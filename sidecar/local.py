@@ -84,6 +84,16 @@ class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
             await context.abort(error.code(), error.details() or "")
         return sidecar_pb2.ResolvePrefixResponse(match=match)
 
+    async def EndPin(
+        self, request: sidecar_pb2.EndPinRequest, context: grpc.aio.ServicerContext
+    ) -> sidecar_pb2.EndPinResponse:
+        if not request.lease_id or not request.pin_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "lease_id and pin_id are required"
+            )
+        await self.agent.end_pin(request.lease_id, request.pin_id)
+        return sidecar_pb2.EndPinResponse()
+
     async def WatchDeadlines(
         self, request: sidecar_pb2.WatchDeadlinesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[sidecar_pb2.WatchDeadlinesResponse]:

@@ -8,7 +8,8 @@ hashes (MatchPrefix, through its sidecar) and reads the parent's KV from the dec
 computing only what follows the shared prefix; its answer is token for token the same request's
 with reuse off (no session id: plain P/D, which is never matched by content); the parent's
 lease stays the parent's, and its next turn is REUSE. Four forks at once all read the parent's
-KV and answer as with reuse off. A fork under another tenant's scoped id reads nothing.
+KV and answer as with reuse off. A fork under another tenant's scoped id reads nothing. A fork's
+read pin ends when its prefill does.
 
 The observable that P computed only the part past the shared prefix: P's own counters
 (``vllm:request_prefill_kv_computed_tokens`` and its NIXL reads, ``bench.turns.
@@ -157,6 +158,13 @@ async def parent_of_two_turns(
     return messages, lease
 
 
+async def unpinned(stack: Stack, session: str) -> bool:
+    """The conversation's lease is live and no fork's read pin holds it any longer (P's
+    engine ended its pin when the fork's prefill finished)."""
+    lease = await current_lease(stack.registry_address, session)
+    return lease is not None and lease.state in LIVE and not lease.HasField("pin_time_to_live")
+
+
 def assert_read_the_parent(fork: Answered, parent: lease_pb2.Lease) -> None:
     """P read from D once and computed only what follows the shared prefix: at most the
     prompt past the parent's retained tokens, plus the blocks the verified prefix stops short
@@ -176,6 +184,9 @@ async def test_a_fork_reads_its_parent_s_kv_and_answers_as_with_reuse_off(
     fork = await turn(stack, http, fork_messages, "acme/sub-agent-1")
     assert fork.decision == "MISS"  # the router knows nothing of it: the engine found it
     assert_read_the_parent(fork, parent)
+    await poll_until(
+        lambda: unpinned(stack, "acme/parent"), 10, "the fork's pin ended with its prefill"
+    )
 
     # Reuse off: the same request without a session id is plain P/D, never matched by content.
     off = await turn(stack, http, fork_messages, None)

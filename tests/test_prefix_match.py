@@ -9,8 +9,8 @@ import pytest
 
 from kvbroker.common.rules.checkpoints import Checkpoints, probe_blocks
 from kvbroker.common.rules.clock import from_duration
-from kvbroker.common.rules.ids import tenant_of
 from kvbroker.common.rules.routing import pinned, read_refusal
+from kvbroker.common.rules.tenants import tenant_of
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.lessor.prefix_index import PrefixIndex, Scope, indexed_hashes
 from kvbroker.controlplane.placement.prefix_match import PrefixMatch
@@ -232,3 +232,25 @@ async def reclaim(h: Harness, request_id: str, sequence: int) -> None:
         ),
     )
     await h.registry.report_retention(h.decode.node_id, h.decode.incarnation, [event], False)
+
+
+async def test_a_pin_ends_when_its_reader_says_its_read_has() -> None:
+    """The fork's prefill finished (EndReadPin): its pin ends then, not at its timeout, and
+    only its own reader can end it."""
+    h = Harness()
+    await h.fleet()
+    history = tokens(64 * BLOCK)
+    parent = await retain(h, "acme/parent", "req-1", history)
+    first = await ask(h, "acme/fork-1", history + tokens(50, seed=1))
+    second = await ask(h, "acme/fork-2", history + tokens(50, seed=2))
+    assert first.pin_id and second.pin_id and first.pin_id != second.pin_id
+    await h.registry.end_read_pin("decode-0", parent.lease_id, first.pin_id)  # not its reader
+    assert h.registry.leases.pins.count(parent.lease_id, h.clock.t) == 2
+    await h.registry.end_read_pin(h.prefill.node_id, parent.lease_id, first.pin_id)
+    await reclaim(h, "req-1", 1)
+    assert (await h.registry.get_lease(parent.lease_id)).state == ACTIVE  # one pin left
+    await h.registry.end_read_pin(h.prefill.node_id, parent.lease_id, second.pin_id)
+    await h.registry.end_read_pin(h.prefill.node_id, parent.lease_id, second.pin_id)  # again
+    assert (await h.registry.get_lease(parent.lease_id)).pin_time_to_live is None
+    await reclaim(h, "req-1", 2)
+    assert (await h.registry.get_lease(parent.lease_id)).state == lease_pb2.LEASE_STATE_RELEASED

@@ -43,6 +43,7 @@ class FakeForkLink(FakeLeaseLink):
     def __init__(self) -> None:
         super().__init__()
         self.matches: list[tuple[str, int, list[bytes], Future[PrefixAnswer]]] = []
+        self.ended_pins: list[tuple[str, str]] = []
 
     def start_prefix_match(
         self, conversation_id: str, block_size: int, probes: list[bytes], timeout_s: float
@@ -50,6 +51,9 @@ class FakeForkLink(FakeLeaseLink):
         future: Future[PrefixAnswer] = Future()
         self.matches.append((conversation_id, block_size, probes, future))
         return future
+
+    def end_pin(self, lease_id: str, pin_id: str) -> None:
+        self.ended_pins.append((lease_id, pin_id))
 
 
 def configured(extra: dict[str, object]) -> VllmConfig:
@@ -133,7 +137,9 @@ def test_a_fork_waits_for_its_match_then_reads_the_parent_s_prefix_without_freei
     # 199 tokens before the last: 12 full blocks, probed at 0, 1, 3 and 7.
     assert (conversation, block_size) == ("acme/fork", BLOCK_SIZE)
     assert asked == probes(tokens, BLOCK_SIZE) and len(asked) == 4
-    match = registry_pb2.MatchPrefixResponse(lease=parent_lease(tokens, 160), matched_blocks=8)
+    match = registry_pb2.MatchPrefixResponse(
+        lease=parent_lease(tokens, 160), matched_blocks=8, pin_id="pin-1"
+    )
     answer.set_result(PrefixAnswer(match))
     scheduler.schedule()
     # From here on, the leg of a handle: the lease check, asked once.
@@ -148,6 +154,10 @@ def test_a_fork_waits_for_its_match_then_reads_the_parent_s_prefix_without_freei
     assert params["remote_request_id"].startswith("HB:")
     assert params["remote_request_id"].endswith("d-parent")
     assert len(link.matches) == 1
+    # Its read over (here: the request ends), the pin ends at once, not at its timeout.
+    assert link.ended_pins == []
+    scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+    assert link.ended_pins == [("parent-lease", "pin-1")]
 
 
 def test_no_match_means_the_prompt_is_computed_here(

@@ -815,7 +815,8 @@ async def test_a_fork_resolves_its_parent_s_prefix_through_its_sidecar(
 ) -> None:
     """Engine → sidecar → registry over real gRPC: a prefill engine's prompt that starts with
     what the decode engine retained for another conversation of its tenant gets that lease,
-    pinned (the lease check then says it may be read, shared); another tenant's gets nothing."""
+    pinned (the lease check then says it may be read, shared) until its read ends; another
+    tenant's gets nothing."""
     tokens = [(7 * i + 3) % 4000 + 5 for i in range(400)]
     kept = Checkpoints.of(prefix_hashes(tokens, 16, 320))
     retained = retained_blocks("decode-0", "acme/parent", "req-parent", tokens=320)
@@ -854,6 +855,14 @@ async def test_a_fork_resolves_its_parent_s_prefix_through_its_sidecar(
             assert other.no_reuse == registry_pb2.NO_REUSE_REASON_NO_PREFIX_MATCH
             [still] = await live_leases(stack.stub)
             assert still.state == lease_pb2.LEASE_STATE_ACTIVE  # the parent's, unchanged
+            assert still.HasField("pin_time_to_live")
+            link.end_pin(parent.lease_id, fork.pin_id)  # the fork's read is over
+
+            async def unpinned() -> bool:
+                [lease] = await live_leases(stack.stub)
+                return not lease.HasField("pin_time_to_live")
+
+            await eventually(unpinned)
         finally:
             link.close()
             await sidecar.stop()

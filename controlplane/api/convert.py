@@ -125,7 +125,10 @@ def registration_of(response: registry_pb2.RegisterNodeResponse) -> Registration
 
 def match_message(match: PrefixMatch) -> registry_pb2.MatchPrefixResponse:
     response = registry_pb2.MatchPrefixResponse(
-        matched_blocks=match.matched_blocks, no_reuse=match.no_reuse, reason=match.reason
+        matched_blocks=match.matched_blocks,
+        no_reuse=match.no_reuse,
+        reason=match.reason,
+        pin_id=match.pin_id,
     )
     if match.lease is not None:
         response.lease.CopyFrom(lease_message(match.lease))
@@ -134,4 +137,6 @@ def match_message(match: PrefixMatch) -> registry_pb2.MatchPrefixResponse:
 
 def match_of(message: registry_pb2.MatchPrefixResponse) -> PrefixMatch:
     lease = lease_of(message.lease) if message.HasField("lease") else None
-    return PrefixMatch(lease, message.matched_blocks, message.no_reuse, message.reason)
+    return PrefixMatch(
+        lease, message.matched_blocks, message.no_reuse, message.reason, message.pin_id
+    )

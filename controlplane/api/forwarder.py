@@ -303,6 +303,10 @@ class Forwarder:
         )
         return convert.match_of(response)
 
+    async def end_read_pin(self, node_id: str, lease_id: str, pin_id: str) -> None:
+        request = registry_pb2.EndReadPinRequest(node_id=node_id, lease_id=lease_id, pin_id=pin_id)
+        await self._call(self._stub().EndReadPin, request)
+
     async def _cached_hints(
         self, requests: Sequence[registry_pb2.GetRoutingHintRequest], why: str
     ) -> registry_pb2.BatchGetRoutingHintsResponse:

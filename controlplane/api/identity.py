@@ -161,6 +161,7 @@ _NODE_METHODS: Mapping[str, Callable[[Any], str] | None] = {
     "GetRoutingHint": lambda r: str(r.on_node_id),
     # A fork's match by content pins a lease for the asking (prefill) node: only itself.
     "MatchPrefix": lambda r: str(r.node_id),
+    "EndReadPin": lambda r: str(r.node_id),
 }
 
 

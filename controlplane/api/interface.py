@@ -123,6 +123,8 @@ class RegistryApi(Protocol):
         probes: Sequence[bytes],
     ) -> PrefixMatch: ...
 
+    async def end_read_pin(self, node_id: str, lease_id: str, pin_id: str) -> None: ...
+
 
 class Leadership(Protocol):
     """Who serves: this process's registry while it leads, else the leader to forward to."""

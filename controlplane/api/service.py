@@ -329,6 +329,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         )
         return convert.match_message(match)
 
+    @_served
+    async def EndReadPin(
+        self,
+        api: RegistryApi,
+        request: registry_pb2.EndReadPinRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> registry_pb2.EndReadPinResponse:
+        await api.end_read_pin(request.node_id, request.lease_id, request.pin_id)
+        return registry_pb2.EndReadPinResponse()
+
 
 # ---------------------------------------------------------------- registration
 

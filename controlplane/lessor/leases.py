@@ -19,9 +19,9 @@ import math
 
 from kvbroker.common.rules.checkpoints import Checkpoints
 from kvbroker.common.rules.clock import stamp_duration
-from kvbroker.common.rules.ids import tenant_of
 from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
+from kvbroker.common.rules.tenants import tenant_of
 from kvbroker.controlplane.context import RegistryContext
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind
 from kvbroker.controlplane.errors import (
@@ -485,13 +485,13 @@ class Leases:
         await self._put(lease, durable=extends)
         self._metrics.lease_event("claim").inc()
 
-    async def pin(self, lease: Lease) -> str:
-        """A fork reads the live lease by content: a read pin until a claim's time from now,
-        the lease's state unchanged. Moves the expiry past the pin (and tells the holder) as a
-        claim does; returns the pin's id."""
+    async def pin(self, lease: Lease, reader: str) -> str:
+        """A fork on node ``reader`` reads the live lease by content: a read pin until a
+        claim's time from now, the lease's state unchanged. Moves the expiry past the pin (and
+        tells the holder) as a claim does; returns the pin's id."""
         now = self._now()
         pin_end = now + min(self._config.claim_timeout_s, self._hard_cap_s(lease.node_id))
-        pin_id = self.pins.pin(lease.lease_id, pin_end)
+        pin_id = self.pins.pin(lease.lease_id, pin_end, reader)
         if self.expires(lease) < pin_end:
             lease.expire_time = pin_end
             self._outbox.send(lease, pin_end - now, "pinned by a read")

@@ -12,7 +12,7 @@ stride, as the stride is a power of two), of full blocks only. A lease costs abo
 log2(blocks) entries (14 for 8,192 blocks), and a look-up about as many dictionary probes.
 
 Scope: a lease is found only under its tenant (the conversation id's ``TENANT/`` prefix,
-``ids.tenant_of``), its holder's model and its block size, so no tenant's look-up can name
+``tenants.tenant_of``), its holder's model and its block size, so no tenant's look-up can name
 another's lease. Maintained from one place, ``Leases._track``, which every change of a lease's
 state passes through (grant, claim, end, revival, a takeover's rebuild): a live lease is
 indexed, an ended one removed. Soft state, as leases are: rebuilt from the replays.

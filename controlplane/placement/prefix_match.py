@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbroker.common.rules import routing
-from kvbroker.common.rules.ids import tenant_of
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
+from kvbroker.common.rules.tenants import tenant_of
 from kvbroker.controlplane.context import RegistryContext
 from kvbroker.controlplane.errors import NodeNotRegistered, NotAPrefillNode
 from kvbroker.controlplane.lessor.leases import Leases
@@ -43,6 +43,8 @@ class PrefixMatch:
     matched_blocks: int = 0
     no_reuse: NoReuseReason = registry_pb2.NO_REUSE_REASON_UNSPECIFIED
     reason: str = ""
+    # The reader's pin on the lease (to end when its read has).
+    pin_id: str = ""
 
 
 def _no_match(no_reuse: NoReuseReason, reason: str) -> PrefixMatch:
@@ -88,9 +90,9 @@ class PrefixMatches:
                     refusal = why
             if readable:
                 chosen = max(readable, key=lambda lease: (lease.epoch, lease.grant_time or 0.0))
-                await self._leases.pin(chosen)
+                pin_id = await self._leases.pin(chosen, node_id)
                 self._metrics.lease_event("prefix_match").inc()
-                return PrefixMatch(self._leases.view(chosen), hit.blocks)
+                return PrefixMatch(self._leases.view(chosen), hit.blocks, pin_id=pin_id)
         if refusal is not None:
             return refusal
         return _no_match(

@@ -124,6 +124,20 @@ ERROR_REASON_NOT_ROUTED_HERE: ErrorReason
 ERROR_REASON_NODE_IN_USE: ErrorReason
 ERROR_REASON_NOT_A_PREFILL_NODE: ErrorReason
 
+class EndReadPinRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id", "pin_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: str
+    pin_id: str
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., pin_id: _Optional[str] = ...) -> None: ...
+
+class EndReadPinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class MatchPrefixRequest(_message.Message):
     __slots__ = ("node_id", "conversation_id", "model", "block_size", "probe_hashes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -139,16 +153,18 @@ class MatchPrefixRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., probe_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class MatchPrefixResponse(_message.Message):
-    __slots__ = ("lease", "matched_blocks", "no_reuse", "reason")
+    __slots__ = ("lease", "matched_blocks", "no_reuse", "reason", "pin_id")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NO_REUSE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
     lease: _lease_pb2.Lease
     matched_blocks: int
     no_reuse: NoReuseReason
     reason: str
-    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., no_reuse: _Optional[_Union[NoReuseReason, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    pin_id: str
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ..., matched_blocks: _Optional[int] = ..., no_reuse: _Optional[_Union[NoReuseReason, str]] = ..., reason: _Optional[str] = ..., pin_id: _Optional[str] = ...) -> None: ...
 
 class SetCostProfileRequest(_message.Message):
     __slots__ = ("node_id", "cost")

@@ -130,6 +130,11 @@ class RegistryServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_registry__pb2.MatchPrefixRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_registry__pb2.MatchPrefixResponse.FromString,
                 _registered_method=True)
+        self.EndReadPin = channel.unary_unary(
+                '/kvbroker.v1.RegistryService/EndReadPin',
+                request_serializer=kvbroker_dot_v1_dot_registry__pb2.EndReadPinRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_registry__pb2.EndReadPinResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -273,6 +278,15 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndReadPin(self, request, context):
+        """The read a MatchPrefix pin was given for has ended (the fork's prefill finished): the pin
+        ends, and with it what it kept of the lease's blocks. Only the pinning node may end it;
+        an unknown or ended pin is no error (pins also end at their timeout).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -370,6 +384,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.MatchPrefix,
                     request_deserializer=kvbroker_dot_v1_dot_registry__pb2.MatchPrefixRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_registry__pb2.MatchPrefixResponse.SerializeToString,
+            ),
+            'EndReadPin': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndReadPin,
+                    request_deserializer=kvbroker_dot_v1_dot_registry__pb2.EndReadPinRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_registry__pb2.EndReadPinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -886,6 +905,33 @@ class RegistryService:
             '/kvbroker.v1.RegistryService/MatchPrefix',
             kvbroker_dot_v1_dot_registry__pb2.MatchPrefixRequest.SerializeToString,
             kvbroker_dot_v1_dot_registry__pb2.MatchPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndReadPin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.RegistryService/EndReadPin',
+            kvbroker_dot_v1_dot_registry__pb2.EndReadPinRequest.SerializeToString,
+            kvbroker_dot_v1_dot_registry__pb2.EndReadPinResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -130,3 +130,15 @@ class ResolvePrefixResponse(_message.Message):
     MATCH_FIELD_NUMBER: _ClassVar[int]
     match: _registry_pb2.MatchPrefixResponse
     def __init__(self, match: _Optional[_Union[_registry_pb2.MatchPrefixResponse, _Mapping]] = ...) -> None: ...
+
+class EndPinRequest(_message.Message):
+    __slots__ = ("lease_id", "pin_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    pin_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., pin_id: _Optional[str] = ...) -> None: ...
+
+class EndPinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -66,6 +66,11 @@ class SidecarServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixResponse.FromString,
                 _registered_method=True)
+        self.EndPin = channel.unary_unary(
+                '/kvbroker.v1.SidecarService/EndPin',
+                request_serializer=kvbroker_dot_v1_dot_sidecar__pb2.EndPinRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.EndPinResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServiceServicer:
@@ -123,6 +128,13 @@ class SidecarServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndPin(self, request, context):
+        """A read ResolvePrefix pinned a lease for has ended: the registry's EndReadPin for this node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +167,11 @@ def add_SidecarServiceServicer_to_server(servicer, server):
                     servicer.ResolvePrefix,
                     request_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixResponse.SerializeToString,
+            ),
+            'EndPin': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndPin,
+                    request_deserializer=kvbroker_dot_v1_dot_sidecar__pb2.EndPinRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_sidecar__pb2.EndPinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -321,6 +338,33 @@ class SidecarService:
             '/kvbroker.v1.SidecarService/ResolvePrefix',
             kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixRequest.SerializeToString,
             kvbroker_dot_v1_dot_sidecar__pb2.ResolvePrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndPin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.SidecarService/EndPin',
+            kvbroker_dot_v1_dot_sidecar__pb2.EndPinRequest.SerializeToString,
+            kvbroker_dot_v1_dot_sidecar__pb2.EndPinResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -173,6 +173,17 @@ class EngineLink:
         )
         return asyncio.run_coroutine_threadsafe(_resolve_prefix(stub, request, timeout_s), loop)
 
+    def end_pin(self, lease_id: str, pin_id: str) -> None:
+        """The read a prefix match pinned ``lease_id`` for has ended: tells the registry,
+        through the sidecar, without waiting. Lost if the link is down (the pin then ends at
+        its timeout)."""
+        loop, stub = self._loop, self._stub
+        if loop is None or stub is None or not self.attached.is_set():
+            return
+        request = sidecar_pb2.EndPinRequest(lease_id=lease_id, pin_id=pin_id)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            asyncio.run_coroutine_threadsafe(_end_pin(stub, request), loop)
+
     def check_lease(self, lease_id: str, epoch: int, timeout_s: float) -> tuple[bool, str]:
         """``start_lease_check`` for callers that may block: waits at most about ``timeout_s``."""
         future = self.start_lease_check(lease_id, epoch, timeout_s)
@@ -302,3 +313,10 @@ async def _resolve_prefix(
     except Exception as error:  # timeout, RPC error: no match, computed locally
         return PrefixAnswer(None, f"prefix match failed: {error!r}")
     return PrefixAnswer(response.match)
+
+
+async def _end_pin(
+    stub: sidecar_pb2_grpc.SidecarServiceStub, request: sidecar_pb2.EndPinRequest
+) -> None:
+    with contextlib.suppress(Exception):  # best effort: the pin ends at its timeout anyway
+        await stub.EndPin(request, timeout=2)

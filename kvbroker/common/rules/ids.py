@@ -25,16 +25,3 @@ def check_id(value: str, what: str, limit: int = MAX_ID_LENGTH) -> str:
     except UnicodeEncodeError:
         raise InvalidId(f"{what} is not valid Unicode text (it holds a lone surrogate)") from None
     return value
-
-
-# What separates a tenant's name from its client's session id in a conversation id: the
-# router scopes every id a client of ``TENANT`` gives as ``TENANT/SESSION`` (``router.auth``),
-# and a tenant's name holds no separator.
-TENANT_SEPARATOR = "/"
-
-
-def tenant_of(conversation_id: str) -> str:
-    """The tenant a conversation id belongs to ("" for an unscoped id: the open tenant). What
-    may be shared by content (a fork's match) is shared only within one tenant."""
-    tenant, separator, _ = conversation_id.partition(TENANT_SEPARATOR)
-    return tenant if separator else ""

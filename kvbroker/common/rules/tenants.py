@@ -52,6 +52,14 @@ class Tenant:
 OPEN = Tenant()
 
 
+def tenant_of(conversation_id: str) -> str:
+    """The tenant a conversation id belongs to, ``Tenant.conversation`` read backwards ("" for
+    an unscoped id: the open tenant). What is shared by content (a fork's match of another
+    conversation's lease) is shared only within one tenant."""
+    tenant, separator, _ = conversation_id.partition(SEPARATOR)
+    return tenant if separator else ""
+
+
 def parse_tenant(text: str) -> Tenant:
     if not _TENANT.fullmatch(text):
         raise ValueError(
