@@ -99,7 +99,8 @@ class RegistryMetrics:
         )
         self.lease_events = Counter(
             "kvbroker_lease_events",
-            "Lease transitions: grant, renew, claim, release, revoke, expire, restore.",
+            "Lease transitions: grant, renew, claim, release, revoke, expire, restore; pin and "
+            "prefix_match (a fork matched the lease by content and pinned it).",
             ["event"],
             registry=self.registry,
         )
