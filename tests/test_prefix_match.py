@@ -15,8 +15,9 @@ from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.lessor.prefix_index import PrefixIndex, Scope, indexed_hashes
 from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records.answers import LeaseAnswer
+from kvbroker.controlplane.registry import Registry
 from kvbroker.engine_ext.prefix import prefix_hashes
-from kvbroker.testing.factories import handle
+from kvbroker.testing.factories import handle, replayed
 from kvbroker.v1 import lease_pb2, registry_pb2
 from tests.test_registry_unit import CONFIG, Harness
 
@@ -254,3 +255,28 @@ async def test_a_pin_ends_when_its_reader_says_its_read_has() -> None:
     assert (await h.registry.get_lease(parent.lease_id)).pin_time_to_live is None
     await reclaim(h, "req-1", 2)
     assert (await h.registry.get_lease(parent.lease_id)).state == lease_pb2.LEASE_STATE_RELEASED
+
+
+async def test_a_successor_indexes_what_it_restores_and_matches_once_the_holder_replayed() -> None:
+    """A takeover rebuilds the index with the leases (``Leases.restore``); a holder's leases
+    are matched, as they are offered, only once it has replayed to the new leader."""
+    h = Harness()
+    await h.fleet()
+    history = tokens(64 * BLOCK)
+    parent = await retain(h, "acme/parent", "req-1", history)
+    successor = Registry(h.store, CONFIG, clock=h.clock)
+    await successor.restore()
+    assert parent.lease_id in successor.leases.prefix_index
+    probes_ = probes(history + tokens(50, seed=1))
+    before = await successor.match_prefix(
+        h.prefill.node_id, "acme/fork", h.prefill.model, BLOCK, probes_
+    )
+    assert before.no_reuse == registry_pb2.NO_REUSE_REASON_HOLDER_UNAVAILABLE
+    replay = replayed(convert.lease_message(parent))
+    await successor.report_retention(
+        h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True
+    )
+    after = await successor.match_prefix(
+        h.prefill.node_id, "acme/fork", h.prefill.model, BLOCK, probes_
+    )
+    assert after.lease is not None and after.lease.lease_id == parent.lease_id
