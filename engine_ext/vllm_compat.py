@@ -208,7 +208,7 @@ def sort_read_destination(
         return False
     table[-count:] = sorted(table[-count:], key=lambda block: block.block_id)
     ordered = [block.block_id for block in table[-count:]]
-    scheduler._reqs_need_recv[request_id] = (queued[0], type(local)([ordered]), *queued[2:])
+    scheduler._reqs_need_recv[request_id] = (queued[0], (ordered,), *queued[2:])
     return True
 
 

@@ -185,7 +185,7 @@ class Reader:
         nb = self.config.num_blocks
         if form == RUNS:
             assert runs is not None
-            return run_ids(self.rng, nb, blocks, runs)  # type: ignore[no-any-return]
+            return run_ids(self.rng, nb, blocks, runs)
         if form in ("scattered", "strided"):
             # Random ids rarely abut, and the ones that do are what a fragmented cache has.
             return (

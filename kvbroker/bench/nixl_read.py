@@ -139,7 +139,7 @@ def _cells(
     config: ReadConfig, reader: Reader, progress: Callable[[str], None], output: Path | None
 ) -> list[dict[str, Any]]:
     """Every layout x form x size, then every layout x shape (form ``runs``)."""
-    points = [
+    points: list[tuple[str, str, int, int | None]] = [
         (layout, form, tokens, None)
         for layout in config.layouts
         for form in config.forms
