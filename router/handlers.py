@@ -216,14 +216,7 @@ class Handlers:
                 ErrorCode.REGISTRY_UNAVAILABLE,
             ) from error
         except RegistryCallError as error:
-            if error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT:
-                raise invalid_request(error.message, ErrorCode.INVALID_VALUE) from error
-            code = (
-                ErrorCode.NO_READY_NODE
-                if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
-                else ErrorCode.REGISTRY_UNAVAILABLE
-            )
-            raise ApiError(503, error.message or "no route", ErrorType.UNAVAILABLE, code) from error
+            raise registry_refusal(error) from error
 
     async def _prefill_with_fallback(
         self, plan: Plan, turn: Turn
@@ -378,7 +371,12 @@ class Handlers:
         query = request.query_params
         session = session_id(query.get("session_id", ""), limit=tenant.id_limit)
         tokens = query.get("prompt_tokens", "0")
-        if not tokens.isdigit() or int(tokens) >= 1 << 32:
+        # ASCII digits only ("²" is a digit to str.isdigit, and int() refuses it), and few
+        # enough that int() reads them at all.
+        if (
+            not (tokens.isascii() and tokens.isdecimal() and len(tokens) <= 10)
+            or int(tokens) >= 1 << 32
+        ):
             raise invalid_request(
                 "prompt_tokens must be a whole number of tokens",
                 ErrorCode.INVALID_VALUE,
@@ -393,10 +391,7 @@ class Handlers:
         try:
             hint = await self.router.hints.hint(asked)
         except RegistryCallError as error:
-            message = error.message or error.code().name
-            raise ApiError(
-                503, message, ErrorType.UNAVAILABLE, ErrorCode.REGISTRY_UNAVAILABLE
-            ) from error
+            raise registry_refusal(error) from error
         body = placement.answer(session, hint)
         return JSONResponse(body, headers=body["headers"])
 
@@ -437,6 +432,21 @@ _MODEL = Required("model", (str,), "a string")
 
 def _model_not_found(message: str) -> ApiError:
     return ApiError(404, message, ErrorType.INVALID_REQUEST, ErrorCode.MODEL_NOT_FOUND, "model")
+
+
+def registry_refusal(error: RegistryCallError) -> ApiError:
+    """The client's answer when the registry refuses a hint: 400 for a bad argument (the
+    client's to fix: retrying it never helps), 503 otherwise (no ready node, or the registry
+    unreachable: worth a retry)."""
+    if error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT:
+        return invalid_request(error.message, ErrorCode.INVALID_VALUE)
+    code = (
+        ErrorCode.NO_READY_NODE
+        if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+        else ErrorCode.REGISTRY_UNAVAILABLE
+    )
+    message = error.message or error.code().name
+    return ApiError(503, message, ErrorType.UNAVAILABLE, code)
 
 
 def _tenant(request: Request) -> Tenant:

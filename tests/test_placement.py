@@ -88,9 +88,22 @@ async def test_placement_refuses_bad_input_alone(
 ) -> None:
     decode, prefill = node_spec("decode-0"), node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL)
     async with Heartbeats(stub, decode, prefill), httpx.AsyncClient() as http:
-        for params in ({}, {"session_id": "x" * 5000}, {"session_id": "c", "prompt_tokens": "-3"}):
+        for params, field in (
+            ({}, "session_id"),
+            ({"session_id": "x" * 5000}, "session_id"),
+            ({"session_id": "c", "prompt_tokens": "-3"}, "prompt_tokens"),
+            # A digit to str.isdigit, not to int(); and more digits than int() reads (both
+            # answered 500 before, issue 36).
+            ({"session_id": "c", "prompt_tokens": "\u00b2"}, "prompt_tokens"),
+            ({"session_id": "c", "prompt_tokens": "9" * 5000}, "prompt_tokens"),
+            # The registry's refusal of a bad argument is the client's 400, never a 503 it
+            # would retry forever.
+            ({"session_id": "c", "model": "m" * 3000}, "model"),
+        ):
             refused = await http.get(f"{router_url}/v1/placement", params=params)
             assert refused.status_code == 400, (params, refused.text)
-            assert refused.json()["error"]["type"] == "invalid_request_error"
+            error = refused.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert field in (error.get("param") or error["message"]), error
         fine = await http.get(f"{router_url}/v1/placement", params={"session_id": "c"})
         assert fine.status_code == 200
