@@ -113,10 +113,17 @@ async def chat(
 
 
 async def conversation(
-    stack: Stack, client: httpx.AsyncClient, session: str | None, turns: int, stream: bool = False
+    stack: Stack,
+    client: httpx.AsyncClient,
+    session: str | None,
+    turns: int,
+    stream: bool = False,
+    seed: int = 99,
 ) -> tuple[list[str], list[float]]:
-    """A growing conversation; returns each answer and P's read count after each turn."""
-    messages = [{"role": "system", "content": user_message(99, lines=10)}]
+    """A growing conversation; returns each answer and P's read count after each turn. Its
+    system prompt comes from ``seed``: a conversation that starts as another one still
+    retained does is a fork, whose first turn reads that one's KV by content."""
+    messages = [{"role": "system", "content": user_message(seed, lines=10)}]
     answers, reads = [], []
     epoch = 0
     for turn in range(turns):
@@ -193,9 +200,9 @@ async def test_streaming_turns_are_retained_and_reused(
     stack: Stack, http: httpx.AsyncClient
 ) -> None:
     start = await reads_by_prefill(stack, http)
-    streamed, reads = await conversation(stack, http, "conv-stream", turns=3, stream=True)
+    streamed, reads = await conversation(stack, http, "conv-stream", 3, stream=True, seed=98)
     assert reads[-1] - start == 2  # turns 2 and 3 read from D
-    plain, _ = await conversation(stack, http, None, turns=3)
+    plain, _ = await conversation(stack, http, None, turns=3, seed=98)
     assert streamed == plain
 
 
