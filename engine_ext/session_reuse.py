@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from kvbroker.common.process.credentials import load_api_keys
 from kvbroker.common.rules import handles
 from kvbroker.common.rules.prompt_size import PromptSize, PromptText
 from kvbroker.common.rules.tenants import ApiKeys, KeyRefusal, KeyRefused, Tenant
@@ -267,7 +268,7 @@ class SessionReuse:
         if settings is None or not settings.api_keys:
             return None
         if self._api_keys is None:
-            self._api_keys = ApiKeys.load(Path(settings.api_keys))
+            self._api_keys = load_api_keys(Path(settings.api_keys))
         return self._api_keys
 
     def _stub(self, scope: Scope) -> sidecar_pb2_grpc.SidecarServiceStub | None:

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from kvbroker.cli.main import app as cli
 from kvbroker.common.client.grpc_client import RegistryEndpoint
-from kvbroker.common.process.credentials import token_digest
+from kvbroker.common.process.credentials import load_api_keys, token_digest
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.rules.handles import DECIDED_KEY, decode_local_params
 from kvbroker.common.rules.ids import MAX_ID_LENGTH
@@ -979,7 +979,7 @@ def test_api_key_files_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         f"# tenants\nacme {token_digest('k1')}\nacme {token_digest('k2')}  # rotated\n"
         f"globex {token_digest('k3')}\n"
     )
-    keys = ApiKeys.load(good)
+    keys = load_api_keys(good)
     assert [keys.tenant(f"Bearer {key}").name for key in ("k1", "k2", "k3")] == [
         "acme", "acme", "globex",
     ]  # fmt: skip
@@ -1000,7 +1000,7 @@ def test_api_key_files_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         path = tmp_path / name
         path.write_text(text)
         with pytest.raises(ValueError, match=name):
-            ApiKeys.load(path)
+            load_api_keys(path)
         refused = CliRunner().invoke(cli, ["router", "run", "--api-keys", str(path)])
         assert refused.exit_code == 2, refused.output
     assert len(seen) == 1

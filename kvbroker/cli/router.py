@@ -111,13 +111,13 @@ def router_run(
         config.host_and_port()
     except ValueError:
         fail(f"--listen {listen!r} is not HOST:PORT", 2)
-    from kvbroker.router.auth import ApiKeys
+    from kvbroker.common.process.credentials import load_api_keys
     from kvbroker.router.server import serve as serve_router
 
     keys = None
     if api_keys is not None:
         try:
-            keys = ApiKeys.load(api_keys)
+            keys = load_api_keys(api_keys)
         except ValueError as error:  # a malformed line, or not text at all
             fail(f"--api-keys: {error}", 2)
     apply_logging_flags(log_level, log_format)

@@ -13,22 +13,21 @@ process serves anyone."""
 from __future__ import annotations
 
 import codecs
-import hashlib
 import secrets
 import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from kvbroker.common.rules.digests import token_digest
+from kvbroker.common.rules.tenants import ApiKeys, parse_tenant
+
+__all__ = ["fresh_credential", "load_api_keys", "read_digest_file", "token_digest"]
+
 H = TypeVar("H")
 
 DIGEST_LENGTH = 64
 _LOWER_HEX = frozenset(string.hexdigits.lower())
-
-
-def token_digest(token: str) -> str:
-    """A token's SHA-256, in hex: what a credentials file holds for it."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def fresh_credential(holder: str) -> tuple[str, str]:
@@ -86,3 +85,9 @@ def read_digest_file(path: Path, holder: Callable[[str], H], form: str) -> dict[
     if not held:
         raise ValueError(f"{path} holds no credential (expected lines '{form}')")
     return held
+
+
+def load_api_keys(path: Path) -> ApiKeys:
+    """A keys file (``TENANT SHA256_HEX`` lines) as the tenants' keys; raises ValueError naming
+    the line of a malformed file, or a file with no key (which would refuse every client)."""
+    return ApiKeys(read_digest_file(path, parse_tenant, "TENANT SHA256_HEX"))

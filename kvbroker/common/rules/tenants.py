@@ -3,7 +3,8 @@ router, the engine's session middleware), so one tenant's client can never name 
 
 A tenant is named by the API key its client presents (``Authorization: Bearer KEY``, or
 Anthropic's ``X-Api-Key``), looked up in a keys file of lines ``TENANT SHA256_HEX`` (the key's
-SHA-256, so the file holds no secret; the reader is ``kvbroker.common.process.credentials``).
+SHA-256, so the file holds no secret; ``kvbroker.common.process.credentials.load_api_keys``
+reads it).
 The key's tenant scopes every session id its client gives: the registry knows the conversation
 as ``TENANT/SESSION``. A tenant name holds no ``/``, so ``TENANT/`` is a prefix no other
 tenant's ids can have. The id limit (``kvbroker.common.rules.ids``) applies to the scoped id.
@@ -18,9 +19,8 @@ import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-from kvbroker.common.process.credentials import read_digest_file, token_digest
+from kvbroker.common.rules.digests import token_digest
 from kvbroker.common.rules.ids import MAX_ID_LENGTH
 
 # Between a tenant and its client's session id in the conversation id the registry sees.
@@ -87,12 +87,6 @@ class ApiKeys:
     """The keys a door accepts: SHA-256 (hex) of a key -> its tenant."""
 
     tenants: Mapping[str, Tenant]
-
-    @classmethod
-    def load(cls, path: Path) -> ApiKeys:
-        """Raises ValueError naming the line of a malformed file, or a file with no key (which
-        would refuse every client)."""
-        return cls(read_digest_file(path, parse_tenant, "TENANT SHA256_HEX"))
 
     def tenant(self, authorization: str | None, api_key: str | None = None) -> Tenant:
         """The tenant whose key the ``Authorization`` header carries (Bearer), else the
