@@ -62,6 +62,7 @@ LAYERS = {
     "test_engine_load": "unit",
     "test_engine_rules": "unit",
     "test_engine_work": "unit",
+    "test_fragmentation": "unit",
     "test_labels": "unit",
     "test_layers": "unit",
     "test_multiturn_bench": "unit",
