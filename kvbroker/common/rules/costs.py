@@ -98,31 +98,25 @@ class KvDevice(StrEnum):
     CUDA = "cuda"
 
 
-# A READ between GPU engines, from issue 35's H200 (docs/gpu-transfer.md): one NIXL agent
-# READing from itself over UCX cuda_copy, 64 layers x 8 KV heads x 128, bf16, 16-token blocks
-# (4 MiB a block over all layers), vLLM 0.33's packed cache (one region per layer, so one
-# descriptor per layer for each run). 24,576 tokens (1,536 blocks): one descriptor per block
-# and layer with random ids (1,536 runs, 98,304 descriptors) 787.7 ms; one descriptor per
-# region (the bytes alone) 4.87 ms. The bytes cost 4.87 ms over the 1,536 blocks; each
-# descriptor the rest over the 98,304; a run is 64 of them.
-_H200_BLOCKS = 1536
-_H200_SCATTERED_MS = 787.7
-_H200_CONTIGUOUS_MS = 4.87
-_PACKED_DESCRIPTORS_PER_RUN = 64  # one region per layer
-_GPU_US_PER_DESCRIPTOR = (
-    1e3 * (_H200_SCATTERED_MS - _H200_CONTIGUOUS_MS) / (_H200_BLOCKS * _PACKED_DESCRIPTORS_PER_RUN)
-)
+# A READ between GPU engines, measured on one NVIDIA H200 (docs/gpu-transfer.md, "The H200
+# loopback run": `bench nixl-read --loopback`, one NIXL agent READing from itself over UCX
+# cuda_copy, 64 layers x 8 KV heads x 128, bf16, 16-token blocks, 4 MiB a block over all
+# layers; vLLM 0.33's packed cache, one region per layer, so a run is 64 descriptors).
+# Per run: the least-squares slope of 24,576-token READs in 27, 607, 821, 1,175 and 1,445
+# runs (15.7 to 720 ms), 516 us (8.1 us a descriptor; issue 35's table gave 7.96). Per block
+# (the bytes): the fit of one descriptor per region at 2k, 8k and 24k tokens, 3.34 us.
+_H200_US_PER_RUN = 516.5
+_H200_US_PER_BLOCK = 3.34
 
 # Until a GPU fleet is calibrated. Only the READ figures are GPU figures: the prefill ones
 # stay the CPU defaults, which no GPU measurement here replaced (calibration measures both).
-# The fixed part is 0: a least-squares fit of the table's nine packed cells puts it below zero
-# (-0.5 ms), and its smallest READ (2,048 tokens in one run, 0.54 ms) already costs less than
-# one run and its bytes by these figures.
+# The fixed part is 0: the fit of the runs puts it below zero (-13 ms), and the smallest READ
+# measured (2,048 tokens in one run, 0.70 ms) costs about one run and its bytes.
 GPU_COSTS = replace(
     DEFAULT_COSTS,
     read_fixed_ms=0.0,
-    read_us_per_block=1e3 * _H200_CONTIGUOUS_MS / _H200_BLOCKS,
-    read_us_per_run=_PACKED_DESCRIPTORS_PER_RUN * _GPU_US_PER_DESCRIPTOR,
+    read_us_per_block=_H200_US_PER_BLOCK,
+    read_us_per_run=_H200_US_PER_RUN,
 )
 
 
