@@ -103,8 +103,8 @@ def test_the_read_counts_the_runs_beyond_the_prefill_nodes_cache() -> None:
             remote_request_id="d-1", remote_block_groups=[lease_pb2.BlockIdGroup(block_ids=[4, 5])]
         ),
     )
-    assert planner.retained_block_ids(codec.lease_of(lease)) == (4, 5)
-    assert planner.retained_block_ids(None) == ()
+    assert codec.retained_block_ids(codec.lease_of(lease)) == (4, 5)
+    assert codec.retained_block_ids(None) == ()
     # The H200 loopback run's 24,576-token READ in 1,445 runs took 719.7 ms (gpu-transfer.md).
     assert GPU_COSTS.read_ms(1536, 1445) == pytest.approx(719.7, rel=0.05)
     assert GPU_COSTS.read_ms(1536) == GPU_COSTS.read_ms(1536, 1536)  # unknown: scattered

@@ -27,6 +27,7 @@ from kvbroker.controlplane.lessor.turns import Turns
 from kvbroker.controlplane.placement import planner
 from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
 from kvbroker.controlplane.placement.prefill_caches import PrefillCaches
+from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.model import Conversation, Lease
 from kvbroker.controlplane.sessions.idle_ttl import IdleTtl
 from kvbroker.controlplane.sessions.nodes import NodeRuntime, NodeSessions
@@ -278,7 +279,7 @@ class Hints:
             block_size=holder.spec.block_size,
             decode_running=holder.pending,
             holder_decodes=decode is holder,
-            retained_block_ids=planner.retained_block_ids(lease),
+            retained_block_ids=codec.retained_block_ids(lease),
         )
         candidates = [
             planner.Prefill(

@@ -53,8 +53,7 @@ from dataclasses import dataclass
 
 from kvbroker.common.rules.costs import Costs
 from kvbroker.common.rules.fragmentation import runs
-from kvbroker.controlplane.records.model import Lease
-from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker.v1 import registry_pb2
 
 DECODE_LOCAL = registry_pb2.TURN_PATH_DECODE_LOCAL
 READ = registry_pb2.TURN_PATH_READ
@@ -138,15 +137,6 @@ class Turn:
         if not self.retained_block_ids:
             return None
         return runs(self.retained_block_ids[cached_blocks:])
-
-
-def retained_block_ids(lease: Lease | None) -> tuple[int, ...]:
-    """A lease's retained block ids (its handle's first KV cache group), for ``Turn``: the
-    registry keeps them packed (``codec.handle_of``), unpacked only here."""
-    if lease is None or not lease.handle.packed:
-        return ()
-    groups = lease_pb2.KvHandle.FromString(lease.handle.packed).remote_block_groups
-    return tuple(groups[0].block_ids) if groups else ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,15 @@ def lease_of(message: lease_pb2.Lease) -> Lease:
     )
 
 
+def retained_block_ids(lease: Lease | None) -> tuple[int, ...]:
+    """A lease's retained block ids (its handle's first KV cache group), for the planner's
+    ``Turn``: the registry keeps them packed (``handle_of``), unpacked only here."""
+    if lease is None or not lease.handle.packed:
+        return ()
+    groups = lease_pb2.KvHandle.FromString(lease.handle.packed).remote_block_groups
+    return tuple(groups[0].block_ids) if groups else ()
+
+
 def lease_into(lease: Lease, into: lease_pb2.Lease) -> None:
     """Writes the record into ``into`` (an empty message): every field but ``time_to_live``,
     which only a view has."""
