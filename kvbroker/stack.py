@@ -209,7 +209,11 @@ class Stack:
         return {"KVBROKER_TOKEN": self.config.token or "", "KVBROKER_TOKEN_FILE": ""}
 
     def registry_child(self, name: str, address: str, store: list[str]) -> ChildProcess:
-        argv = registry_command(address, *store, *self.config.registry_flags)
+        # Its metrics on a port of its own choosing, which it announces (the fault tests read
+        # them), unless the flags name one.
+        flags = self.config.registry_flags
+        metrics = () if "--metrics-listen" in flags else ("--metrics-listen", "127.0.0.1:0")
+        argv = registry_command(address, *store, *metrics, *flags)
         return ChildProcess(
             name, argv, self._log(name), ready=[Announces()], env=self.kvbroker_env()
         )
@@ -430,6 +434,14 @@ class Stack:
         await registry.wait()
         await registry.start()
         await self._wait_registered()
+
+    def registry_metrics_urls(self) -> list[str]:
+        """Each registry replica's ``/metrics`` page, as the replica announced it."""
+        return [
+            f"http://{child.announced['metrics']}/metrics"
+            for child in self._registries.values()
+            if child.announced.get("metrics")
+        ]
 
     def pause_registry(self, paused: bool) -> None:
         """SIGSTOPs (or SIGCONTs) the one registry: a registry that hangs, its port still

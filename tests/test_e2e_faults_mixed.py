@@ -1,7 +1,7 @@
 """The fault matrix's mixed fleet, end to end on real vLLM CPU servers: one decode engine
 retains, the other does not (a rollout of reuse, or an A/B of it). Every turn is served with
-the registry's exact word, token-identical with reuse off and as fast
-(``kvbroker.testing.turns``).
+the registry's exact word, token-identical with reuse off, with no hint cut short waiting
+for a retention report (``kvbroker.testing.turns``).
 
 The rule a mixed fleet is promised (``routing.choose``): a conversation's turn goes to a
 retaining decode node whenever one is as free as any other, so what it retains is reused; it

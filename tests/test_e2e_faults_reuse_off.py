@@ -1,7 +1,7 @@
 """The fault matrix's first row, end to end on real vLLM CPU servers: `kvbroker up --reuse off`
 (the decode engine does not retain) with clients that send session ids. Every turn is served
 plain P/D with the registry's exact word (MISS, EXACT, RECOMPUTE), token-identical with the
-same turn sent without a session id, and as fast: no hint waits for a retention report that a
+same turn sent without a session id, and no hint waits for a retention report that a
 decode node that does not retain never sends (before, the second turn's hint waited past the
 router's deadline and the client got a 503)."""
 
