@@ -20,7 +20,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from kvbroker.bench.turns import prefill_totals
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.tasks import poll_until
+from kvbroker.common.rules.engine_metrics import Totals
 from kvbroker.common.rules.handles import prefill_params
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.pd_proxies import ProxyKind, running_proxy
@@ -228,3 +231,48 @@ async def test_decode_first_serves_from_the_lease_or_refuses_at_once(
         lease = await current_lease(stack.registry_address, session)
         assert lease is not None and lease.epoch > epoch  # retained again for the next turn
         assert lease.state in (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
+
+
+async def test_behind_vllm_router_a_fork_reads_its_parent_by_content(
+    stack: Stack, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """A sub-agent behind vllm-router: its body names a new session id and its prompt is the
+    parent's whole history plus a task of its own. The prefill engine knows no lease of it,
+    asks the registry by the prompt's content, reads the parent's KV from the decode engine
+    and computes only what follows; the answer is the one reuse off gives, and the parent's
+    lease stays the parent's."""
+    async with running_vllm_router(
+        [stack.url(stack.prefill)], [stack.url(stack.decode)], tmp_path / "vllm-router.log"
+    ) as url:
+        parent = "conv-vllm-router-parent"
+        messages = opening(21)
+        first = text(await chat(http, url, messages, parent, session_in_body=True))
+        epoch = await retained_after(stack.registry_address, parent, 0)
+        messages += [{"role": "assistant", "content": first}]
+        held = await current_lease(stack.registry_address, parent)
+        assert held is not None and held.epoch == epoch
+
+        fork_messages = [*messages, {"role": "user", "content": "Sub-task: list the names."}]
+        reads = lines_with(stack, "prefill", ACCEPTED)
+        before = await prefill_totals(http, stack.url(stack.prefill))
+        fork = await chat(http, url, fork_messages, "conv-vllm-router-fork", True)
+        prompt_tokens = int(fork.json()["usage"]["prompt_tokens"])
+
+        async def counted() -> Totals | None:
+            now = await prefill_totals(http, stack.url(stack.prefill))
+            return now if now.prefills > before.prefills else None
+
+        after = await poll_until(counted, 30, "P's metrics counting the fork's prefill")
+        assert after is not None
+        assert lines_with(stack, "prefill", ACCEPTED) == reads + 1
+        computed = after.computed_tokens - before.computed_tokens
+        # At most the prompt past the parent's retained tokens, plus the blocks a verified
+        # prefix stops short of them (the parent's unfinished last block, the re-rendered
+        # template tokens): far less than the whole prompt.
+        block = stack.config.block_size
+        assert block is not None
+        assert computed <= prompt_tokens - held.token_count + 2 * block
+        assert computed < prompt_tokens / 2, (computed, prompt_tokens)
+        assert text(fork) == text(await chat(http, url, fork_messages, None))
+    still = await current_lease(stack.registry_address, parent)
+    assert still is not None and still.lease_id == held.lease_id and still.epoch == epoch
