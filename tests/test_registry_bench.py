@@ -32,6 +32,12 @@ async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Pa
         assert rows[(rpc, 0)]["throughput"] > 100 and rows[(rpc, 0)]["errors"] == 0
     assert [point["live_leases"] for point in report["memory"]] == [400, 800]
     assert all(point["rss_mib"] > 10 for point in report["memory"])
+    # The prefix index, at the one memory point: every look-up answered, half of them a fork
+    # of a live lease (a hit), half random hashes (a miss).
+    (lookups,) = report["prefix"]
+    assert lookups["live_leases"] == 800 and lookups["errors"] == 0
+    assert lookups["throughput"] > 100 and 0 < lookups["p50_ms"] <= lookups["p99_ms"]
+    assert 0.45 <= lookups["hit_share"] <= 0.55
     restart = report["restart"]
     assert restart["leases"] == restart["recovered"] == 400
     assert restart["recovery_s"] > restart["startup_s"] > 0

@@ -11,7 +11,8 @@ serve` in its own process:
    fourth turn; open loop, so a slow registry cannot slow the load down;
 3. saturation: hints from many concurrent callers as fast as they are answered, one
    GetRoutingHint call each and then batched;
-4. memory: the registry's RSS as live leases grow;
+4. memory: the registry's RSS as live leases grow, and at each size the prefix index's
+   look-ups (MatchPrefix, a fork's match by content) as fast as they are answered;
 5. restart: the registry is killed and started again, every node re-registers and replays
    its leases; the time until all are back.
 """
@@ -33,6 +34,7 @@ from kvbroker.bench.registry_workers import (
     BLOCK_SIZE,
     HINT_RPC,
     fixed_rate_worker,
+    prefix_worker,
     retained_blocks,
     run_workers,
     saturation_worker,
@@ -41,6 +43,7 @@ from kvbroker.bench.stats import quantile
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.client.hint_batcher import HintBatcher
 from kvbroker.common.process.tasks import poll_until
+from kvbroker.common.rules.checkpoints import probe_blocks
 from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import node_pb2, registry_pb2
 
@@ -168,6 +171,53 @@ async def _idle_hints(stub: Any, conversations: int, count: int = 500) -> dict[s
     }
 
 
+async def _prefix_lookups(
+    registry: MeasuredRegistry, fleet: Fleet, fresh: list[Any], seconds: float
+) -> dict[str, Any]:
+    """MatchPrefix at saturation from two processes, half of the look-ups the prefixes of
+    ``fresh`` leases (granted since the load levels, so none superseded: hits), half random
+    (misses)."""
+    sample = fresh[:: max(1, len(fresh) // 2_000)]
+    probes = [[r.block_hashes[b] for b in probe_blocks(len(r.block_hashes))] for r in sample]
+    prefills = [spec.node_id for spec in fleet.prefills]
+    cores = registry.cpu_meter()
+    outputs = await asyncio.to_thread(
+        run_workers, prefix_worker, [(registry.address, prefills, probes, seconds)] * 2
+    )
+    cpu = cores()
+    merged = [x for o in outputs for x in o["latencies"]]
+    elapsed = max(o["seconds"] for o in outputs)
+    errors = sum(o["errors"] for o in outputs)
+    summary = summarise("MatchPrefix", 0, merged, elapsed, errors, cpu)
+    return {**asdict(summary), "hit_share": sum(o["hits"] for o in outputs) / max(len(merged), 1)}
+
+
+async def _grow(
+    stub: Any,
+    registry: MeasuredRegistry,
+    fleet: Fleet,
+    points: Sequence[int],
+    seconds: float,
+    progress: Any,
+) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
+    """The registry's RSS at each number of live leases in ``points``, and the prefix index's
+    look-ups there."""
+    populated = await _live_leases(stub)
+    memory: list[dict[str, float]] = [{"live_leases": populated, "rss_mib": registry.rss_mib()}]
+    prefix: list[dict[str, Any]] = []
+    for point in points:
+        progress(f"memory: growing to {point:,} live leases")
+        held = {node: len(leases) for node, leases in fleet.retained.items()}
+        await _populate(stub, fleet, point, populated)
+        populated = point
+        memory.append({"live_leases": point, "rss_mib": registry.rss_mib()})
+        progress(f"prefix index: MatchPrefix at {point:,} live leases")
+        fresh = [r for node, leases in fleet.retained.items() for r in leases[held[node] :]]
+        lookups = await _prefix_lookups(registry, fleet, fresh, min(seconds, 5.0))
+        prefix.append({"live_leases": point, **lookups})
+    return memory, prefix
+
+
 async def _replay(stub: Any, fleet: Fleet) -> None:
     await _register(stub, fleet)
 
@@ -218,7 +268,6 @@ async def run_registry_bench(
     )
     fleet.retained = {n.node_id: [] for n in fleet.decodes}
     results: list[LoadResult] = []
-    memory: list[dict[str, float]] = []
     try:
         async with open_channel(RegistryEndpoint.parse(registry.address)) as channel:
             stub = registry_stub(channel)
@@ -257,14 +306,7 @@ async def run_registry_bench(
                 elapsed = max(o["seconds"] for o in outputs)
                 errors = sum(o["errors"] for o in outputs)
                 results.append(summarise(rpc, 0, merged, elapsed, errors, cpu))
-            base = registry.rss_mib()
-            populated = await _live_leases(stub)
-            memory.append({"live_leases": populated, "rss_mib": base})
-            for point in memory_points:
-                progress(f"memory: growing to {point:,} live leases")
-                await _populate(stub, fleet, point, populated)
-                populated = point
-                memory.append({"live_leases": point, "rss_mib": registry.rss_mib()})
+            memory, prefix = await _grow(stub, registry, fleet, memory_points, seconds, progress)
         restart: dict[str, float] = {}
         if restart_leases:
             progress(f"restart: kill the registry, replay {restart_leases:,} leases")
@@ -275,6 +317,7 @@ async def run_registry_bench(
         "idle": idle,
         "load": [asdict(r) for r in results],
         "memory": memory,
+        "prefix": prefix,
         "restart": restart,
         "nodes": nodes,
         "hashes_per_lease": 32,

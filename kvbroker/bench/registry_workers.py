@@ -183,3 +183,60 @@ def run_workers(target: Any, args_per_worker: list[tuple[Any, ...]]) -> list[dic
     for worker in workers:
         worker.join()
     return results
+
+
+def prefix_worker(
+    address: str,
+    prefill_ids: list[str],
+    probes: list[list[bytes]],
+    seconds: float,
+    out: Any,
+) -> None:
+    out.put(uvloop.run(_prefix_lookups(address, prefill_ids, probes, seconds)))
+
+
+async def _prefix_lookups(
+    address: str, prefill_ids: list[str], probes: list[list[bytes]], seconds: float
+) -> dict[str, Any]:
+    """MatchPrefix as fast as it is answered, from 64 callers: every other look-up is a live
+    lease's prefix (a fork of it: a hit, its pin ended at once as a reader ends it after its
+    read), the rest random hashes (a miss). Only MatchPrefix itself is timed."""
+    latencies: list[float] = []
+    errors = hits = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def caller(stub: Any, offset: int) -> None:
+        nonlocal errors, hits
+        index = offset
+        while time.perf_counter() < stop_at:
+            node_id = prefill_ids[index % len(prefill_ids)]
+            wanted = probes[index % len(probes)] if index % 2 == 0 else _random_hashes(6, 32)
+            request = registry_pb2.MatchPrefixRequest(
+                node_id=node_id,
+                conversation_id=f"fork-{index}",
+                model="bench",
+                block_size=BLOCK_SIZE,
+                probe_hashes=wanted,
+            )
+            started = time.perf_counter()
+            try:
+                answer = await stub.MatchPrefix(request, timeout=5)
+                latencies.append(time.perf_counter() - started)
+                if answer.pin_id:
+                    hits += 1
+                    await stub.EndReadPin(
+                        registry_pb2.EndReadPinRequest(
+                            node_id=node_id, lease_id=answer.lease.lease_id, pin_id=answer.pin_id
+                        ),
+                        timeout=5,
+                    )
+            except Exception:
+                errors += 1
+            index += 97
+
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        start = time.perf_counter()
+        await asyncio.gather(*(caller(stub, i) for i in range(64)))
+        elapsed = time.perf_counter() - start
+    return {"latencies": latencies, "errors": errors, "hits": hits, "seconds": elapsed}

@@ -223,6 +223,13 @@ def bench_registry(
     )
     for point in result["memory"]:
         console.print(f"RSS {point['rss_mib']:,.0f} MiB with {point['live_leases']:,} live leases")
+    for point in result["prefix"]:
+        console.print(
+            f"prefix index at {point['live_leases']:,} live leases: MatchPrefix "
+            f"p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
+            f"{point['throughput']:,.0f}/s on {point['registry_cpu']:.2f} cores "
+            f"({point['hit_share']:.0%} hits)"
+        )
     restart = result["restart"]
     if restart:
         console.print(
