@@ -47,14 +47,20 @@ dynamo: $(DYNAMO_STAMP)
 $(BUF):
 	npm install --silent --no-audit --no-fund --prefix $(TOOLS) @bufbuild/buf@1.75.0
 
-# Regenerates the checked-in Python code for the schema.
+# Regenerates the checked-in Python code for the schema, and for the Envoy messages the
+# gateway speaks (their generator rewrites their imports into kvbroker's package).
+GENERATED := kvbroker/v1 gateway/envoy_v3
+
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. \
 		--grpc_python_out=. $(PROTOS)
+	$(BIN)/python -m kvbroker.gateway.envoy_v3.generate
 
+# Stale: a generated file that differs from what is committed, or one not committed at all.
 proto-check: proto
-	git diff --exit-code -- kvbroker/v1 || \
-		(echo "generated code is stale: run 'make proto' and commit" >&2; exit 1)
+	@test -z "$$(git status --porcelain -- $(GENERATED))" || \
+		(git status --short -- $(GENERATED); \
+		 echo "generated code is stale: run 'make proto' and commit" >&2; exit 1)
 
 lint: install
 	$(BUF) lint
