@@ -96,9 +96,34 @@ def test_a_lease_costs_about_log2_of_its_blocks_in_the_index() -> None:
     assert kept.stride == 32
     hashes = indexed_hashes(codec_blob(kept), kept.stride, count, BLOCK)
     assert [block for block, _ in hashes] == [31, 63, 127, 255, 511, 1023, 2047, 4095, 8191]
+    for i in range(3):
+        index.add(f"lease-{i}", Scope("", "m", BLOCK), hashes[i:])
+    assert index.entries() == 9 + 8 + 7
+
+
+def test_leases_sharing_a_prefix_keep_only_their_newest_under_it() -> None:
+    """A thousand conversations under one system prompt: each key they share keeps its 8
+    newest leases (any of them gives a prompt the same prefix), so a look-up reads at most 8
+    a level and the index does not grow with the crowd; removing leases keeps it exact."""
+    index = PrefixIndex()
+    scope = Scope("", "m", BLOCK)
+    system = tokens(8 * BLOCK)
     for i in range(1000):
-        index.add(f"lease-{i}", Scope("", "m", BLOCK), hashes)
-    assert index.entries() == 9 * 1000
+        own = system + tokens(8 * BLOCK, seed=10 + i)
+        kept = Checkpoints.of(prefix_hashes(own, BLOCK, len(own)))
+        index.add(f"lease-{i}", scope, indexed_hashes(codec_blob(kept), 1, len(own), BLOCK))
+    # Blocks 0, 1, 3, 7 are the system prompt's (shared); block 15 is each lease's own.
+    assert index.entries() == 4 * 8 + 1000
+    newest = tuple(f"lease-{i}" for i in range(999, 991, -1))
+    hits = list(index.hits(scope, probes(system + tokens(8 * BLOCK, seed=5))))
+    assert [(hit.blocks, hit.lease_ids) for hit in hits] == [
+        (8, newest), (4, newest), (2, newest), (1, newest)
+    ]  # fmt: skip
+    own = system + tokens(8 * BLOCK, seed=10 + 500)
+    assert next(index.hits(scope, probes(own))).lease_ids == ("lease-500",)
+    for i in range(1000):
+        index.remove(f"lease-{i}")
+    assert len(index) == 0 and index.entries() == 0
     # A partial last block is not indexed: no prompt's full block hashes like it.
     partial = Checkpoints.of(prefix_hashes(tokens(20), BLOCK, 20))
     assert [b for b, _ in indexed_hashes(codec_blob(partial), 1, 20, BLOCK)] == [0]

@@ -28,6 +28,10 @@ from kvbroker.v1 import lease_pb2
 
 # The most probe hashes a look-up may carry: 2^31 blocks, far past any context.
 MAX_PROBES = 32
+# The leases a key keeps, newest: they all give a prompt the same prefix there.
+KEEP_PER_KEY = 8
+# The bytes of a probe hash a key keeps.
+KEY_BYTES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +69,24 @@ def indexed_hashes(
 
 
 class PrefixIndex:
-    """Live leases by (scope, hash at a probe block)."""
+    """Live leases by (scope, hash at a probe block).
+
+    Bounded by what a look-up can use. Leases that share a key share every block up to it
+    (hashes chain), so any of them gives a prompt the same prefix there: a key keeps only its
+    ``KEEP_PER_KEY`` newest leases (the spares are for when the newest cannot be read). One
+    system prompt under a million conversations is then 8 ids at each of its keys, not a
+    million, and a look-up reads at most 8 leases a level. A key is the hash's first
+    ``KEY_BYTES`` bytes: a lease costs a few hundred bytes here at any context length, and a
+    collision (one in 2^64 a probe) costs nothing but a lease the reader's check against its
+    checkpoints turns down."""
 
     def __init__(self) -> None:
-        self._leases: dict[tuple[Scope, bytes], set[str]] = {}
-        # What each lease is indexed under, to remove it without a scan.
-        self._keys: dict[str, list[tuple[Scope, bytes]]] = {}
+        # Per scope, each key's leases, newest last: one id alone (the common case, a key no
+        # other lease shares) as a str, several in a list.
+        self._leases: dict[Scope, dict[bytes, str | list[str]]] = {}
+        # What each indexed lease was keyed by (its keys concatenated), to remove it without
+        # a scan.
+        self._keys: dict[str, tuple[Scope, bytes]] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -79,34 +95,61 @@ class PrefixIndex:
         return lease_id in self._keys
 
     def entries(self) -> int:
-        """Index entries in all: about log2(blocks) per lease."""
-        return sum(len(keys) for keys in self._keys.values())
+        """Lease ids held under keys in all: about log2(blocks) per lease, fewer where many
+        leases share a key."""
+        return sum(
+            1 if isinstance(ids, str) else len(ids)
+            for keys in self._leases.values()
+            for ids in keys.values()
+        )
 
     def add(self, lease_id: str, scope: Scope, hashes: Sequence[tuple[int, bytes]]) -> None:
         """Indexes a live lease (again: a no-op) under its ``indexed_hashes``."""
         if lease_id in self._keys:
             return
-        keys = [(scope, digest) for _, digest in hashes]
-        self._keys[lease_id] = keys
+        keys = [digest[:KEY_BYTES] for _, digest in hashes]
+        self._keys[lease_id] = (scope, b"".join(keys))
+        by_key = self._leases.setdefault(scope, {})
         for key in keys:
-            self._leases.setdefault(key, set()).add(lease_id)
+            ids = by_key.get(key)
+            if ids is None:
+                by_key[key] = lease_id
+            elif isinstance(ids, str):
+                by_key[key] = [ids, lease_id]
+            else:
+                ids.append(lease_id)
+                if len(ids) > KEEP_PER_KEY:
+                    del ids[0]
 
     def remove(self, lease_id: str) -> None:
-        for key in self._keys.pop(lease_id, ()):
-            ids = self._leases.get(key)
-            if ids is not None:
-                ids.discard(lease_id)
-                if not ids:
-                    del self._leases[key]
+        found = self._keys.pop(lease_id, None)
+        if found is None:
+            return
+        scope, joined = found
+        by_key = self._leases.get(scope, {})
+        for offset in range(0, len(joined), KEY_BYTES):
+            key = joined[offset : offset + KEY_BYTES]
+            ids = by_key.get(key)
+            if ids == lease_id:
+                del by_key[key]
+            elif isinstance(ids, list) and lease_id in ids:
+                ids.remove(lease_id)
+                if len(ids) == 1:
+                    by_key[key] = ids[0]
+        if not by_key:
+            self._leases.pop(scope, None)
 
     def clear(self) -> None:
         self._leases.clear()
         self._keys.clear()
 
     def hits(self, scope: Scope, probes: Sequence[bytes]) -> Iterator[Hit]:
-        """The leases sharing the prompt's prefix, longest share first: ``probes`` are the
-        prompt's hashes at blocks 0, 1, 3, 7, ... in order."""
+        """The leases sharing the prompt's prefix, longest share first, newest lease first
+        within one: ``probes`` are the prompt's hashes at blocks 0, 1, 3, 7, ... in order."""
+        by_key = self._leases.get(scope)
+        if by_key is None:
+            return
         for level in range(min(len(probes), MAX_PROBES) - 1, -1, -1):
-            ids = self._leases.get((scope, probes[level]))
-            if ids:
-                yield Hit(1 << level, tuple(sorted(ids)))
+            ids = by_key.get(probes[level][:KEY_BYTES])
+            if ids is not None:
+                yield Hit(1 << level, (ids,) if isinstance(ids, str) else tuple(reversed(ids)))
