@@ -81,6 +81,7 @@ LAYERS = {
     "test_retention_sim": "unit",
     "test_retained_tail": "unit",
     "test_session_reuse": "unit",
+    "test_sessionless": "unit",
     "test_router_degraded": "integration",
     "test_router_requests": "unit",
     "test_routing": "unit",

@@ -21,6 +21,7 @@ from kvbroker.common.rules.checkpoints import Checkpoints
 from kvbroker.common.rules.clock import stamp_duration
 from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
+from kvbroker.common.rules.sessionless import Retained, holds_all_of, is_sessionless, may_take_over
 from kvbroker.common.rules.tenants import tenant_of
 from kvbroker.controlplane.context import RegistryContext
 from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind
@@ -206,6 +207,7 @@ class Leases:
         self._turns.finished(conversation_id, lease.node_id)
         self._metrics.lease_event("grant").inc()
         await self._end_if_draining(lease)
+        await self._end_held_sessionless(lease)
         self._log.debug(
             "lease_granted",
             lease=lease.lease_id,
@@ -215,6 +217,43 @@ class Leases:
             tokens=token_count,
         )
         return lease
+
+    async def _end_held_sessionless(self, lease: Lease) -> None:
+        """A sessionless turn's new lease supersedes the older sessionless leases of its
+        tenant whose whole readable content it holds (``sessionless.holds_all_of``): the
+        previous turn of the same client's conversation, kept under the id the router named it
+        by. One lease per sessionless conversation, not a chain of ever longer copies of its
+        history. The ends go the way every early end goes: a command to free after the grace,
+        which covers a claim or a fork's pin still reading (``grace_for``). A lease the new one
+        shares only part of is another conversation's, and is left alone."""
+        if lease.state not in LIVE_LEASE_STATES or not is_sessionless(lease.conversation_id):
+            return
+        holder = self._nodes.runtime.get(lease.node_id)
+        if holder is None:
+            return
+        block_size = holder.spec.block_size
+        scope = Scope(tenant_of(lease.conversation_id), holder.spec.model, block_size)
+        held = _retained(lease)
+        indexed = indexed_hashes(
+            lease.checkpoints, lease.block_hash_stride, lease.token_count, block_size
+        )
+        for other_id in self.prefix_index.sharing_all(scope, indexed):
+            other = await self._store.get_lease(other_id)
+            if (
+                other is None
+                or other.state not in LIVE_LEASE_STATES
+                or not may_take_over(other.conversation_id, lease.conversation_id)
+                or not holds_all_of(held, _retained(other), block_size)
+            ):
+                continue
+            await self.end(
+                other,
+                REVOKED,
+                SUPERSEDED,
+                f"superseded by lease {lease.lease_id} of sessionless conversation "
+                f"{lease.conversation_id!r}, which holds all of its content",
+                command_ttl=self.grace_for(other),
+            )
 
     def require_routed(
         self, conversation_id: str, conversation: Conversation | None, node_id: str
@@ -554,3 +593,9 @@ class Leases:
         )
         if lease is None or lease.state not in LIVE_LEASE_STATES:
             await self._store.delete_conversation(conversation_id)
+
+
+def _retained(lease: Lease) -> Retained:
+    """The lease's content as the sessionless rule compares it."""
+    hashes = codec.checkpoint_hashes(lease.checkpoints)
+    return Retained(hashes, lease.block_hash_stride, lease.token_count)

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvbroker.common.rules.checkpoints import checkpoint_blocks, probe_blocks
-from kvbroker.v1 import lease_pb2
+from kvbroker.controlplane.records import codec
 
 # The most probe hashes a look-up may carry: 2^31 blocks, far past any context.
 MAX_PROBES = 32
@@ -60,7 +60,7 @@ def indexed_hashes(
     prompt's block there)."""
     if block_size <= 0 or token_count <= 0:
         return []
-    hashes = list(lease_pb2.Lease.FromString(checkpoints).block_hashes)
+    hashes = codec.checkpoint_hashes(checkpoints)
     block_count = -(-token_count // block_size)
     positions = checkpoint_blocks(block_count, max(stride, 1))
     full_blocks = token_count // block_size
@@ -142,6 +142,23 @@ class PrefixIndex:
     def clear(self) -> None:
         self._leases.clear()
         self._keys.clear()
+
+    def sharing_all(self, scope: Scope, hashes: Sequence[tuple[int, bytes]]) -> list[str]:
+        """The leases whose every indexed hash is among ``hashes`` (a lease's own
+        ``indexed_hashes``): hashes chain, so those whose longest indexed key (the last of
+        their keys) is one of them. The candidates a sessionless lease may supersede; a lease
+        sharing only a shorter prefix (a common system prompt) is not among them."""
+        by_key = self._leases.get(scope)
+        if by_key is None:
+            return []
+        found: set[str] = set()
+        for _, digest in hashes:
+            key = digest[:KEY_BYTES]
+            ids = by_key.get(key)
+            for lease_id in (ids,) if isinstance(ids, str) else ids or ():
+                if self._keys[lease_id][1][-KEY_BYTES:] == key:
+                    found.add(lease_id)
+        return sorted(found)
 
     def hits(self, scope: Scope, probes: Sequence[bytes]) -> Iterator[Hit]:
         """The leases sharing the prompt's prefix, longest share first, newest lease first

@@ -53,6 +53,11 @@ def checkpoints(hashes: Sequence[bytes]) -> bytes:
     return lease_pb2.Lease(block_hashes=hashes).SerializeToString()
 
 
+def checkpoint_hashes(blob: bytes) -> list[bytes]:
+    """The hashes a ``checkpoints`` blob holds, in order."""
+    return list(lease_pb2.Lease.FromString(blob).block_hashes)
+
+
 def handle_of(message: lease_pb2.KvHandle, blocks: int | None = None) -> KvHandle:
     """``blocks``: the handle's block count, when the caller has counted it."""
     rest = lease_pb2.KvHandle()
