@@ -1,11 +1,12 @@
 """`kvbroker bench agentic`'s pure parts: trace compression, arm stacks, summary figures
-and D's sampled gauges."""
+and D's sampled gauges; the forks' stack, figures and files."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import inspect
+import json
 import math
 from dataclasses import fields
 from pathlib import Path
@@ -14,8 +15,22 @@ import httpx
 import pytest
 
 from kvbroker.bench.agentic import DECODE_GAUGES, _sample_decode
-from kvbroker.bench.agentic_config import FIXED_TTL_CONNECTOR, AgenticConfig, compress
-from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, summarise, write
+from kvbroker.bench.agentic_config import (
+    FIXED_TTL_CONNECTOR,
+    FORKS_STACK,
+    AgenticConfig,
+    compress,
+)
+from kvbroker.bench.agentic_forks import (
+    ROLLOUTS,
+    SUB_AGENTS,
+    ForkGroup,
+    ForkRecord,
+    against_reuse_off,
+    summarise_group,
+    write_forks,
+)
+from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, settings, summarise, write
 from kvbroker.bench.retention import Conversation, Gap
 from kvbroker.bench.stats import quantile
 from kvbroker.cli.bench import bench_agentic
@@ -183,3 +198,78 @@ def test_write_outputs(tmp_path: Path) -> None:
         "waited_for_blocks",
     }
     assert (tmp_path / "agentic.png").stat().st_size > 0
+
+
+def test_the_forks_run_on_a_stack_of_defaults_for_reuse_off_and_kvbroker() -> None:
+    config = AgenticConfig(workdir=Path("/tmp/x"))
+    forks = config.stack_config(FORKS_STACK)
+    # Reuse by content, not pressure: 32-token blocks and the default cache.
+    assert (forks.block_size, forks.engine_args, forks.connector_extra) == (32, (), {})
+    assert forks.workdir == Path("/tmp/x") / FORKS_STACK
+    assert config.fork_arms == ("reuse-off", "kvbroker")
+    assert AgenticConfig(arms=("kvbroker", "fixed-ttl")).fork_arms == ("kvbroker",)
+    assert AgenticConfig(forks=0, rollouts=1).fork_arms == ()
+    assert AgenticConfig(forks=0, rollouts=2).fork_arms == ("reuse-off", "kvbroker")
+
+
+def _fork(arm: str, group: str, role: str, tokens: int, ttft_ms: float) -> ForkRecord:
+    return ForkRecord(
+        arm=arm,
+        group=group,
+        role=role,
+        session_id="" if arm == "reuse-off" else f"forks-{role}",
+        decision="MISS",
+        path="RECOMPUTE",
+        input_num_tokens=tokens,
+        output_num_tokens=16,
+        ttft_ms=ttft_ms,
+        e2e_ms=ttft_ms + 100,
+    )
+
+
+def _groups() -> list[ForkGroup]:
+    """Sub-agents of a parent with reuse off and on: three forks of 1,000 tokens each."""
+    off = ForkGroup(
+        "reuse-off",
+        SUB_AGENTS,
+        [_fork("reuse-off", SUB_AGENTS, "parent", 900, 800)]
+        + [_fork("reuse-off", SUB_AGENTS, "fork", 1000, t) for t in (900, 1000, 1200)],
+        computed_tokens=3000,
+    )
+    on = ForkGroup(
+        "kvbroker",
+        SUB_AGENTS,
+        [_fork("kvbroker", SUB_AGENTS, "parent", 900, 800)]
+        + [_fork("kvbroker", SUB_AGENTS, "fork", 1000, t) for t in (200, 250, 400)],
+        reads=2,
+        read_bytes=12e6,
+        computed_tokens=1300,
+    )
+    return [off, on]
+
+
+def test_fork_figures() -> None:
+    off, on = (summarise_group(group) for group in _groups())
+    # Only the forks count: the parent's turns are not forks.
+    assert (off["forks"], off["prompt_tokens"], off["reuse_share"]) == (3, 3000, 0.0)
+    assert off["computed_share"] == 1.0 and off["ttft_p50_ms"] == 1000
+    assert on["reuse_share"] == pytest.approx(2 / 3)
+    assert on["computed_share"] == pytest.approx(1300 / 3000)
+    assert (on["read_mb"], on["ttft_p50_ms"], on["ttft_max_ms"]) == (12.0, 250, 400)
+    # Each group against reuse-off's median; a group with one arm only has no ratio.
+    rollouts = summarise_group(ForkGroup("kvbroker", ROLLOUTS, [], reads=0))
+    assert math.isnan(rollouts["reuse_share"]) and math.isnan(rollouts["ttft_p50_ms"])
+    assert against_reuse_off([off, on, rollouts]) == {SUB_AGENTS: 0.25}
+
+
+def test_write_fork_outputs(tmp_path: Path) -> None:
+    groups = _groups()
+    config = AgenticConfig(sessions=0, forks=3, rollouts=0)
+    paths = write_forks(groups, settings(config), tmp_path)
+    assert [p.name for p in paths] == ["forks.json", "forks.png"]
+    written = json.loads((tmp_path / "forks.json").read_text())
+    assert written["config"]["forks"] == 3 and "workdir" not in written["config"]
+    assert [row["arm"] for row in written["groups"]] == ["reuse-off", "kvbroker"]
+    assert written["p50_against_reuse_off"] == {SUB_AGENTS: 0.25}
+    assert len(written["records"]) == 8
+    assert (tmp_path / "forks.png").stat().st_size > 0

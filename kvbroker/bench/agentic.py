@@ -27,6 +27,9 @@ room on D that leg took 40-700 ms in the smoke runs, up to 1.7 s when six sessio
 turns reached D's one core at once; waiting for blocks to be freed took 2.3-9.3 s. Every record
 keeps ``decode_wait_ms``, so the threshold can be moved afterwards. Beside the requests, D's
 own gauges (KV cache usage, requests waiting) are sampled once a second.
+
+Then, on a stack of their own, forks: a parent that spawns sub-agents with its history and a
+group of rollouts of one prompt, reuse-off against kvbroker (``kvbroker.bench.agentic_forks``).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import httpx
 from rich.console import Console
 from rich.progress import Progress
 
-from kvbroker.bench.agentic_config import ARMS, AgenticConfig, Arm
+from kvbroker.bench.agentic_config import ARMS, FORKS_STACK, AgenticConfig, Arm
+from kvbroker.bench.agentic_forks import ForkGroup, run_forks
 from kvbroker.bench.agentic_report import AgenticRecord, ArmResult
 from kvbroker.bench.multiturn import ContextBuilder
 from kvbroker.bench.retention import Conversation, Gap
@@ -56,24 +60,32 @@ KEEPALIVE_EVERY_S = 5.0
 DECODE_GAUGES = {"usage": "vllm:kv_cache_usage_perc", "waiting": "vllm:num_requests_waiting"}
 
 
-async def run_agentic(config: AgenticConfig, console: Console) -> list[ArmResult]:
+async def run_agentic(
+    config: AgenticConfig, console: Console
+) -> tuple[list[ArmResult], list[ForkGroup]]:
     """Every selected arm, one stack at a time (the kvbroker stack first: reuse-off, then
-    kvbroker); each stack is stopped before the next starts, and on failure or SIGTERM."""
+    kvbroker), then the forks on their own stack; each stack is stopped before the next
+    starts, and on failure or SIGTERM."""
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    trace = config.trace()
-    gaps = [gap.seconds for conversation in trace for gap in conversation.gaps]
-    console.print(
-        f"[dim]·[/] trace: {len(trace)} sessions, {sum(c.turns for c in trace)} turns, "
-        f"{sum(gaps):.0f} s of gaps (x{config.time_scale:g} compressed, capped at "
-        f"{config.gap_cap_s:.0f} s); fixed-ttl cap {config.fixed_cap_s} s"
-    )
-    arms = [ARMS[name] for name in ARMS if name in config.arms]
+    trace = config.trace() if config.sessions else []
+    if trace:
+        gaps = [gap.seconds for conversation in trace for gap in conversation.gaps]
+        console.print(
+            f"[dim]·[/] trace: {len(trace)} sessions, {sum(c.turns for c in trace)} turns, "
+            f"{sum(gaps):.0f} s of gaps (x{config.time_scale:g} compressed, capped at "
+            f"{config.gap_cap_s:.0f} s); fixed-ttl cap {config.fixed_cap_s} s"
+        )
+    arms = [ARMS[name] for name in ARMS if name in config.arms] if trace else []
     results: list[ArmResult] = []
+    groups: list[ForkGroup] = []
+    stacks = [*dict.fromkeys(arm.stack for arm in arms)]
+    if config.fork_arms:
+        stacks.append(FORKS_STACK)
     try:
-        for stack_name in dict.fromkeys(arm.stack for arm in arms):
+        for stack_name in stacks:
             stack = Stack(
                 config.stack_config(stack_name),
                 progress=lambda message: console.print(f"[dim]·[/] {message}"),
@@ -84,12 +96,15 @@ async def run_agentic(config: AgenticConfig, console: Console) -> list[ArmResult
                     await _warm_up(stack)
                 for arm in (a for a in arms if a.stack == stack_name):
                     results.append(await run_arm(stack, arm, trace, config, console))
+                if stack_name == FORKS_STACK:
+                    for name in config.fork_arms:
+                        groups += await run_forks(stack, name, config, console)
             finally:
                 console.print(f"[dim]·[/] stopping the {stack_name} stack")
                 await stack.stop()
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
-    return results
+    return results, groups
 
 
 async def _warm_up(stack: Stack) -> None:

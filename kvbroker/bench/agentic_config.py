@@ -15,6 +15,10 @@ from pathlib import Path
 from kvbroker.bench.retention import Conversation, Gap, TraceConfig, make_trace
 from kvbroker.stack import StackConfig
 
+# The forks' stack (``stack_config``), and the arms that run on it: with session ids (reuse
+# by content) and without.
+FORKS_STACK = "forks"
+FORK_ARMS = ("reuse-off", "kvbroker")
 # vLLM's default decoder_kv_blocks_ttl, seconds; the fixed-ttl arm holds it, time-compressed.
 VLLM_TTL_S = 480.0
 # The compressed cap never goes below this: the stall it causes must stay visible.
@@ -59,6 +63,7 @@ class AgenticConfig:
     """Sized for a 2-core machine: all three arms in about 15 minutes, stack starts included."""
 
     arms: tuple[str, ...] = tuple(ARMS)
+    # 0: no trace (the forks alone).
     sessions: int = 20
     concurrency: int = 6
     mean_turns: float = 6.0
@@ -77,8 +82,21 @@ class AgenticConfig:
     # connector's default.
     retention_max_fraction: float | None = None
     seed: int = 0
+    # Forks (``kvbroker.bench.agentic_forks``), on a stack of their own for the reuse-off and
+    # kvbroker arms: sub-agents a parent spawns at once (0: none), and the size of a group of
+    # rollouts of one prompt (under 2: none).
+    forks: int = 4
+    rollouts: int = 4
     model_dir: Path | None = None
     workdir: Path = Path("/tmp/kvbroker-agentic")
+
+    @property
+    def fork_arms(self) -> tuple[str, ...]:
+        """The arms that run the forks: reuse-off and kvbroker, as selected, when any fork is
+        asked for."""
+        if not (self.forks or self.rollouts > 1):
+            return ()
+        return tuple(arm for arm in FORK_ARMS if arm in self.arms)
 
     @property
     def fixed_cap_s(self) -> int:
@@ -95,6 +113,9 @@ class AgenticConfig:
         return compress(full, self.time_scale, self.gap_cap_s, self.max_turns)
 
     def stack_config(self, stack: str) -> StackConfig:
+        if stack == FORKS_STACK:
+            # The stack's defaults: reuse by content, not pressure on a small cache.
+            return StackConfig(workdir=self.workdir / stack, model_dir=self.model_dir)
         config = StackConfig(
             workdir=self.workdir / stack,
             model_dir=self.model_dir,

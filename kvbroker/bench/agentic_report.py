@@ -135,6 +135,14 @@ def print_table(rows: Sequence[dict[str, Any]], stall_ms: float, console: Consol
     )
 
 
+def settings(config: AgenticConfig) -> dict[str, Any]:
+    """The run's settings as its JSON records them (the model by its directory, if given; the
+    workdir, which holds only sockets and logs, not at all)."""
+    found = {key: value for key, value in asdict(config).items() if key != "workdir"}
+    found["model_dir"] = str(config.model_dir) if config.model_dir else None
+    return found
+
+
 def write(results: Sequence[ArmResult], config: AgenticConfig, output: Path) -> list[Path]:
     output.mkdir(parents=True, exist_ok=True)
     records = output / "records.jsonl"
@@ -142,19 +150,15 @@ def write(results: Sequence[ArmResult], config: AgenticConfig, output: Path) -> 
         "".join(json.dumps(asdict(r)) + "\n" for result in results for r in result.records)
     )
     summary = output / "summary.json"
-    settings = {
-        key: value for key, value in asdict(config).items() if key not in ("model_dir", "workdir")
-    }
     summary.write_text(
         json.dumps(
             {
                 "config": {
-                    **settings,
+                    **settings(config),
                     "fixed_cap_s": config.fixed_cap_s,
                     "gap_cap_s": config.gap_cap_s,
                     "fixed_ttl_registry_flags": fixed_ttl_registry_flags(config.fixed_cap_s),
                     "fixed_ttl_connector": FIXED_TTL_CONNECTOR,
-                    "model_dir": str(config.model_dir) if config.model_dir else None,
                 },
                 "arms": [summarise(result) for result in results],
                 "errors": {result.arm: result.errors for result in results},

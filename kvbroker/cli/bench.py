@@ -313,7 +313,9 @@ def bench_agentic(
     arms: Annotated[
         str, typer.Option(help="Arms to run: reuse-off, fixed-ttl, kvbroker.")
     ] = "reuse-off,fixed-ttl,kvbroker",
-    sessions: Annotated[int, typer.Option(min=1, help="Agent sessions in the trace.")] = 20,
+    sessions: Annotated[
+        int, typer.Option(min=0, help="Agent sessions in the trace (0: the forks alone).")
+    ] = 20,
     concurrency: Annotated[int, typer.Option(min=1, help="Sessions running at once.")] = 6,
     time_scale: Annotated[
         float, typer.Option(callback=finite, min=1, help="Trace seconds per wall-clock second.")
@@ -353,17 +355,25 @@ def bench_agentic(
         ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Trace and text seed.")] = 0,
+    forks: Annotated[
+        int, typer.Option(min=0, help="Sub-agents a parent spawns with its history (0: none).")
+    ] = 4,
+    rollouts: Annotated[
+        int, typer.Option(min=0, help="Rollouts of one prompt in a group (under 2: none).")
+    ] = 4,
     model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
     workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path(
         "/tmp/kvbroker-agentic"
     ),
 ) -> None:
     """Concurrent agent sessions on a small decode KV cache: no reuse, vLLM's fixed TTL and
-    kvbroker on the same trace; TTFT, reuse rate and stalls per arm."""
+    kvbroker on the same trace; TTFT, reuse rate and stalls per arm. Then forks (sub-agents,
+    rollouts of one prompt), reuse-off against kvbroker: reuse and TTFT per group."""
     _plots_or_fail()
     from kvbroker.bench.agentic import run_agentic
     from kvbroker.bench.agentic_config import ARMS, AgenticConfig
-    from kvbroker.bench.agentic_report import print_table, summarise
+    from kvbroker.bench.agentic_forks import print_forks, summarise_group, write_forks
+    from kvbroker.bench.agentic_report import print_table, settings, summarise
     from kvbroker.bench.agentic_report import write as write_agentic
 
     chosen = _names(arms)
@@ -384,18 +394,27 @@ def bench_agentic(
         stall_ms=stall_ms,
         retention_max_fraction=retention_max_fraction,
         seed=seed,
+        forks=forks,
+        rollouts=rollouts,
         model_dir=model,
         workdir=workdir,
     )
+    if not sessions and not config.fork_arms:
+        fail("nothing to run: no trace (--sessions 0) and no forks", 2)
     console = Console()
     try:
-        results = asyncio.run(run_agentic(config, console))
+        results, groups = asyncio.run(run_agentic(config, console))
     except (RuntimeError, TimeoutError) as error:
         fail(str(error))
     except (KeyboardInterrupt, asyncio.CancelledError):
         fail("interrupted; every stack was stopped", 130)
-    print_table([summarise(result) for result in results], stall_ms, console)
-    paths = write_agentic(results, config, output)
+    paths: list[Path] = []
+    if results:
+        print_table([summarise(result) for result in results], stall_ms, console)
+        paths += write_agentic(results, config, output)
+    if groups:
+        print_forks([summarise_group(group) for group in groups], console)
+        paths += write_forks(groups, settings(config), output)
     console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))
     errors = [message for result in results for message in result.errors]
     for message in errors[:5]:
