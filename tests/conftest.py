@@ -119,6 +119,7 @@ LAYERS = {
     "test_e2e": "e2e",
     "test_e2e_agents": "e2e",
     "test_e2e_claude_code": "e2e",
+    "test_e2e_demo": "e2e",
     "test_e2e_deploy": "e2e",
     # Dynamo's mocker workers stand in for engines: no vLLM, so it runs with the fast layers.
     "test_e2e_dynamo": "integration",

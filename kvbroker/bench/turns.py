@@ -41,6 +41,8 @@ class TurnRecord:
     decision: str
     # The path the turn took (READ, DECODE_LOCAL, RECOMPUTE).
     path: str = "?"
+    # The hint's consistency (EXACT; DEGRADED: from a view that may be behind, or none).
+    consistency: str = "?"
     # The NIXL READs issued during the turn, by direction (d_to_p: P reading retained KV;
     # p_to_d: D pulling the prefill leg): reads, blocks, runs (``bench.read_shapes``).
     read_shapes: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -175,5 +177,6 @@ async def measured_turn(
         "kv_reads": int(after.reads - before.reads),
         "decision": headers.get("x-kvbroker-decision", "?"),
         "path": headers.get("x-kvbroker-path", "?"),
+        "consistency": headers.get("x-kvbroker-consistency", "?"),
         "read_shapes": turn_shapes(shapes_before, shapes_after),
     }
