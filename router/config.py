@@ -30,6 +30,12 @@ class RouterConfig:
     # How often the node list is refreshed: what the router routes by while the registry is
     # away, tells an unknown model by, and what /health's view of the registry comes from.
     node_refresh_s: float = 5.0
+    # Retain turns that come without a session id: each is given a fresh conversation id in
+    # kvbroker's namespace (scoped to the client's tenant, and said in the answer's
+    # x-kvbroker-session-id header), so the decode node retains it and the client's next
+    # sessionless turn reads it back by content. Off: such a turn is plain P/D, retained for
+    # nothing.
+    retain_sessionless: bool = True
 
     def __post_init__(self) -> None:
         for setting in fields(self):

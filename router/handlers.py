@@ -29,6 +29,7 @@ from kvbroker.common.client.grpc_client import RegistryCallError
 from kvbroker.common.rules import routing
 from kvbroker.common.rules.handles import decided_params, decode_local_params
 from kvbroker.common.rules.labels import label
+from kvbroker.common.rules.sessionless import new_session_id
 from kvbroker.router import placement
 from kvbroker.router.auth import SCOPE_KEY, Authenticate, Tenant
 from kvbroker.router.errors import (
@@ -73,6 +74,9 @@ from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 log = structlog.get_logger("kvbroker.router")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+# The session id the router named a sessionless turn by (``RouterConfig.retain_sessionless``).
+SESSION_ID_HEADER = "x-kvbroker-session-id"
 
 
 def _guarded(endpoint: Endpoint, shape: ErrorShape = ErrorShape.OPENAI) -> Endpoint:
@@ -138,6 +142,10 @@ class Handlers:
         turn = _scoped(
             tenant, parse_turn(await self._body(request), request.headers, api, tenant.id_limit)
         )
+        named = ""
+        if not turn.conversation and self.config.retain_sessionless:
+            named = new_session_id()
+            turn = dataclasses.replace(turn, conversation=tenant.conversation(named))
         plan = await self._plan(turn)
         self.metrics.hints.labels(plan.decision, plan.consistency).inc()
         hint_done = time.perf_counter()
@@ -176,6 +184,10 @@ class Handlers:
         }
         if prefill_node is not None:
             headers["x-kvbroker-prefill"] = prefill_node.node_id
+        if named:
+            # The id the router named the turn by: a client that sends it as its session id
+            # continues this conversation by id.
+            headers[SESSION_ID_HEADER] = named
         leg = self.router.http.build_request(
             "POST",
             plan.decode.http_base_url + api.path,

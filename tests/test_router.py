@@ -29,6 +29,7 @@ from kvbroker.common.process.credentials import load_api_keys, token_digest
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.rules.handles import DECIDED_KEY, decode_local_params
 from kvbroker.common.rules.ids import MAX_ID_LENGTH
+from kvbroker.common.rules.sessionless import is_sessionless
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.router.auth import ApiKeys, Tenant
@@ -1004,3 +1005,55 @@ def test_api_key_files_are_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         refused = CliRunner().invoke(cli, ["router", "run", "--api-keys", str(path)])
         assert refused.exit_code == 2, refused.output
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("api_keys", [KEYED])
+async def test_a_sessionless_turn_is_named_in_kvbroker_s_namespace_for_its_tenant(
+    fleet: Fleet,
+) -> None:
+    """Issue 41: a turn without a session id goes to both legs under a fresh id the router
+    names, scoped to the client's tenant, and the answer says the id (unscoped, as the client
+    would send it back); a turn with an id of its own is not renamed."""
+    url = f"{fleet.router_url}/v1/chat/completions"
+    async with httpx.AsyncClient() as client:
+        named = []
+        for _ in range(2):
+            answered = await client.post(url, json=CHAT, headers=as_tenant("acme"))
+            assert answered.status_code == 200, answered.text
+            session = answered.headers["x-kvbroker-session-id"]
+            assert is_sessionless(session) and "/" not in session
+            assert fleet.decode.received[-1]["session_id"] == f"acme/{session}"
+            prefill = next(
+                p for p in fleet.prefills if p.name == answered.headers["x-kvbroker-prefill"]
+            )
+            assert prefill.received[-1]["session_id"] == f"acme/{session}"
+            named.append(session)
+        assert named[0] != named[1]  # each sessionless turn is its own conversation
+        # A client that adopts the id continues the conversation by it.
+        adopted = await client.post(
+            url, json={**CHAT, "session_id": named[1]}, headers=as_tenant("acme")
+        )
+        assert "x-kvbroker-session-id" not in adopted.headers
+        assert fleet.decode.received[-1]["session_id"] == f"acme/{named[1]}"
+
+
+@pytest.mark.parametrize(
+    "router_config", [RouterConfig(node_refresh_s=0.1, retain_sessionless=False)]
+)
+async def test_with_retain_sessionless_off_a_sessionless_turn_is_plain_pd(fleet: Fleet) -> None:
+    async with httpx.AsyncClient() as client:
+        answered = await client.post(f"{fleet.router_url}/v1/chat/completions", json=CHAT)
+    assert answered.status_code == 200 and "x-kvbroker-session-id" not in answered.headers
+    assert "session_id" not in fleet.decode.received[-1]
+    assert "session_id" not in next(p for p in fleet.prefills if p.received).received[-1]
+
+
+def test_no_retain_sessionless_reaches_the_router_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[RouterConfig] = []
+    monkeypatch.setattr(
+        "kvbroker.router.server.serve", lambda endpoint, config, keys: seen.append(config)
+    )
+    monkeypatch.setattr("kvbroker.cli.router.apply_logging_flags", lambda *flags: None)
+    result = CliRunner().invoke(cli, ["router", "run", "--no-retain-sessionless"])
+    assert result.exit_code == 0, result.output
+    assert seen[0].retain_sessionless is False and RouterConfig().retain_sessionless is True

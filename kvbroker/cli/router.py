@@ -80,6 +80,15 @@ def router_run(
             help="Largest request body accepted; a larger one gets 413.",
         ),
     ] = RouterConfig.max_body_bytes,
+    retain_sessionless: Annotated[
+        bool,
+        typer.Option(
+            envvar="KVBROKER_RETAIN_SESSIONLESS",
+            help="Retain turns that come without a session id under an id the router names "
+            "(in the answer's x-kvbroker-session-id header), so a client's next sessionless "
+            "turn reads them back by content; --no-retain-sessionless serves them plain P/D.",
+        ),
+    ] = RouterConfig.retain_sessionless,
     api_keys: Annotated[
         Path | None,
         typer.Option(
@@ -106,6 +115,7 @@ def router_run(
         prefill_timeout_s=prefill_timeout,
         decode_timeout_s=decode_timeout,
         max_body_bytes=max_body_bytes,
+        retain_sessionless=retain_sessionless,
     )
     try:
         config.host_and_port()
