@@ -295,7 +295,10 @@ class Router:
     async def _degraded_plan(self, model: str, why: str) -> Plan:
         """Plain P/D by the registry's own routing rule, over the last node list it gave; when
         that list has no ready node for the model (taken before the nodes were ready, say),
-        over a fresh one. Only when both have none is the request refused (``RegistryDown``)."""
+        over a fresh one. Only when both have none is the request refused (``RegistryDown``).
+        When no prefill node can hand KV to the decode node (a fleet mid-upgrade,
+        ``routing.pairs``), the decode node computes the turn alone (DECODE_LOCAL), as a
+        registry's degraded hint says."""
         routes = self._routes(model)
         if routes is None:
             await self._fresh_nodes()
@@ -305,13 +308,18 @@ class Router:
             raise ModelNotFound(model) if not self._known_model(model) else RegistryDown(why)
         self._turn += 1
         prefill, decode = routing.choose(routes, self._turn)
+        if routing.pairs(prefill, decode):
+            path, served = "RECOMPUTE", "plain P/D"
+        else:
+            path, served = "DECODE_LOCAL", "no prefill node can hand KV to the decode node"
         return Plan(
             prefill=prefill.spec,
             decode=decode.spec,
             lease=None,
             decision="MISS",
             consistency="DEGRADED",
-            reason=f"no hint from the registry ({why}): plain P/D without reuse",
+            reason=f"no hint from the registry ({why}): {served}, without reuse",
+            path=path,
         )
 
     def _routes(self, model: str) -> routing.Routes[routing.RoutedNode[node_pb2.Node]] | None:

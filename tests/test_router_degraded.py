@@ -189,6 +189,40 @@ async def test_with_no_prefill_node_answering_the_decode_node_computes_the_turn(
         assert decode_leg["kv_transfer_params"] == decided_params()
 
 
+async def test_a_degraded_turn_never_pairs_nodes_of_different_vllm_releases(
+    registry_server: RunningRegistry,
+    stub: RegistryServiceStub,
+    engines: Engines,
+    router_at: Callable[[Router], Any],
+) -> None:
+    """A fleet mid-upgrade while the registry is away: the only prefill node runs vLLM 0.32 and
+    the only decode node 0.34, whose NIXL handshakes refuse each other. Every turn is served
+    by the decode node alone (DECODE_LOCAL, as a registry's degraded hint says), none by a
+    prefill leg whose KV could never reach it."""
+    prefill, decode = engines.specs
+    for spec, (nixl, vllm) in ((prefill, (14, "0.32.0")), (decode, (16, "0.34.0"))):
+        spec.nixl_connector_version, spec.vllm_version = nixl, vllm
+    async with Heartbeats(stub, prefill, decode), httpx.AsyncClient() as client:
+        router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
+        url = await router_at(router)
+        hints_hang(registry_server)
+        responses = [
+            await client.post(
+                f"{url}/v1/chat/completions", json=CHAT, headers={"x-session-id": "conv-mixed"}
+            )
+            for _ in range(3)
+        ]
+    for response in responses:
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvbroker-consistency"] == "DEGRADED"
+        assert response.headers["x-kvbroker-path"] == "DECODE_LOCAL"
+        assert response.json()["choices"][0]["message"]["content"] == "from decode-0"
+    assert engines.prefill.received == []
+    assert [leg["kv_transfer_params"] for leg in engines.decode.received] == [
+        decode_local_params()
+    ] * 3
+
+
 @pytest.fixture
 async def guarded_registry() -> AsyncIterator[RunningRegistry]:
     running = await start_registry(
