@@ -100,7 +100,7 @@ def why(turn: Mapping[str, Any], new_tokens: int) -> str:
     characters, so that a numbered line fits 80 columns."""
     decision, path = turn["decision"], turn["path"]
     if turn.get("consistency") == "DEGRADED":
-        return "the registry did not answer: plain P/D"
+        return f"a DEGRADED hint (the registry away or behind): {decision} {path}"
     if is_fork(turn):
         return "new session id, its prompt a parent's: P read the parent's KV"
     if decision == "MISS":
@@ -109,9 +109,10 @@ def why(turn: Mapping[str, Any], new_tokens: int) -> str:
         return "the registry found no retained KV worth using: P computes it all"
     if path == "DECODE_LOCAL":
         return f"{new_tokens:,} new tokens: D computes them on the history it holds"
+    if path == "READ" and new_tokens > LOCAL_LIMIT:
+        return f"{new_tokens:,} new tokens, over D's {LOCAL_LIMIT:,} limit: P reads the history"
     if path == "READ":
-        over = f"over D's {LOCAL_LIMIT:,} limit" if new_tokens > LOCAL_LIMIT else "D busy"
-        return f"{new_tokens:,} new tokens, {over}: P reads the history"
+        return f"{new_tokens:,} new tokens, estimated faster on P: P reads the history"
     return f"the router answered {decision} {path}"
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from kvbroker.demo import LOCAL_LIMIT, STEPS, show_turns, shown_path
+from kvbroker.demo import LOCAL_LIMIT, STEPS, show_turns, shown_path, why
 
 
 def _turn(
@@ -100,6 +100,23 @@ def test_every_path_and_the_fork_appear_each_with_why() -> None:
         "4  50 new tokens: D computes them on the history it holds",
         "5  new session id, its prompt a parent's: P read the parent's KV",
     ]
+
+
+def test_why_says_what_the_headers_and_sizes_say() -> None:
+    """The reasons the recorded run does not show: each from the headers alone, never longer
+    than a numbered line of 80 columns leaves."""
+    read = _turn(1000, "READ", 1e6, 500.0, 600.0)
+    reasons = [
+        why(read, 300),
+        why(_turn(1000, "RECOMPUTE", 0.0, 900.0, 950.0, "RECOMPUTE"), 300),
+        why({**read, "consistency": "DEGRADED"}, 300),
+    ]
+    assert reasons == [
+        "300 new tokens, estimated faster on P: P reads the history",
+        "the registry found no retained KV worth using: P computes it all",
+        "a DEGRADED hint (the registry away or behind): REUSE READ",
+    ]
+    assert all(len(reason) <= 64 for reason in reasons)
 
 
 def test_the_session_is_written_for_every_path() -> None:
