@@ -60,7 +60,8 @@ ARMS = {
 
 @dataclass(frozen=True)
 class AgenticConfig:
-    """Sized for a 2-core machine: all three arms in about 15 minutes, stack starts included."""
+    """Sized for a 2-core machine: all three arms in about 15 minutes, stack starts included;
+    the forks in about 4 more (their stack started, both arms)."""
 
     arms: tuple[str, ...] = tuple(ARMS)
     # 0: no trace (the forks alone).
