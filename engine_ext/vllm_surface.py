@@ -7,8 +7,9 @@ name, it is added here.
 
 Each entry names a module, a dotted path in it, and what is expected of it: that it exists,
 that a callable accepts the parameters named (in that order, after ``self``/``cls``), that an
-instance attribute is assigned or declared by its class, or that a dict key appears in the
-module's source. ``since`` marks names a later release added.
+instance attribute is assigned or declared by its class, that a dict key appears in the
+module's source, or that the module assigns an attribute (``state.vllm_config = ...``).
+``since`` marks names a later release added.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Kind(Enum):
     CALLABLE = "callable"  # with the parameter names in ``params``
     INSTANCE = "instance attribute"  # set on instances: a field, property or self.<name> = ...
     KEY = "kv_transfer_params key"  # appears in the module's source
+    ASSIGNED = "assignment"  # ``<path> = ...`` appears in the module's source
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ _CONNECTOR = f"{_NIXL}.connector"
 _SCHED = f"{_NIXL}.pull_scheduler"
 _REQUEST = "vllm.v1.request"
 _KV_IFACE = "vllm.v1.kv_cache_interface"
+_METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+_NIXL_STATS = f"{_NIXL}.stats"
+# The parameters of a connector's Prometheus metrics, as vLLM's API server builds them.
+_PROM_PARAMS = ("vllm_config", "metric_types", "labelnames", "per_engine_labelvalues")
 
 # The connector hooks kvbroker's connector overrides and calls ``super()`` on.
 _HOOKS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -221,6 +227,41 @@ SURFACE: tuple[Name, ...] = (
     Name("vllm.v1.engine.core", "EngineCoreProc.input_queue", Kind.INSTANCE),
     # The OpenAI server reads the conversation id from this header into Request.session_id.
     Name("vllm.entrypoints.generate.base.serving", "SESSION_ID_HEADER"),
+    # vllm_compat.app_vllm_config: the engine's config on the API server's app state.
+    Name("vllm.entrypoints.launchers.api_server.app_state", "state.vllm_config", Kind.ASSIGNED),
+    # Connector metrics (engine_ext.connector_metrics): the stats the scheduler takes from the
+    # connector, aggregates with the workers' and ships to the API server, and the Prometheus
+    # class the API server builds from the connector class; kvbroker's extend NIXL's.
+    Name(_CONNECTOR, "NixlPullConnector.get_kv_connector_stats", Kind.CALLABLE),
+    Name(_CONNECTOR, "NixlPullConnector.build_kv_connector_stats", Kind.CALLABLE, ("data",)),
+    Name(_CONNECTOR, "NixlPullConnector.build_prom_metrics", Kind.CALLABLE, _PROM_PARAMS),
+    Name(_METRICS, "KVConnectorStats.data", Kind.INSTANCE),
+    Name(_METRICS, "KVConnectorStats.aggregate", Kind.CALLABLE, ("other",)),
+    Name(_METRICS, "KVConnectorStats.to_dict", Kind.CALLABLE),
+    Name(_METRICS, "KVConnectorPromMetrics.per_engine_labelvalues", Kind.INSTANCE),
+    *(
+        Name(_METRICS, f"KVConnectorPromMetrics.{field}", Kind.INSTANCE)
+        for field in ("_gauge_cls", "_counter_cls", "_histogram_cls")
+    ),
+    Name(_METRICS, "PromMetric"),
+    Name(_METRICS, "PromMetricT"),
+    *(
+        Name(_NIXL_STATS, f"NixlKVConnectorStats.{method}", Kind.CALLABLE)
+        for method in ("reset", "is_empty", "reduce")
+    ),
+    Name(_NIXL_STATS, "NixlPromMetrics.__init__", Kind.CALLABLE, _PROM_PARAMS),
+    Name(
+        _NIXL_STATS,
+        "NixlPromMetrics.observe",
+        Kind.CALLABLE,
+        ("transfer_stats_data", "engine_idx"),
+    ),
+    Name(
+        "vllm.v1.metrics.utils",
+        "create_metric_per_engine",
+        Kind.CALLABLE,
+        ("metric", "per_engine_labelvalues"),
+    ),
 )
 
 
@@ -241,6 +282,9 @@ def problem(name: Name) -> str | None:
         return f"{name}: module cannot be imported ({err})"
     if name.kind is Kind.KEY:
         return None if _mentions(module, name.path) else f"{name}: key not found in its source"
+    if name.kind is Kind.ASSIGNED:
+        assigned = re.search(rf"\b{re.escape(name.path)}\s*=[^=]", inspect.getsource(module))
+        return None if assigned else f"{name}: not assigned in its source"
     *owners, last = name.path.split(".")
     owner: Any = module
     for part in owners:

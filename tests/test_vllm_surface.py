@@ -28,6 +28,7 @@ def test_every_name_relied_on_exists_with_its_shape(name: Name) -> None:
             "parameters",
         ),
         (Name("vllm.distributed.kv_transfer.kv_connector.v1.nixl", "no_such_key", Kind.KEY), "key"),
+        (Name("vllm.v1.request", "state.no_such_field", Kind.ASSIGNED), "not assigned"),
         (Name("vllm.no_such_module", "x"), "cannot be imported"),
     ],
     ids=str,
