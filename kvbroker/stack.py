@@ -156,6 +156,9 @@ class StackConfig:
     # precise prefix-cache scorer and Dynamo's KV indexer subscribe to: each engine publishes
     # them over ZMQ on its own ipc socket in the workdir (Stack.kv_events_endpoint).
     kv_events: bool = False
+    # The router's --retain-sessionless (its default is on). Off here: the demo, the benchmarks
+    # and the tests send turns without a session id as their plain P/D arm (reuse off).
+    retain_sessionless: bool = False
 
 
 class Stack:
@@ -231,7 +234,12 @@ class Stack:
     def router_child(self) -> ChildProcess:
         return ChildProcess(
             "router",
-            router_command(self.registry_address, self.router_url.removeprefix("http://")),
+            [
+                *router_command(self.registry_address, self.router_url.removeprefix("http://")),
+                "--retain-sessionless"
+                if self.config.retain_sessionless
+                else "--no-retain-sessionless",
+            ],
             self._log("router"),
             ready=[router_routing(self.router_url, self.config.served_model, within_s=600)],
             env=self.kvbroker_env(),

@@ -11,6 +11,13 @@ lease stays the parent's, and its next turn is REUSE. Four forks at once all rea
 KV and answer as with reuse off. A fork under another tenant's scoped id reads nothing. A fork's
 read pin ends when its prefill does.
 
+Turns without any session id (plain OpenAI clients, AIPerf at its defaults): the router names
+each in kvbroker's namespace, so D retains it and the client's next sessionless turn reads it
+by content; the new lease supersedes the one it holds all of, so the conversation keeps one
+lease. Two sessionless conversations of one opening each read and keep their own. Reuse off is
+a second router on the same fleet with ``--no-retain-sessionless``: its sessionless turns are
+plain P/D, never retained nor matched, and every answer is token for token the same.
+
 The observable that P computed only the part past the shared prefix: P's own counters
 (``vllm:request_prefill_kv_computed_tokens`` and its NIXL reads, ``bench.turns.
 prefill_totals``), per turn, against the prompt's size and the parent's retained tokens.
@@ -19,6 +26,7 @@ prefill_totals``), per turn, against the prompt's size and the parent's retained
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +36,12 @@ import pytest
 import pytest_asyncio
 
 from kvbroker.bench.turns import prefill_totals
+from kvbroker.common.process.ports import free_port
+from kvbroker.common.process.supervisor import ChildProcess
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.engine_metrics import Totals
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.common.rules.sessionless import is_sessionless
+from kvbroker.stack import Stack, StackConfig, router_command, router_routing
 from kvbroker.testing.turns import current_lease, retained_after
 from kvbroker.v1 import lease_pb2
 from tests.test_e2e import MODEL, user_message
@@ -48,9 +59,29 @@ BLOCK = 32
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"))
+    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"), retain_sessionless=True)
     async with Stack(config) as running:
         yield running
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def plain_router(stack: Stack) -> AsyncIterator[str]:
+    """A second router on the same fleet with --no-retain-sessionless: reuse off for a turn
+    without a session id (plain P/D, retained for nothing and never matched)."""
+    listen = f"127.0.0.1:{free_port()}"
+    url = f"http://{listen}"
+    router = ChildProcess(
+        "router-plain",
+        [*router_command(stack.registry_address, listen), "--no-retain-sessionless"],
+        stack.config.workdir / "router-plain.log",
+        ready=[router_routing(url, stack.config.served_model)],
+        env=stack.kvbroker_env(),
+    )
+    await router.start()
+    try:
+        yield url
+    finally:
+        await router.stop()
 
 
 @dataclass(frozen=True)
@@ -62,12 +93,19 @@ class Answered:
     # What P did for this turn alone: tokens it computed, and its reads from D.
     computed: float
     reads: float
+    # The session id the router named a sessionless turn by ("" when none).
+    named: str = ""
 
 
 async def ask(
-    stack: Stack, http: httpx.AsyncClient, messages: list[dict[str, str]], session: str | None
-) -> tuple[str, str, str, int]:
-    """The answer, the router's decision and path (from its headers), the prompt's tokens."""
+    stack: Stack,
+    http: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    session: str | None,
+    router_url: str | None = None,
+) -> tuple[str, str, str, int, str]:
+    """The answer, the router's decision and path (from its headers), the prompt's tokens,
+    and the session id the router named the turn by (sessionless turns)."""
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
@@ -76,7 +114,8 @@ async def ask(
     }
     if session is not None:
         body["session_id"] = session
-    response = await http.post(f"{stack.router_url}/v1/chat/completions", json=body)
+    url = router_url or stack.router_url
+    response = await http.post(f"{url}/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     answer = response.json()
     return (
@@ -84,6 +123,7 @@ async def ask(
         response.headers.get("x-kvbroker-decision", ""),
         response.headers.get("x-kvbroker-path", ""),
         int(answer["usage"]["prompt_tokens"]),
+        response.headers.get("x-kvbroker-session-id", ""),
     )
 
 
@@ -108,16 +148,21 @@ async def turn(
     http: httpx.AsyncClient,
     messages: list[dict[str, str]],
     session: str | None,
+    router_url: str | None = None,
 ) -> Answered:
-    """One turn alone on the stack, with what P did for it; with a session id, until D's
-    retention of it has reached the registry."""
+    """One turn alone on the stack (through ``router_url``, else the stack's router), with
+    what P did for it; with a session id, given or named by the router, until D's retention
+    of it has reached the registry."""
     before = await p_totals(stack, http)
     lease = await current_lease(stack.registry_address, session) if session else None
-    text, decision, path, prompt_tokens = await ask(stack, http, messages, session)
+    text, decision, path, prompt_tokens, named = await ask(
+        stack, http, messages, session, router_url
+    )
     # A turn on the decode node alone has no prefill leg: P did nothing.
     after = await p_totals(stack, http, None if path == "DECODE_LOCAL" else before)
-    if session is not None:
-        await retained_after(stack.registry_address, session, lease.epoch if lease else 0)
+    retained = session or named
+    if retained:
+        await retained_after(stack.registry_address, retained, lease.epoch if lease else 0)
     return Answered(
         text,
         decision,
@@ -125,6 +170,7 @@ async def turn(
         prompt_tokens,
         after.computed_tokens - before.computed_tokens,
         after.reads - before.reads,
+        named,
     )
 
 
@@ -176,7 +222,7 @@ def assert_read_the_parent(fork: Answered, parent: lease_pb2.Lease) -> None:
 
 
 async def test_a_fork_reads_its_parent_s_kv_and_answers_as_with_reuse_off(
-    stack: Stack, http: httpx.AsyncClient
+    stack: Stack, http: httpx.AsyncClient, plain_router: str
 ) -> None:
     messages, parent = await parent_of_two_turns(stack, http, "acme/parent", seed=3)
     fork_messages = [*messages, task(1)]
@@ -188,8 +234,9 @@ async def test_a_fork_reads_its_parent_s_kv_and_answers_as_with_reuse_off(
         lambda: unpinned(stack, "acme/parent"), 10, "the fork's pin ended with its prefill"
     )
 
-    # Reuse off: the same request without a session id is plain P/D, never matched by content.
-    off = await turn(stack, http, fork_messages, None)
+    # Reuse off: the same request without a session id through the router that retains no
+    # sessionless turn is plain P/D, never matched by content.
+    off = await turn(stack, http, fork_messages, None, plain_router)
     assert off.reads == 0 and off.computed == off.prompt_tokens == fork.prompt_tokens
     assert fork.text == off.text
 
@@ -201,7 +248,7 @@ async def test_a_fork_reads_its_parent_s_kv_and_answers_as_with_reuse_off(
 
 
 async def test_four_forks_at_once_all_read_the_parent_s_kv(
-    stack: Stack, http: httpx.AsyncClient
+    stack: Stack, http: httpx.AsyncClient, plain_router: str
 ) -> None:
     messages, parent = await parent_of_two_turns(stack, http, "acme/parent-4", seed=11)
     forks = [[*messages, task(n)] for n in range(4)]
@@ -216,13 +263,13 @@ async def test_four_forks_at_once_all_read_the_parent_s_kv(
 
     after = await poll_until(all_four, 30, "P's metrics counting four prefills")
     assert after is not None
-    prompts = sum(prompt for _, _, _, prompt in answers)
+    prompts = sum(prompt for _, _, _, prompt, _ in answers)
     assert after.reads - before.reads == 4
     assert after.computed_tokens - before.computed_tokens <= (
         prompts - 4 * parent.token_count + 4 * 2 * BLOCK
     )
-    for fork, (text, _, _, _) in zip(forks, answers, strict=True):
-        off = await turn(stack, http, fork, None)
+    for fork, (text, _, _, _, _) in zip(forks, answers, strict=True):
+        off = await turn(stack, http, fork, None, plain_router)
         assert text == off.text  # no stale block read: every answer as with reuse off
     still = await current_lease(stack.registry_address, "acme/parent-4")
     assert still is not None and still.lease_id == parent.lease_id and still.state in LIVE
@@ -240,3 +287,114 @@ async def test_a_fork_under_another_tenant_resolves_nothing_of_the_parent_s(
     assert other.reads == 0 and other.computed == other.prompt_tokens
     still = await current_lease(stack.registry_address, "acme/parent-t")
     assert still is not None and still.lease_id == parent.lease_id and still.state in LIVE
+
+
+SUPERSEDED = lease_pb2.LEASE_END_CAUSE_SUPERSEDED
+
+
+async def sessionless_turns(
+    stack: Stack, http: httpx.AsyncClient, opening: list[dict[str, str]], seed: int, turns: int
+) -> tuple[list[list[dict[str, str]]], list[Answered]]:
+    """A conversation sent with no session id anywhere: each turn's messages (the history
+    with the previous answer, then a short new message), and what each turn got."""
+    sent: list[list[dict[str, str]]] = []
+    answered: list[Answered] = []
+    messages = opening
+    for n in range(turns):
+        sent.append(messages)
+        answer = await turn(stack, http, messages, None)
+        assert is_sessionless(answer.named)
+        answered.append(answer)
+        messages = [
+            *messages,
+            {"role": "assistant", "content": answer.text},
+            {"role": "user", "content": user_message(seed + n, lines=4)},
+        ]
+    return sent, answered
+
+
+async def assert_read_its_last_turn(
+    stack: Stack, previous: Answered, answer: Answered
+) -> lease_pb2.Lease:
+    """The turn read what the previous sessionless turn retained and computed only past it
+    (as a fork does); returns that lease."""
+    held = await current_lease(stack.registry_address, previous.named)
+    assert held is not None
+    assert answer.reads == 1, (answer, held.token_count)
+    assert answer.computed <= answer.prompt_tokens - held.token_count + 2 * BLOCK, (
+        answer,
+        held.token_count,
+    )
+    return held
+
+
+async def assert_one_live_lease(stack: Stack, answered: list[Answered]) -> None:
+    """Only the last turn's lease is live; each earlier one was superseded by its next."""
+    *earlier, last = answered
+    for answer in earlier:
+        lease = await current_lease(stack.registry_address, answer.named)
+        assert lease is not None and lease.end_cause == SUPERSEDED, (answer.named, lease)
+    lease = await current_lease(stack.registry_address, last.named)
+    assert lease is not None and lease.state in LIVE
+
+
+async def assert_as_with_reuse_off(
+    stack: Stack,
+    http: httpx.AsyncClient,
+    plain_router: str,
+    sent: list[list[dict[str, str]]],
+    answered: list[Answered],
+) -> None:
+    """Every turn's answer is the plain router's for the same messages, and there each turn
+    is MISS, P reads nothing and computes the whole prompt: the switch off is today's."""
+    for messages, answer in zip(sent, answered, strict=True):
+        off = await turn(stack, http, messages, None, plain_router)
+        assert off.named == "" and off.decision == "MISS"
+        assert off.reads == 0 and off.computed == off.prompt_tokens
+        assert off.text == answer.text
+
+
+async def test_a_sessionless_conversation_reads_its_last_turn_and_keeps_one_lease(
+    stack: Stack, http: httpx.AsyncClient, plain_router: str
+) -> None:
+    sent, answered = await sessionless_turns(stack, http, history(41), seed=61, turns=3)
+    first = answered[0]
+    assert first.reads == 0 and first.computed == first.prompt_tokens
+    for previous, answer in itertools.pairwise(answered):
+        await assert_read_its_last_turn(stack, previous, answer)
+    assert len({answer.named for answer in answered}) == 3
+    await assert_one_live_lease(stack, answered)
+    await assert_as_with_reuse_off(stack, http, plain_router, sent, answered)
+
+
+async def test_two_sessionless_conversations_of_one_opening_keep_their_own_leases(
+    stack: Stack, http: httpx.AsyncClient, plain_router: str
+) -> None:
+    system = {"role": "system", "content": user_message(45, lines=30)}
+    a = [system, {"role": "user", "content": user_message(46, lines=10)}]
+    b = [system, {"role": "user", "content": user_message(47, lines=10)}]
+    sent_a, answered_a = await sessionless_turns(stack, http, a, seed=71, turns=1)
+    sent_b, answered_b = await sessionless_turns(stack, http, b, seed=81, turns=1)
+    # B's first turn shares only A's opening: it may read that much, and takes nothing.
+    lease_a = await current_lease(stack.registry_address, answered_a[0].named)
+    assert lease_a is not None and lease_a.state in LIVE
+    # Each conversation's next turn reads its own last turn, and supersedes only that.
+    for sent, answered, seed in ((sent_a, answered_a, 72), (sent_b, answered_b, 82)):
+        messages = [
+            *sent[-1],
+            {"role": "assistant", "content": answered[-1].text},
+            {"role": "user", "content": user_message(seed, lines=4)},
+        ]
+        sent.append(messages)
+        answer = await turn(stack, http, messages, None)
+        answered.append(answer)
+        # It reads by content, but not always its own last turn: the match tells leases apart
+        # only at blocks 2^k - 1, and the other conversation's newer lease shares the opening
+        # up to the same one (docs/design.md, sessionless turns).
+        assert answer.reads == 1 and answer.computed < answer.prompt_tokens, answer
+        await assert_one_live_lease(stack, answered)
+    # A's lease now is still A's after B's turn.
+    lease_a = await current_lease(stack.registry_address, answered_a[-1].named)
+    assert lease_a is not None and lease_a.state in LIVE
+    await assert_as_with_reuse_off(stack, http, plain_router, sent_a, answered_a)
+    await assert_as_with_reuse_off(stack, http, plain_router, sent_b, answered_b)
