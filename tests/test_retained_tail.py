@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm.utils import torch_utils
 
 from kvbroker.engine_ext.retained_tail import RetainedTail, TailPlan, tail_copies, tail_match
 from kvbroker.engine_ext.vllm_compat import copy_kv_blocks
@@ -73,6 +74,17 @@ def test_another_adapter_or_salt_or_inputs_beyond_tokens_match_nothing() -> None
     assert tail_match(follow_up, HASHES, (0, "tenant-a"), 8, salted, BLOCK) == 6
 
 
+@pytest.fixture
+def unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM stages a block copy's indices in pinned host memory when its platform says it can
+    pin (read once at import from 0.33 on, ``PIN_MEMORY``); a CUDA build on a machine without
+    an NVIDIA driver says it can, then cannot. Without a GPU these caches are on the host,
+    where the copy is what is tested and pinning buys nothing."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch_utils, "PIN_MEMORY", False, raising=False)
+
+
+@pytest.mark.usefixtures("unpinned")
 @pytest.mark.parametrize("kernel_blocks_per_block", [1, 2])
 def test_blocks_are_copied_in_every_layer(kernel_blocks_per_block: int) -> None:
     """vLLM's CPU layout, [blocks, heads, tokens, channels], and one whose attention kernel
