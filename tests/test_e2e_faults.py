@@ -1,6 +1,7 @@
 """The fault matrix, end to end on real vLLM CPU servers with reuse on: every turn of a
 conversation that meets a fault is still served, token-identical with reuse off, a 2xx with
-the right decision headers, and no slower than reuse off allows (``kvbroker.testing.turns``).
+the right decision headers, and no hint of it cut short waiting for a retention report
+(``kvbroker.testing.turns``).
 
 The faults: a first turn too short to read back followed by a long one; a client that goes
 away mid-stream and sends its next turn; a registry (memory store) restarted between two
@@ -13,16 +14,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.process.tasks import poll_until
+from kvbroker.router.config import RouterConfig
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.turns import ask, checked_turn, current_lease, retained_after
 from kvbroker.v1 import lease_pb2
 from tests.test_e2e import metric, user_message
+
+# The stack's router runs at its default hint deadline.
+HINT_TIMEOUT_S = RouterConfig.hint_timeout_s
 
 pytestmark = [
     pytest.mark.e2e,
@@ -125,22 +132,47 @@ async def test_the_registry_restarted_between_two_turns(
     assert (answer.decision, answer.consistency) == ("REUSE", "EXACT")
 
 
+@dataclass(frozen=True)
+class Observed:
+    count: float
+    seconds: float
+
+
+async def router_overhead(stack: Stack, http: httpx.AsyncClient) -> Observed:
+    """The router's overhead histogram (parsing and the routing hint, per turn) so far."""
+    text = (await http.get(f"{stack.router_url}/metrics")).text
+    totals = {"_count": 0.0, "_sum": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for suffix in totals:
+                if sample.name == f"kvbroker_router_overhead_seconds{suffix}":
+                    totals[suffix] += sample.value
+    return Observed(totals["_count"], totals["_sum"])
+
+
 async def test_a_registry_that_hangs_through_a_turn(stack: Stack, http: httpx.AsyncClient) -> None:
     """SIGSTOPped, the registry keeps its port and answers nothing: the router's hint deadline
     passes and the turn is served plain P/D (DEGRADED) at once; resumed, the next turn is
     routed by it again."""
     messages, _ = await first_turn(stack, http, "conv-hung", seed=70)
     off = await ask(stack, http, messages, None)
+    waited_before = await router_overhead(stack, http)
     stack.pause_registry(True)
     try:
+        # Served while the registry is still stopped: the router waited for nothing of it
+        # but its deadline.
         hung = await ask(stack, http, messages, "conv-hung")
     finally:
         stack.pause_registry(False)
     assert hung.status == 200, hung.text
     assert hung.text == off.text
     assert (hung.decision, hung.consistency, hung.path) == ("MISS", "DEGRADED", "RECOMPUTE")
-    # The router's hint deadline (0.5 s) is the wait the hung registry costs, no more.
-    assert hung.ttft_s <= 1.5 * off.ttft_s + 0.2 + 0.5
+    # The router's own wait before the prefill leg (its overhead histogram: engine time, which
+    # a busy machine stretches, is not in it) is the hint's deadline, at most twice over when
+    # the hint queued behind a batch in flight (``Router._plan_once``), and no more.
+    waited = await router_overhead(stack, http)
+    assert waited.count == waited_before.count + 1
+    assert waited.seconds - waited_before.seconds <= 2 * HINT_TIMEOUT_S + 0.5
     follow_up(messages, hung.text, "one more thing?")
     await routed_by_the_registry(stack, http)
     assert (await checked_turn(stack, http, messages, "conv-hung")).consistency == "EXACT"
