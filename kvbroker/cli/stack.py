@@ -50,6 +50,14 @@ def up(
             "--workdir each (the JSON line lists them under kv_events)."
         ),
     ] = Switch.off,
+    retain_sessionless: Annotated[
+        Switch,
+        typer.Option(
+            help="Turns sent with no session id retained too, under an id the router names, "
+            "so a client's next turn reuses them by content (the router's "
+            "--retain-sessionless)."
+        ),
+    ] = Switch.on,
 ) -> None:
     """Start registry, prefill and decode vLLM servers with sidecars, and the router, on this
     machine; print one JSON line when ready; stop everything on Ctrl-C or SIGTERM."""
@@ -61,6 +69,7 @@ def up(
     run_with_stack(
         reuse is Switch.on, model, workdir, serve, Console(stderr=True), replicas,
         bearer_token(token, token_file), kv_events=kv_events is Switch.on,
+        retain_sessionless=retain_sessionless is Switch.on,
     )  # fmt: skip
 
 
@@ -74,9 +83,12 @@ def run_with_stack(
     token: str | None = None,
     prefill_prefix_caching: bool = False,
     kv_events: bool = False,
+    retain_sessionless: bool = False,
 ) -> None:
     """Starts the stack, runs ``body(stack, console)``, and always stops the stack: when the
-    body ends, fails, or Ctrl-C / SIGTERM arrives (also while the engines are starting)."""
+    body ends, fails, or Ctrl-C / SIGTERM arrives (also while the engines are starting).
+    ``retain_sessionless`` is off unless asked: the demo and the benchmarks send turns without
+    a session id as their reuse-off arm."""
     from kvbroker.stack import Stack, StackConfig
 
     console = console or Console()
@@ -102,6 +114,7 @@ def run_with_stack(
                 token=token,
                 prefill_prefix_caching=prefill_prefix_caching,
                 kv_events=kv_events,
+                retain_sessionless=retain_sessionless,
             ),
             progress=partial(say, console),
         )
