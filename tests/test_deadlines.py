@@ -5,19 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from kvbroker.controlplane.deadlines import DeadlineQueue
+from kvbroker.testing.factories import ManualClock
 from tests.conftest import eventually
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_pops_due_keys_in_order_and_skips_superseded() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     queue: DeadlineQueue[str] = DeadlineQueue(clock)
     queue.schedule("a", 105)
     queue.schedule("b", 101)
@@ -32,7 +25,7 @@ def test_pops_due_keys_in_order_and_skips_superseded() -> None:
 
 
 def test_batches_respect_the_limit() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     queue: DeadlineQueue[int] = DeadlineQueue(clock)
     for i in range(10):
         queue.schedule(i, 100 + i / 100)
@@ -63,7 +56,7 @@ async def test_run_wakes_for_an_earlier_deadline() -> None:
 def test_entries_left_behind_do_not_pile_up() -> None:
     """Renewals and cancellations far ahead of their deadlines (a turn supersedes a lease
     hours before it would expire) must not grow the heap without bound."""
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     queue: DeadlineQueue[int] = DeadlineQueue(clock)
     for renewal in range(20):
         for key in range(5_000):

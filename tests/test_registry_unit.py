@@ -17,7 +17,7 @@ from kvbroker.controlplane.records.lease_ids import TERM_SHIFT, next_epoch
 from kvbroker.controlplane.records.model import NodeLoad
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.storage.cached_store import MemoryStore
-from kvbroker.testing.factories import block_hashes, handle, node_spec, replayed
+from kvbroker.testing.factories import ManualClock, block_hashes, handle, node_spec, replayed
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 CONFIG = RegistryConfig(
@@ -32,17 +32,9 @@ ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
 CLAIMED = lease_pb2.LEASE_STATE_CLAIMED
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1_000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class Harness:
     def __init__(self, store: MemoryStore | None = None) -> None:
-        self.clock = FakeClock()
+        self.clock = ManualClock()
         self.store = store or MemoryStore()
         self.registry = Registry(self.store, CONFIG, clock=self.clock)
         self.decode = node_spec("decode-0")
@@ -262,7 +254,7 @@ async def test_after_a_restart_a_new_grant_fences_an_older_replay() -> None:
     a new turn granted before the old holder replays outranks the old lease by its term, so
     the late replay is fenced rather than superseding the newer turn (with epochs counted
     from the conversation's alone both were epoch 1, and the replay won)."""
-    clock = FakeClock()
+    clock = ManualClock()
     decodes = [node_spec("decode-0"), node_spec("decode-1", port=5601)]
 
     async def started(term: int) -> Registry:

@@ -17,25 +17,17 @@ from kvbroker.controlplane.errors import InvalidArgument, RegistryError
 from kvbroker.controlplane.records.model import NodeLoad
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.storage.cached_store import MemoryStore
-from kvbroker.testing.factories import block_hashes, handle, node_spec
+from kvbroker.testing.factories import ManualClock, block_hashes, handle, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 CONFIG = RegistryConfig(learn_idle_ttl=False)
 U64_MAX = (1 << 64) - 1
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1_000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class Harness:
     def __init__(self, config: RegistryConfig = CONFIG) -> None:
         self.store = MemoryStore()
-        self.registry = Registry(self.store, config, clock=FakeClock())
+        self.registry = Registry(self.store, config, clock=ManualClock())
         self.decode = node_spec("decode-0")
         self.prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
 

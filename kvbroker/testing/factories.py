@@ -1,5 +1,5 @@
-"""Builders for the proto messages that sidecars and engines send, and a stand-in for their
-heartbeats."""
+"""Builders for the proto messages that sidecars and engines send, a stand-in for their
+heartbeats, and a clock a test moves by hand."""
 
 from __future__ import annotations
 
@@ -8,6 +8,17 @@ import hashlib
 import uuid
 
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
+
+
+class ManualClock:
+    """A clock (a call that gives the time in seconds) that stands still until the test sets
+    ``t``: what the registry and its deadline queue take in place of the monotonic one."""
+
+    def __init__(self, t: float = 1_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def node_spec(
