@@ -37,7 +37,7 @@ from rich.table import Table
 
 from kvbroker.bench.agentic_config import FORK_ARMS, AgenticConfig
 from kvbroker.bench.multiturn import ContextBuilder
-from kvbroker.bench.plotting import ready_plotting
+from kvbroker.bench.plotting import ready_plotting, save_figure
 from kvbroker.bench.stats import quantile
 from kvbroker.bench.turns import prefill_totals, streamed_turn
 from kvbroker.common.process.tasks import poll_until
@@ -348,7 +348,4 @@ def plot_forks(groups: Sequence[ForkGroup], path: Path) -> Path:
     computed.set_ylim(0, 125)
     computed.set_ylabel("forks' prompt tokens P computed (%)")
     computed.set_title("What the prefill node computed")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

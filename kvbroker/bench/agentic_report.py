@@ -24,7 +24,7 @@ from kvbroker.bench.agentic_config import (
     AgenticConfig,
     fixed_ttl_registry_flags,
 )
-from kvbroker.bench.plotting import ready_plotting
+from kvbroker.bench.plotting import ready_plotting, save_figure
 from kvbroker.bench.read_shapes import summarise_shapes
 from kvbroker.bench.stats import quantile
 
@@ -218,7 +218,4 @@ def plot(results: Sequence[ArmResult], path: Path) -> Path:
     usage.set_title("Decode KV cache usage")
     usage.grid(alpha=0.3)
     usage.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvbroker.bench.plotting import ready_plotting
+from kvbroker.bench.plotting import ready_plotting, save_figure
 from kvbroker.bench.read_shapes import summarise_shapes
 from kvbroker.bench.routers import (
     FOREIGN_ARMS,
@@ -493,9 +493,4 @@ def plot(rows: Sequence[Mapping[str, Any]], output: Path, title: str) -> Path:
         ax.grid(alpha=0.3, which="both")
         ax.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    path = output / "ttft_by_path.png"
-    output.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, output / "ttft_by_path.png")

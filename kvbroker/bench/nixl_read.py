@@ -59,6 +59,7 @@ from kvbroker.bench.nixl_agents import (
     serve_owner,
 )
 from kvbroker.bench.nixl_layout import RUNS, VLLM_033, ReadConfig
+from kvbroker.bench.plotting import ready_plotting, save_figure
 
 
 def fit(cells: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -226,9 +227,7 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
     output.mkdir(parents=True, exist_ok=True)
     data = output / "nixl_read.json"
     data.write_text(json.dumps(report, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
+    ready_plotting()
     import matplotlib.pyplot as plt
 
     fig, (ax, by_runs) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -262,11 +261,7 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
     by_runs.set_title(report["meta"]["processes"], fontsize=9)
     by_runs.grid(alpha=0.3)
     by_runs.legend(fontsize=8)
-    fig.tight_layout()
-    plot = output / "nixl_read.png"
-    fig.savefig(plot, dpi=120)
-    plt.close(fig)
-    return [data, plot]
+    return [data, save_figure(fig, output / "nixl_read.png")]
 
 
 def tokens_list(value: str) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbroker.bench.cpu import cpu_seconds
+from kvbroker.bench.plotting import ready_plotting, save_figure
 from kvbroker.bench.stats import quantile
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.supervisor import Announces, ChildProcess
@@ -252,9 +253,7 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
     latencies = report["latencies_ms"]
     summary = {key: value for key, value in report.items() if key != "latencies_ms"}
     (output / "placement.json").write_text(json.dumps(summary, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
+    ready_plotting()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -270,10 +269,7 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
     ax.set_title(f"Placement hop overhead, {rate:.0f} req/s on loopback")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = output / "placement_latency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = save_figure(fig, output / "placement_latency.png")
     return [output / "placement.json", path]
 
 

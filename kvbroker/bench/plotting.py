@@ -6,6 +6,9 @@ it before they run, so that a missing extra is found before a long benchmark, no
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 BENCH_EXTRA = "kvbroker[bench]"
 
 
@@ -27,3 +30,15 @@ def ready_plotting() -> None:
     except ImportError as error:
         raise PlottingUnavailable() from error
     matplotlib.use("Agg")
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lays the figure out, writes it to ``path`` (its folder made if need be) as every
+    benchmark's plot is written, and frees it; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbroker.bench.plotting import ready_plotting
+from kvbroker.bench.plotting import ready_plotting, save_figure
 from kvbroker.bench.registry_workers import HINT_RPC
 from kvbroker.bench.stats import quantile
 
@@ -65,8 +65,5 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
     ax.set_title("Registry latency vs load (10k live leases, gRPC on loopback)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = output / "registry_latency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = save_figure(fig, output / "registry_latency.png")
     return [output / "registry.json", path]

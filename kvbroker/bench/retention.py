@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvbroker.bench.plotting import ready_plotting
+from kvbroker.bench.plotting import ready_plotting, save_figure
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,4 @@ def _plot(baseline: Outcome, sweep: Sequence[Outcome], path: Path) -> None:
     ax.set_title("Retention cost vs reuse")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
