@@ -5,6 +5,7 @@ core's loop and waits on it."""
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -123,3 +124,47 @@ def test_the_engine_reports_its_vllm_and_handshake_versions() -> None:
     assert info.nixl_connector_version == {"0.32": 14, "0.33": 15, "0.34": 16}[VLLM_SERIES]
     # One worker (tp 1, pp 1): vLLM 0.33+ counts its first publish; 0.32 has no generations.
     assert info.registration_generation == (0 if VLLM_SERIES == "0.32" else 1)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2), (4, 2)], ids=str)
+def test_the_reported_generation_is_vllm_s_count_once_every_rank_has_published(
+    tp: int, pp: int
+) -> None:
+    """The engine reports its registration generation before its workers publish their NIXL
+    payloads (``handshake_generation``); vLLM 0.33+'s scheduler then counts one per (pp rank,
+    tp rank) payload that changes. Both must agree for any number of ranks, and a publish that
+    changes nothing (the workers' payloads as they were) must not move the count."""
+    config = engine_config("kv_consumer", True, {"bidirectional_kv_xfer": True})
+    ranks = copy.deepcopy(config)
+    # Set after the config is built: one process plays every rank's publish here.
+    ranks.parallel_config.tensor_parallel_size = tp
+    ranks.parallel_config.pipeline_parallel_size = pp
+    reported = vllm_compat.handshake_generation(ranks)
+    if VLLM_SERIES == "0.32":
+        assert reported == 0  # no generations before 0.33
+        return
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlHandshakePayload,
+    )
+
+    scheduler = real_scheduler(config, num_blocks=64)
+    connector = scheduler.connector
+    assert isinstance(connector, NixlConnector)
+    nixl: Any = connector._sched  # typed as vLLM 0.32's, which has no generations
+    # No side-channel listener: what is counted is the publish, not the serving of it.
+    nixl._nixl_handshake_listener_t = threading.Thread(target=lambda: None)
+    payloads: dict[tuple[int, int], Any] = {
+        (p, t): NixlHandshakePayload(
+            compatibility_hash="same", agent_metadata_bytes=f"pp{p}-tp{t}".encode()
+        )
+        for p in range(pp)
+        for t in range(tp)
+    }
+    try:
+        nixl.set_xfer_handshake_metadata(payloads)
+        assert nixl._registration_generation == reported == tp * pp
+        nixl.set_xfer_handshake_metadata(payloads)
+        assert nixl._registration_generation == reported
+    finally:
+        nixl._nixl_handshake_listener_t = None
+        scheduler.shutdown()
