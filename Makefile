@@ -141,10 +141,14 @@ COMPAT_TESTS := tests/test_vllm_surface.py tests/test_vllm_compat.py tests/test_
 	.venv-compat-$*/bin/python scripts/install_vllm_compat.py $*.0 $(COMPAT_REQUIREMENTS)
 	touch $@
 
+# A test's time limit is 300 s here, not 120: the first config a run builds has vLLM inspect the
+# model class in a fresh Python process (cached in ~/.cache/vllm per file hash, so each release
+# inspects it again), which took over 120 s on the 2-core machine under load.
 compat: $(foreach v,$(COMPAT_VLLM),.venv-compat-$(v)/.installed)
 	@set -e; for v in $(COMPAT_VLLM); do \
 		echo "== vLLM $$v"; \
-		.venv-compat-$$v/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS); \
+		.venv-compat-$$v/bin/python -m pytest -q -p no:cacheprovider --timeout 300 \
+			$(COMPAT_TESTS); \
 	done
 
 clean:
