@@ -22,7 +22,7 @@ from kvbroker.controlplane.sessions.cost_correction import (
     MAX_FACTOR,
     MIN_FACTOR,
     WEIGHT,
-    CostCorrection,
+    observed,
     planned_costs,
 )
 from kvbroker.v1 import node_pb2
@@ -49,59 +49,61 @@ def reads(transfers: int, blocks_each: int, seconds: float) -> EngineWork:
     return EngineWork(reads=transfers, read_blocks=transfers * blocks_each, read_seconds=seconds)
 
 
+def weighed(correction: Correction, work: EngineWork, costs: Costs = COSTS) -> Correction:
+    """The correction after ``work``, moved or not."""
+    return observed(correction, work, costs) or correction
+
+
 def test_one_sample_moves_the_factor_a_weight_of_the_way_in_log() -> None:
-    correction = CostCorrection()
     # 4 requests of 400 tokens: 4 * (10 + 40) = 200 ms predicted; 400 ms observed.
-    assert correction.observe(prefills(4, 400, 0.4), COSTS)
+    correction = observed(Correction(), prefills(4, 400, 0.4), COSTS)
+    assert correction is not None
     assert correction.prefill == pytest.approx(2**WEIGHT)
     assert (correction.read, correction.prefill_samples, correction.read_samples) == (1.0, 1, 0)
 
 
 def test_a_steadily_slower_node_converges_to_its_ratio() -> None:
-    correction = CostCorrection()
+    correction = Correction()
     for _ in range(60):
-        correction.observe(prefills(4, 400, 0.6), COSTS)  # 3x the 200 ms predicted
-        correction.observe(reads(2, 16, 0.013), COSTS)  # 2 * (5 + 8) = 26 ms: half of it
+        correction = weighed(correction, prefills(4, 400, 0.6))  # 3x the 200 ms predicted
+        correction = weighed(correction, reads(2, 16, 0.013))  # 2 * (5 + 8) = 26 ms: half
     assert correction.prefill == pytest.approx(3.0, rel=1e-4)
     assert correction.read == pytest.approx(0.5, rel=1e-4)
 
 
 def test_an_outlier_is_clamped() -> None:
-    correction = CostCorrection()
-    correction.observe(prefills(4, 400, 1000.0), COSTS)  # 5000x
+    correction = weighed(Correction(), prefills(4, 400, 1000.0))  # 5000x
     assert correction.prefill == pytest.approx(MAX_FACTOR**WEIGHT)
     for _ in range(200):
-        correction.observe(prefills(4, 400, 0.0001), COSTS)
+        correction = weighed(correction, prefills(4, 400, 0.0001))
     assert correction.prefill == pytest.approx(MIN_FACTOR, rel=1e-6)
 
 
 def test_tiny_samples_and_empty_parts_move_nothing() -> None:
-    correction = CostCorrection()
     # One 10-token request on a node priced at 0.1 ms fixed: under a millisecond predicted.
     fast = Costs(0.1, 10.0, 0.0, 0.1, 10.0)
-    assert not correction.observe(prefills(1, 10, 5.0), fast)
-    assert not correction.observe(reads(1, 1, 5.0), fast)
-    assert not correction.observe(EngineWork(), COSTS)
-    assert not correction.observe(prefills(4, 400, 0.0), COSTS)  # no time: no measurement
-    assert correction == CostCorrection()
+    assert observed(Correction(), prefills(1, 10, 5.0), fast) is None
+    assert observed(Correction(), reads(1, 1, 5.0), fast) is None
+    assert observed(Correction(), EngineWork(), COSTS) is None
+    # No time: no measurement.
+    assert observed(Correction(), prefills(4, 400, 0.0), COSTS) is None
 
 
 def test_cached_tokens_are_priced_as_context() -> None:
     with_context = Costs(10.0, 100.0, 1000.0, 5.0, 500.0)
-    correction = CostCorrection()
     # Each request: 10 + 100 * 0.1 + 100 * 1000 * 1000 / 1e6 = 120 ms; 240 ms for both.
     work = replace(prefills(2, 100, 0.0), prefill_cached_tokens=2 * 1000, prefill_seconds=0.240)
-    correction.observe(work, with_context)
+    correction = weighed(Correction(), work, with_context)
     assert correction.prefill == pytest.approx(1.0)
     assert correction.prefill_samples == 1
 
 
 def test_the_planner_weighs_the_calibrated_costs_scaled() -> None:
-    correction = CostCorrection(prefill=2.0, read=0.5)
+    correction = Correction(prefill=2.0, read=0.5)
     planned = planned_costs(COSTS, correction)
     assert planned.prefill_ms(400, 1000) == pytest.approx(2 * COSTS.prefill_ms(400, 1000))
     assert planned.read_ms(16) == pytest.approx(0.5 * COSTS.read_ms(16))
-    assert planned_costs(None, CostCorrection()) == DEFAULT_COSTS
+    assert planned_costs(None, Correction()) == DEFAULT_COSTS
 
 
 @given(
@@ -120,7 +122,7 @@ def test_the_planner_weighs_the_calibrated_costs_scaled() -> None:
 def test_the_factors_stay_in_range_whatever_is_reported(
     samples: list[tuple[int, int, float, int, float, float]],
 ) -> None:
-    correction = CostCorrection()
+    correction = Correction()
     for requests, tokens, seconds, transfers, blocks, read_seconds in samples:
         work = EngineWork(
             prefills=requests,
@@ -130,7 +132,7 @@ def test_the_factors_stay_in_range_whatever_is_reported(
             read_blocks=blocks,
             read_seconds=read_seconds,
         )
-        correction.observe(work, DEFAULT_COSTS)
+        correction = weighed(correction, work, DEFAULT_COSTS)
         for factor in (correction.prefill, correction.read):
             assert math.isfinite(factor) and MIN_FACTOR - 1e-9 <= factor <= MAX_FACTOR + 1e-9
 
@@ -174,4 +176,4 @@ async def test_work_that_cannot_be_is_refused_and_moves_nothing() -> None:
     bad = prefills(4, 400, float("nan"))
     with pytest.raises(InvalidArgument, match="not a finite non-negative"):
         await h.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), bad)
-    assert h.registry.nodes.runtime[spec.node_id].correction == CostCorrection()
+    assert h.registry.nodes.runtime[spec.node_id].correction == Correction()

@@ -20,7 +20,6 @@ and the planner then weighs that load twice. Soft state: a new leader starts fro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from kvbroker.common.rules.costs import DEFAULT_COSTS, Costs
 from kvbroker.controlplane.records.answers import Correction
@@ -43,45 +42,30 @@ def _blend(factor: float, observed_ms: float, predicted_ms: float) -> float | No
     return math.exp((1 - WEIGHT) * math.log(factor) + WEIGHT * math.log(ratio))
 
 
-@dataclass(slots=True)
-class CostCorrection:
-    """Factors on a node's prefill and read costs, and how many heartbeats moved each."""
-
-    prefill: float = 1.0
-    read: float = 1.0
-    prefill_samples: int = 0
-    read_samples: int = 0
-
-    def observe(self, work: EngineWork, costs: Costs) -> bool:
-        """Weighs ``work`` against what ``costs`` (the uncorrected ones) predict for it;
-        True if a factor moved."""
-        moved = False
-        if work.prefills:
-            mean_new = work.prefill_computed_tokens / work.prefills
-            mean_cached = work.prefill_cached_tokens / work.prefills
-            predicted = work.prefills * costs.prefill_ms(mean_new, mean_cached)
-            prefill = _blend(self.prefill, work.prefill_seconds * 1e3, predicted)
-            if prefill is not None:
-                self.prefill, self.prefill_samples, moved = prefill, self.prefill_samples + 1, True
-        if work.reads:
-            predicted = work.reads * costs.read_ms(work.read_blocks / work.reads)
-            read = _blend(self.read, work.read_seconds * 1e3, predicted)
-            if read is not None:
-                self.read, self.read_samples, moved = read, self.read_samples + 1, True
-        return moved
-
-    def figures(self) -> Correction:
-        """The correction as answered, as of now."""
-        return Correction(
-            prefill=self.prefill,
-            read=self.read,
-            prefill_samples=self.prefill_samples,
-            read_samples=self.read_samples,
-        )
+def observed(correction: Correction, work: EngineWork, costs: Costs) -> Correction | None:
+    """``correction`` moved by ``work``, weighed against what ``costs`` (the uncorrected ones)
+    predict for it; None when no factor moved."""
+    prefill, read = correction.prefill, correction.read
+    prefill_samples, read_samples = correction.prefill_samples, correction.read_samples
+    if work.prefills:
+        mean_new = work.prefill_computed_tokens / work.prefills
+        mean_cached = work.prefill_cached_tokens / work.prefills
+        predicted = work.prefills * costs.prefill_ms(mean_new, mean_cached)
+        moved = _blend(prefill, work.prefill_seconds * 1e3, predicted)
+        if moved is not None:
+            prefill, prefill_samples = moved, prefill_samples + 1
+    if work.reads:
+        predicted = work.reads * costs.read_ms(work.read_blocks / work.reads)
+        moved = _blend(read, work.read_seconds * 1e3, predicted)
+        if moved is not None:
+            read, read_samples = moved, read_samples + 1
+    if (prefill_samples, read_samples) == (correction.prefill_samples, correction.read_samples):
+        return None
+    return Correction(prefill, read, prefill_samples, read_samples)
 
 
 def planned_costs(
-    calibrated: Costs | None, correction: CostCorrection, defaults: Costs = DEFAULT_COSTS
+    calibrated: Costs | None, correction: Correction, defaults: Costs = DEFAULT_COSTS
 ) -> Costs:
     """The costs the planner weighs for a node: its calibrated profile (its ``defaults``
     until it is calibrated) scaled by its live correction."""

@@ -31,7 +31,7 @@ from kvbroker.controlplane.errors import (
 )
 from kvbroker.controlplane.metrics import NodeFigures
 from kvbroker.controlplane.records import codec
-from kvbroker.controlplane.records.answers import NodeAnswer
+from kvbroker.controlplane.records.answers import Correction, NodeAnswer
 from kvbroker.controlplane.records.model import (
     DOWN,
     DRAINING,
@@ -42,7 +42,7 @@ from kvbroker.controlplane.records.model import (
     Node,
     NodeLoad,
 )
-from kvbroker.controlplane.sessions.cost_correction import CostCorrection, planned_costs
+from kvbroker.controlplane.sessions.cost_correction import observed, planned_costs
 from kvbroker.v1 import node_pb2
 
 
@@ -61,7 +61,7 @@ class NodeRuntime(RoutedNode[Node]):
     # from the work it reports; set through ``calibrate`` and ``observe``, which keep ``costs``,
     # what the planner weighs, in step with both.
     calibrated: Costs | None = None
-    correction: CostCorrection = field(default_factory=CostCorrection)
+    correction: Correction = field(default_factory=Correction)
     costs: Costs = DEFAULT_COSTS
     # What it costs until calibrated: by where its engine keeps its KV (``default_costs``).
     defaults: Costs = DEFAULT_COSTS
@@ -92,13 +92,15 @@ class NodeRuntime(RoutedNode[Node]):
     def calibrate(self, calibrated: Costs | None) -> None:
         """New measured costs (or none): the live correction starts again from 1."""
         self.calibrated = calibrated
-        self.correction = CostCorrection()
+        self.correction = Correction()
         self.costs = planned_costs(calibrated, self.correction, self.defaults)
 
     def observe(self, work: EngineWork) -> None:
         """Work the node's engine reported: its correction weighs it."""
-        if self.correction.observe(work, self.calibrated or self.defaults):
-            self.costs = planned_costs(self.calibrated, self.correction, self.defaults)
+        moved = observed(self.correction, work, self.calibrated or self.defaults)
+        if moved is not None:
+            self.correction = moved
+            self.costs = planned_costs(self.calibrated, moved, self.defaults)
 
 
 class NodeSessions:
@@ -151,7 +153,7 @@ class NodeSessions:
             answer.live_leases = self._store.live_lease_count(node.node_id)
             answer.retained_blocks = runtime.retained_blocks
             answer.drained = self.drained(runtime)
-            answer.cost_correction = runtime.correction.figures()
+            answer.cost_correction = runtime.correction
         return answer
 
     def drained(self, runtime: NodeRuntime) -> bool:
