@@ -9,6 +9,7 @@ registration's pace) is converted here.
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
 from typing import Any
 
 from kvbroker.common.rules.clock import from_duration, stamp_duration, to_duration
@@ -19,6 +20,7 @@ from kvbroker.controlplane.records.answers import (
     LeaseAnswer,
     NodeAnswer,
     Registration,
+    answering,
     lease_answer,
 )
 from kvbroker.controlplane.records.model import Conversation, EngineWork
@@ -71,36 +73,25 @@ def node_message(answer: NodeAnswer) -> node_pb2.Node:
     message.live_leases = answer.live_leases
     message.retained_blocks = answer.retained_blocks
     message.drained = answer.drained
-    correction = answer.cost_correction
-    if correction is not None:
-        message.cost_correction.prefill = correction.prefill
-        message.cost_correction.read = correction.read
-        message.cost_correction.prefill_samples = correction.prefill_samples
-        message.cost_correction.read_samples = correction.read_samples
+    if answer.cost_correction is not None:
+        message.cost_correction.CopyFrom(node_pb2.CostCorrection(**asdict(answer.cost_correction)))
     return message
 
 
 def node_of(message: node_pb2.Node) -> NodeAnswer:
-    node = codec.node_of(message)
-    correction = message.cost_correction
-    return NodeAnswer(
-        node.spec,
-        node.state,
-        node.load,
-        node.registered_time,
-        node.last_heartbeat_time,
-        node.cost,
+    correction = None
+    if message.HasField("cost_correction"):
+        sent = message.cost_correction
+        correction = Correction(
+            **{field.name: getattr(sent, field.name) for field in fields(Correction)}
+        )
+    return answering(
+        codec.node_of(message),
+        NodeAnswer,
         live_leases=message.live_leases,
         retained_blocks=message.retained_blocks,
         drained=message.drained,
-        cost_correction=Correction(
-            correction.prefill,
-            correction.read,
-            correction.prefill_samples,
-            correction.read_samples,
-        )
-        if message.HasField("cost_correction")
-        else None,
+        cost_correction=correction,
     )
 
 

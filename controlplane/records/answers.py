@@ -10,9 +10,21 @@ written straight into their responses (``Registry.routing_hints``, ``report_rete
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 from kvbroker.controlplane.records.model import Lease, Node
+
+# An answer type: a record's dataclass extended with fields only an answer has.
+AnswerT = TypeVar("AnswerT")
+
+
+def answering(record: Lease | Node, answer_type: type[AnswerT], **figures: Any) -> AnswerT:
+    """``record`` as its answer type, every stored field carried over by name, plus the
+    answer's own ``figures``: one copy of a record into its answer, whatever fields the record
+    gains."""
+    stored = {field.name: getattr(record, field.name) for field in fields(record)}
+    return answer_type(**stored, **figures)
 
 
 @dataclass(slots=True)
@@ -28,26 +40,8 @@ class LeaseAnswer(Lease):
 def lease_answer(
     lease: Lease, time_to_live: float | None, pin_time_to_live: float | None = None
 ) -> LeaseAnswer:
-    return LeaseAnswer(
-        lease.lease_id,
-        lease.conversation_id,
-        lease.node_id,
-        lease.node_incarnation,
-        lease.epoch,
-        lease.handle,
-        lease.checkpoints,
-        lease.block_hash_stride,
-        lease.token_count,
-        lease.state,
-        lease.end_cause,
-        lease.end_reason,
-        lease.grant_time,
-        lease.renew_time,
-        lease.expire_time,
-        lease.end_time,
-        lease.claim_expire_time,
-        time_to_live,
-        pin_time_to_live,
+    return answering(
+        lease, LeaseAnswer, time_to_live=time_to_live, pin_time_to_live=pin_time_to_live
     )
 
 

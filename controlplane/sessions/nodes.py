@@ -31,7 +31,7 @@ from kvbroker.controlplane.errors import (
 )
 from kvbroker.controlplane.metrics import NodeFigures
 from kvbroker.controlplane.records import codec
-from kvbroker.controlplane.records.answers import Correction, NodeAnswer
+from kvbroker.controlplane.records.answers import Correction, NodeAnswer, answering
 from kvbroker.controlplane.records.model import (
     DOWN,
     DRAINING,
@@ -140,14 +140,7 @@ class NodeSessions:
 
     def view(self, node: Node) -> NodeAnswer:
         """The node as an answer, with its live figures."""
-        answer = NodeAnswer(
-            node.spec,
-            node.state,
-            node.load,
-            node.registered_time,
-            node.last_heartbeat_time,
-            node.cost,
-        )
+        answer = answering(node, NodeAnswer)
         runtime = self.runtime.get(node.node_id)
         if runtime is not None:
             answer.live_leases = self._store.live_lease_count(node.node_id)
