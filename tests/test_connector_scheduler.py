@@ -8,6 +8,7 @@ flight; it is then read (only the verified prefix), or recomputed with the handl
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -30,6 +31,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -531,3 +533,52 @@ def test_retained_tail_copies_are_for_one_full_attention_group_with_one_batch_in
     assert vllm_compat.tail_reuse_unsupported(one_batch, groups(window))
     overlapped = engine_config("kv_consumer", True, extra, async_scheduling=True)
     assert vllm_compat.tail_reuse_unsupported(overlapped, groups(full))
+
+
+def worker_output(
+    request_ids: list[str], token: int, kv: KVConnectorOutput | None = None
+) -> ModelRunnerOutput:
+    """What a worker hands back for a step that sampled ``token`` for each of ``request_ids``,
+    with its connector's report (vLLM 0.34 indexes the requests itself)."""
+    indexed = {f.name for f in dataclasses.fields(ModelRunnerOutput)} >= {"req_id_to_index"}
+    index: dict[str, Any] = (
+        {"req_id_to_index": {r: i for i, r in enumerate(request_ids)}} if indexed else {}
+    )
+    return ModelRunnerOutput(
+        req_ids=request_ids,
+        sampled_token_ids=[[token] for _ in request_ids],
+        kv_connector_output=kv,
+        **index,
+    )
+
+
+def test_a_retained_turn_s_handle_reaches_the_engine_output_and_its_blocks_outlive_it(
+    decode_scheduler: Scheduler,
+) -> None:
+    """A turn through the scheduler's own output path, as the engine core runs it: the sampled
+    token finishes the request, the engine output carries D's handle for the next turn, the
+    blocks stay allocated while retained, and are freed once the worker reports the request
+    done (``finished_sending``), never before."""
+    pool = decode_scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    request = decode_local_request("d-out", prompt())
+    decode_scheduler.add_request(request)
+    step = decode_scheduler.schedule()
+    assert scheduled_tokens(step, request) == PROMPT_TOKENS
+    held = list(decode_scheduler.kv_cache_manager.get_block_ids("d-out")[0])
+
+    outputs = decode_scheduler.update_from_output(step, worker_output(["d-out"], 42))
+    (finished,) = [o for engine in outputs.values() for o in engine.outputs]
+    assert finished.request_id == "d-out" and finished.finish_reason is not None
+    assert finished.kv_transfer_params is not None
+    handle = handles.handle_from_params(finished.kv_transfer_params)
+    assert handle.remote_request_id == "d-out"
+    assert list(handle.remote_block_groups[0].block_ids) == held
+    assert pool.get_num_free_blocks() == free_before - len(held)  # retained, not freed
+
+    # Steps go on while the turn is retained; then the worker reports it done.
+    decode_scheduler.update_from_output(decode_scheduler.schedule(), worker_output([], 0))
+    assert pool.get_num_free_blocks() == free_before - len(held)
+    done = KVConnectorOutput(finished_sending={"d-out"})
+    decode_scheduler.update_from_output(decode_scheduler.schedule(), worker_output([], 0, done))
+    assert pool.get_num_free_blocks() == free_before
