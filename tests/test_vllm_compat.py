@@ -98,6 +98,23 @@ def test_a_retaining_engine_refuses_sleep_mode() -> None:
     assert not NixlConnector.supports_sleep_mode(config.kv_transfer_config)
 
 
+def test_vllm_itself_refuses_to_start_a_retaining_engine_with_sleep_mode() -> None:
+    """vLLM 0.33+'s own check, which its config runs at start: with ``--enable-sleep-mode``
+    it loads the connector class named by the config and refuses the configuration on its
+    answer. An engine that retains nothing passes it."""
+    if not hasattr(vllm_compat.VllmNixlPullConnector, "supports_sleep_mode"):
+        assert VLLM_SERIES == "0.32"  # no sleep-mode question to connectors before 0.33
+        return
+    retaining = engine_config("kv_consumer", True, {"bidirectional_kv_xfer": True})
+    plain = engine_config("kv_consumer", True, {"bidirectional_kv_xfer": False})
+    for config in (retaining, plain):
+        assert config.model_config is not None
+        config.model_config.enable_sleep_mode = True  # as --enable-sleep-mode sets it
+    with pytest.raises(ValueError, match="NixlConnector does not support sleep mode"):
+        retaining._verify_kv_transfer_compat()
+    plain._verify_kv_transfer_compat()
+
+
 def test_an_engine_that_retains_nothing_keeps_vllm_s_answer() -> None:
     config = engine_config("kv_producer", False, {"bidirectional_kv_xfer": False})
     assert config.kv_transfer_config is not None
