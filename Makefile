@@ -103,6 +103,17 @@ bench: install
 	$(BIN)/kvbroker bench multiturn --calibrate --prefill-cache on \
 		--output results/multiturn-prefill-cache-on
 
+# NVIDIA's AIPerf for `kvbroker bench aiperf`, in a venv of its own: its dependencies would move
+# kvbroker's. The bench runs .venv-aiperf/bin/aiperf unless --aiperf names another.
+AIPERF_VENV := .venv-aiperf
+.PHONY: aiperf
+aiperf: $(AIPERF_VENV)/.installed
+
+$(AIPERF_VENV)/.installed:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet 'aiperf==0.13.*'
+	touch $@
+
 # The images deploy/kubernetes names, with podman or docker (whichever answers; CONTAINER=...
 # picks one): kvbroker:TAG, kvbroker-vllm:TAG-cpu, and that one again as kvbroker:cpu, the
 # one image overlays/cpu runs. The context is the files git tracks or would track (no venv),
