@@ -47,6 +47,7 @@ FAST = RegistryConfig(
 LAYERS = {
     "test_admission_blocks": "unit",
     "test_agentic_bench": "unit",
+    "test_aiperf_bench": "unit",
     "test_batcher": "unit",
     "test_bench_nixl_read": "integration",
     "test_calibration": "integration",
