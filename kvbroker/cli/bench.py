@@ -539,3 +539,62 @@ def bench_placement(
     print_table(report, console)
     paths = write(report, output)
     console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))
+
+
+@bench_app.command("aiperf")
+def bench_aiperf(
+    output: Annotated[Path, typer.Option(help="Where AIPerf's artifacts, summary and plot go.")] = (
+        Path("results/aiperf")
+    ),
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="Arms: kvbroker (sessionless turns retained), reuse-off (plain P/D), "
+            "session-header (AIPerf sends X-Session-ID)."
+        ),
+    ] = "kvbroker,reuse-off",
+    conversations: Annotated[int, typer.Option(min=1, help="AIPerf's conversations.")] = 6,
+    turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 4,
+    concurrency: Annotated[int, typer.Option(min=1, help="Conversations at once.")] = 2,
+    input_tokens: Annotated[int, typer.Option(min=1, help="New prompt tokens per turn.")] = 300,
+    output_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per turn.")] = 16,
+    seed: Annotated[int, typer.Option(help="AIPerf's --random-seed.")] = 0,
+    aiperf: Annotated[
+        Path, typer.Option(help="The aiperf executable, in its own venv (make aiperf).")
+    ] = Path(".venv-aiperf/bin/aiperf"),
+    model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-aiperf"),
+) -> None:
+    """NVIDIA AIPerf's multi-turn workload at its default session handling (no session
+    header) through the router, retaining sessionless turns or not: TTFT of first and later
+    turns, later turns READ, prompt tokens P computed. A table, JSON and a plot."""
+    _plots_or_fail()
+    from kvbroker.bench.aiperf import ARMS, AiperfConfig, plot, print_table, run_stack_arms, write
+
+    chosen = _names(arms)
+    if not chosen or any(a not in ARMS for a in chosen):
+        fail(f"--arms {arms!r}: choose from {', '.join(ARMS)}", 2)
+    if not aiperf.exists():
+        fail(f"{aiperf} does not exist: make aiperf installs AIPerf in .venv-aiperf", 2)
+    config = AiperfConfig(
+        arms=chosen, conversations=conversations, turns=turns, concurrency=concurrency,
+        input_tokens=input_tokens, output_tokens=output_tokens, seed=seed,
+        aiperf=aiperf.absolute(),
+    )  # fmt: skip
+    console = Console()
+    rows: list[Any] = []
+    meta: dict[str, Any] = {}
+    for retain in (True, False):
+        stack_arms = [ARMS[a] for a in chosen if ARMS[a].retain_sessionless is retain]
+        if not stack_arms:
+            continue
+
+        async def body(stack: Any, console: Console, stack_arms: Any = stack_arms) -> None:
+            rows.extend(await run_stack_arms(stack, stack_arms, config, output, console))
+            meta["model_dir"] = str(stack.model_dir)
+
+        run_with_stack(True, model, workdir, body, console, retain_sessionless=retain)
+    rows.sort(key=lambda row: chosen.index(row.arm))
+    print_table(rows, console)
+    written = [write(rows, config, output, meta), plot(rows, output)]
+    console.print(Text(f"written: {', '.join(str(p) for p in written)}"))
