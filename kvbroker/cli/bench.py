@@ -563,7 +563,9 @@ def bench_aiperf(
         Path, typer.Option(help="The aiperf executable, in its own venv (make aiperf).")
     ] = Path(".venv-aiperf/bin/aiperf"),
     model: Annotated[Path | None, typer.Option(help="A model directory.")] = None,
-    workdir: Annotated[Path, typer.Option(help="Sockets and logs.")] = Path("/tmp/kvbroker-aiperf"),
+    workdir: Annotated[Path, typer.Option(help="Sockets and logs, a folder per stack.")] = Path(
+        "/tmp/kvbroker-aiperf"
+    ),
 ) -> None:
     """NVIDIA AIPerf's multi-turn workload at its default session handling (no session
     header) through the router, retaining sessionless turns or not: TTFT of first and later
@@ -593,7 +595,9 @@ def bench_aiperf(
             rows.extend(await run_stack_arms(stack, stack_arms, config, output, console))
             meta["model_dir"] = str(stack.model_dir)
 
-        run_with_stack(True, model, workdir, body, console, retain_sessionless=retain)
+        # A folder per stack: its logs outlive the next stack's start.
+        folder = workdir / ("retaining" if retain else "not-retaining")
+        run_with_stack(True, model, folder, body, console, retain_sessionless=retain)
     rows.sort(key=lambda row: chosen.index(row.arm))
     print_table(rows, console)
     written = [write(rows, config, output, meta), plot(rows, output)]
