@@ -339,18 +339,21 @@ def _ms(value: float) -> str:
 
 
 def print_table(rows: list[ArmSummary], console: Console) -> None:
-    table = Table(title="AIPerf multi-turn through the router", title_justify="left")
-    columns = ("arm", "later reused", "P reads", "TTFT 1st p50/p99", "later p50/p99", "P computed")
+    table = Table(title="AIPerf multi-turn through the router (TTFT, ms)", title_justify="left")
+    columns = (
+        "arm", "later reused", "P reads", "1st p50", "1st p99", "later p50", "later p99",
+        "P computed/sent",
+    )  # fmt: skip
     for column in columns:
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     for row in rows:
         table.add_row(
             row.arm,
             f"{row.reused_later:.0f} of {row.later_turns}",
             f"{row.p_reads:.0f}",
-            f"{_ms(row.ttft_first_p50_ms)}/{_ms(row.ttft_first_p99_ms)}",
-            f"{_ms(row.ttft_later_p50_ms)}/{_ms(row.ttft_later_p99_ms)}",
-            f"{row.p_computed_tokens:,.0f} of {row.p_prompt_tokens:,.0f}",
+            *(_ms(v) for v in (row.ttft_first_p50_ms, row.ttft_first_p99_ms)),
+            *(_ms(v) for v in (row.ttft_later_p50_ms, row.ttft_later_p99_ms)),
+            f"{row.p_computed_tokens:,.0f}/{row.p_prompt_tokens:,.0f}",
         )
     console.print(table)
     for row in rows:

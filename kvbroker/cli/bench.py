@@ -583,7 +583,8 @@ def bench_aiperf(
         input_tokens=input_tokens, output_tokens=output_tokens, seed=seed,
         aiperf=aiperf.absolute(),
     )  # fmt: skip
-    console = Console()
+    # The table is wider than the 80 columns of a console that is not a terminal.
+    console = Console(width=max(Console().width, 120))
     rows: list[Any] = []
     meta: dict[str, Any] = {}
     for retain in (True, False):
