@@ -119,8 +119,8 @@ class Request:
     conversation: str
     turn: int
     ttft_ms: float
-    # AIPerf's count of the turn's new prompt tokens (its tokenizer), and the prompt's tokens
-    # as the server's usage reported them (the whole history, after the chat template).
+    # The turn's prompt, the whole history, as AIPerf's tokenizer counts it (no chat
+    # template), and as the server's usage reported it (after the template).
     input_tokens: int
     prompt_tokens: int
     error: str = ""
@@ -222,8 +222,8 @@ class ArmSummary:
     ttft_first_p99_ms: float
     ttft_later_p50_ms: float
     ttft_later_p99_ms: float
-    # The new prompt tokens AIPerf generated, and every turn's whole prompt as the server's
-    # usage counted it: what a server without reuse computes.
+    # Every turn's whole prompt by AIPerf's count, and by the server's usage: what a server
+    # without reuse computes.
     aiperf_input_tokens: int
     prompt_tokens: int
     # The router's turns by path; P's NIXL reads; P's prompt tokens computed and sent to it.
