@@ -312,6 +312,9 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
             # P's leg: the decode engine retains the turn under the conversation even when the
             # router gave it no session id.
             out[handles.SESSION_KEY] = session
+        if out is not None and handles.content_read_tokens(params):
+            # The router planned the turn as new: it learns of the read by content so.
+            out[handles.CONTENT_READ_KEY] = handles.content_read_tokens(params)
         if (
             self.link is not None
             and session

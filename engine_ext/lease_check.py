@@ -114,6 +114,8 @@ def settle_remote(
     if shared or params.get(FORK_KEY):
         # Forks read this lease by content: the read leaves the blocks to the registry.
         vllm_compat.read_without_freeing(params)
+    if params.get(FORK_KEY):
+        params[handles.CONTENT_READ_KEY] = offer.verified_tokens
     blocks = -(-offer.verified_tokens // block_size)
     params["remote_block_ids"] = [list(group)[:blocks] for group in params["remote_block_ids"]]
     log.info(

@@ -27,7 +27,12 @@ from starlette.routing import Route
 
 from kvbroker.common.client.grpc_client import RegistryCallError
 from kvbroker.common.rules import routing
-from kvbroker.common.rules.handles import decided_params, decode_local_params
+from kvbroker.common.rules.handles import (
+    CONTENT_READ_KEY,
+    content_read_tokens,
+    decided_params,
+    decode_local_params,
+)
 from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.sessionless import new_session_id
 from kvbroker.router import placement
@@ -77,6 +82,9 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 # The session id the router named a sessionless turn by (``RouterConfig.retain_sessionless``).
 SESSION_ID_HEADER = "x-kvbroker-session-id"
+# On a turn the registry planned as new (a fork, a sessionless turn; x-kvbroker-decision MISS)
+# whose prefill engine still found retained KV by content and read it: how many tokens.
+READ_BY_CONTENT_HEADER = "x-kvbroker-read-by-content"
 
 
 def _guarded(endpoint: Endpoint, shape: ErrorShape = ErrorShape.OPENAI) -> Endpoint:
@@ -160,6 +168,11 @@ class Handlers:
         prefill_done = time.perf_counter()
         if prefill_node is not None:
             self.metrics.prefill_seconds.observe(prefill_done - hint_done)
+        # A turn planned as new whose prefill engine found and read retained KV by content
+        # (a fork, a sessionless turn): said in the answer, and of no use to the decode leg.
+        read_by_content = content_read_tokens(kv_params)
+        if isinstance(kv_params, dict):
+            kv_params.pop(CONTENT_READ_KEY, None)
 
         log.info(
             "routed",
@@ -172,6 +185,7 @@ class Handlers:
             prefill=prefill_node.node_id if prefill_node is not None else None,
             decode=plan.decode.node_id,
             prefill_ms=round(1000 * (prefill_done - hint_done), 1),
+            read_by_content=read_by_content or None,
         )
         headers = {
             "x-kvbroker-decision": plan.decision,
@@ -184,6 +198,8 @@ class Handlers:
         }
         if prefill_node is not None:
             headers["x-kvbroker-prefill"] = prefill_node.node_id
+        if read_by_content:
+            headers[READ_BY_CONTENT_HEADER] = str(read_by_content)
         if named:
             # The id the router named the turn by: a client that sends it as its session id
             # continues this conversation by id.

@@ -95,6 +95,8 @@ class Answered:
     reads: float
     # The session id the router named a sessionless turn by ("" when none).
     named: str = ""
+    # What the router said P read by content (x-kvbroker-read-by-content; 0: nothing).
+    read_by_content: int = 0
 
 
 async def ask(
@@ -103,9 +105,10 @@ async def ask(
     messages: list[dict[str, str]],
     session: str | None,
     router_url: str | None = None,
-) -> tuple[str, str, str, int, str]:
+) -> tuple[str, str, str, int, str, int]:
     """The answer, the router's decision and path (from its headers), the prompt's tokens,
-    and the session id the router named the turn by (sessionless turns)."""
+    the session id the router named the turn by (sessionless turns), and the tokens it says P
+    read by content."""
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
@@ -124,6 +127,7 @@ async def ask(
         response.headers.get("x-kvbroker-path", ""),
         int(answer["usage"]["prompt_tokens"]),
         response.headers.get("x-kvbroker-session-id", ""),
+        int(response.headers.get("x-kvbroker-read-by-content", "0")),
     )
 
 
@@ -155,7 +159,7 @@ async def turn(
     of it has reached the registry."""
     before = await p_totals(stack, http)
     lease = await current_lease(stack.registry_address, session) if session else None
-    text, decision, path, prompt_tokens, named = await ask(
+    text, decision, path, prompt_tokens, named, read_by_content = await ask(
         stack, http, messages, session, router_url
     )
     # A turn on the decode node alone has no prefill leg: P did nothing.
@@ -171,6 +175,7 @@ async def turn(
         after.computed_tokens - before.computed_tokens,
         after.reads - before.reads,
         named,
+        read_by_content,
     )
 
 
@@ -219,6 +224,9 @@ def assert_read_the_parent(fork: Answered, parent: lease_pb2.Lease) -> None:
     past_parent = fork.prompt_tokens - parent.token_count
     assert fork.computed <= past_parent + 2 * BLOCK, (fork, parent.token_count)
     assert fork.computed < fork.prompt_tokens / 2
+    # The router says what P read, though it planned the turn as new: what P did not compute.
+    assert 0 < fork.read_by_content <= fork.prompt_tokens, fork
+    assert fork.read_by_content >= fork.prompt_tokens - fork.computed - BLOCK, fork
 
 
 async def test_a_fork_reads_its_parent_s_kv_and_answers_as_with_reuse_off(
@@ -263,12 +271,14 @@ async def test_four_forks_at_once_all_read_the_parent_s_kv(
 
     after = await poll_until(all_four, 30, "P's metrics counting four prefills")
     assert after is not None
-    prompts = sum(prompt for _, _, _, prompt, _ in answers)
+    prompts = sum(prompt for _, _, _, prompt, _, _ in answers)
     assert after.reads - before.reads == 4
+    # Each fork's answer says P read the parent's KV by content.
+    assert all(read > 0 for *_, read in answers), answers
     assert after.computed_tokens - before.computed_tokens <= (
         prompts - 4 * parent.token_count + 4 * 2 * BLOCK
     )
-    for fork, (text, _, _, _, _) in zip(forks, answers, strict=True):
+    for fork, (text, *_) in zip(forks, answers, strict=True):
         off = await turn(stack, http, fork, None, plain_router)
         assert text == off.text  # no stale block read: every answer as with reuse off
     still = await current_lease(stack.registry_address, "acme/parent-4")

@@ -149,6 +149,8 @@ def test_a_fork_waits_for_its_match_then_reads_the_parent_s_prefix_without_freei
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     params = params_of(request)
     assert params[FORK_KEY] and params["remote_num_tokens"] == 160
+    # What the prefill engine will tell the router it read by content.
+    assert handles.content_read_tokens(params) == 160
     # The read's completion names no request the decode node retains: it frees nothing.
     assert params["remote_request_id"] != "d-parent"
     assert params["remote_request_id"].startswith("HB:")

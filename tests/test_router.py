@@ -27,7 +27,7 @@ from kvbroker.cli.main import app as cli
 from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.common.process.credentials import load_api_keys, token_digest
 from kvbroker.common.process.ports import free_port
-from kvbroker.common.rules.handles import DECIDED_KEY, decode_local_params
+from kvbroker.common.rules.handles import CONTENT_READ_KEY, DECIDED_KEY, decode_local_params
 from kvbroker.common.rules.ids import MAX_ID_LENGTH
 from kvbroker.common.rules.sessionless import is_sessionless
 from kvbroker.controlplane.config import RegistryConfig
@@ -168,6 +168,27 @@ async def test_two_legs_with_session_and_handle(fleet: Fleet, stub: RegistryServ
         assert len(params["kvbroker_block_hashes"]) == len(lease.block_hashes)
         assert "conversation_id" not in fleet.decode.received[-1]
         assert fleet.decode.received[-1]["session_id"] == "conv-1"
+
+
+@pytest.mark.parametrize(("said", "header"), [(480, "480"), ("lots", None), (True, None)])
+async def test_a_read_by_content_is_said_and_kept_from_the_decode_leg(
+    fleet: Fleet, said: object, header: str | None
+) -> None:
+    """A new conversation whose prefill engine read retained KV by content (a fork): the
+    registry planned it as new (MISS), the answer says how many tokens P read, and the decode
+    leg gets none of it; a value that is not a count is said nowhere."""
+    for engine in fleet.prefills:
+        engine.read_by_content = said
+    async with httpx.AsyncClient() as client:
+        answer = await client.post(
+            f"{fleet.router_url}/v1/chat/completions",
+            json=CHAT,
+            headers={"X-Session-ID": f"conv-fork-{said}"},
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kvbroker-decision"] == "MISS"
+    assert answer.headers.get("x-kvbroker-read-by-content") == header
+    assert CONTENT_READ_KEY not in fleet.decode.received[-1]["kv_transfer_params"]
 
 
 async def test_a_short_follow_up_goes_straight_to_the_holder(

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from kvbroker.common.process.ports import free_port
+from kvbroker.common.rules.handles import CONTENT_READ_KEY
 
 
 class FakeEngine:
@@ -55,6 +56,9 @@ class FakeEngine:
         # many times /metrics was asked (a test waits for the sidecar's probes to read it).
         self.metrics_body: str | None = None
         self.metrics_scrapes = 0
+        # When set, a prefill leg's answer says it read this (kvbroker's CONTENT_READ_KEY, as
+        # a prefill engine that matched the prompt by content does).
+        self.read_by_content: object = None
         self._serving: contextlib.AsyncExitStack | None = None
 
     @property
@@ -68,6 +72,8 @@ class FakeEngine:
         if params.get("do_remote_decode"):
             params = {"do_remote_prefill": True, "remote_engine_id": f"engine-{self.name}",
                       "remote_request_id": "p-req", "remote_block_ids": [[0, 1]]}  # fmt: skip
+            if self.read_by_content is not None:
+                params[CONTENT_READ_KEY] = self.read_by_content
         return params
 
     def kv_cache_usage(self) -> float:

@@ -33,6 +33,11 @@ DECIDED_KEY = "kvbroker_decided"
 EPOCH_KEY = "kvbroker_epoch"
 BLOCK_HASHES_KEY = "kvbroker_block_hashes"
 HASH_STRIDE_KEY = "kvbroker_hash_stride"
+# Set by the prefill engine on the transfer parameters it answers with when it read the
+# turn's history from a lease it found by content (a fork, a sessionless turn): the tokens it
+# accepted to read. The router planned such a turn as new (MISS) and learns of the read only
+# so (``content_read_tokens``).
+CONTENT_READ_KEY = "kvbroker_read_by_content"
 # vLLM 0.33+: the decode engine's KV registration generation (absent on 0.32: 0).
 REGISTRATION_GENERATION_KEY = "remote_registration_generation"
 # vLLM's keys that describe the decode node's retained blocks.
@@ -133,6 +138,13 @@ def session_of(session_field: str | None, params: Mapping[str, Any] | None) -> s
         return session_field
     carried = params.get(SESSION_KEY) if params else None
     return carried if isinstance(carried, str) and carried else None
+
+
+def content_read_tokens(params: Mapping[str, Any] | None) -> int:
+    """The tokens a prefill engine read by content for the turn (``CONTENT_READ_KEY``; 0:
+    none, or a value that is not a count)."""
+    tokens = params.get(CONTENT_READ_KEY) if params else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 0
 
 
 def strip_handle(params: dict[str, Any]) -> None:
