@@ -308,13 +308,15 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         finished = self._finished(request, block_ids)
         session = _session(request)
         out = finished[1]
-        if out is not None and session and params and params.get("do_remote_decode"):
-            # P's leg: the decode engine retains the turn under the conversation even when the
-            # router gave it no session id.
-            out[handles.SESSION_KEY] = session
-        if out is not None and handles.content_read_tokens(params):
-            # The router planned the turn as new: it learns of the read by content so.
-            out[handles.CONTENT_READ_KEY] = handles.content_read_tokens(params)
+        if out is not None and params and params.get("do_remote_decode"):
+            if session:
+                # P's leg: the decode engine retains the turn under the conversation even when
+                # the router gave it no session id.
+                out[handles.SESSION_KEY] = session
+            if handles.content_read_tokens(params):
+                # The router planned the turn as new: it learns of the read by content so
+                # (from P's leg only: a decode leg that a foreign router relayed it to is mute).
+                out[handles.CONTENT_READ_KEY] = handles.content_read_tokens(params)
         if (
             self.link is not None
             and session
