@@ -313,10 +313,11 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
                 # P's leg: the decode engine retains the turn under the conversation even when
                 # the router gave it no session id.
                 out[handles.SESSION_KEY] = session
-            if handles.content_read_tokens(params):
+            read_by_content = handles.content_read_tokens(params)
+            if read_by_content:
                 # The router planned the turn as new: it learns of the read by content so
                 # (from P's leg only: a decode leg that a foreign router relayed it to is mute).
-                out[handles.CONTENT_READ_KEY] = handles.content_read_tokens(params)
+                out[handles.CONTENT_READ_KEY] = read_by_content
         if (
             self.link is not None
             and session
