@@ -29,6 +29,12 @@ scheduler thread; when the sidecar or registry cannot answer in time it fails op
 request goes on as sent: no reuse), except a conditional request, which is refused (it has a
 fallback and nothing was confirmed). The registry stays the one authority: it claims, fences
 and plans exactly as for kvbroker's router.
+
+Given the router's keys file (``kvbroker_api_keys``) or the tenants' session keys
+(``kvbroker_session_keys``), the middleware takes no session id as given: it applies the tenant
+rule (``kvbroker.common.rules.tenants.ScopedSessions``), so a request resolves only its own
+tenant's conversation (its API key's, or its signed session id's) and anything else is served
+as a plain turn; an API key the file does not hold is refused with 401.
 """
 
 from __future__ import annotations
@@ -42,10 +48,10 @@ from typing import Any
 
 import grpc
 
-from kvbroker.common.process.credentials import load_api_keys
+from kvbroker.common.process.credentials import load_api_keys, load_session_keys
 from kvbroker.common.rules import handles
 from kvbroker.common.rules.prompt_size import PromptSize, PromptText
-from kvbroker.common.rules.tenants import ApiKeys, KeyRefusal, KeyRefused, Tenant
+from kvbroker.common.rules.tenants import KeyRefused, ScopedSessions
 from kvbroker.engine_ext import vllm_compat
 from kvbroker.engine_ext.settings import KvBrokerSettings
 from kvbroker.v1 import registry_pb2, sidecar_pb2, sidecar_pb2_grpc
@@ -153,7 +159,7 @@ class SessionReuse:
         self.app = app
         self._sidecar: sidecar_pb2_grpc.SidecarServiceStub | None = None
         self._read_settings: KvBrokerSettings | None = None
-        self._api_keys: ApiKeys | None = None
+        self._scoped_sessions: ScopedSessions | None = None
         self._timeout_s = KvBrokerSettings.lease_check_timeout_s
         self._sizes = PromptSize()
 
@@ -182,18 +188,19 @@ class SessionReuse:
         body = _json_object(raw)
         turn = read_turn(scope["headers"], body) if body is not None else None
         if turn is not None and body is not None and not turn.prepared:
-            keys = self._keys(scope)
-            if keys is not None:
+            sessions = self._sessions(scope)
+            if sessions is not None:
                 try:
-                    tenant: Tenant | None = keys.tenant(
-                        _header(scope, b"authorization"), _header(scope, API_KEY_HEADER)
+                    # "" (no key nor a verified signed id, or another tenant's): a plain turn.
+                    conversation = sessions.conversation(
+                        turn.session_id,
+                        _header(scope, b"authorization"),
+                        _header(scope, API_KEY_HEADER),
                     )
-                except KeyRefused as refused:
-                    if refused.refusal is KeyRefusal.UNKNOWN:
-                        await _refuse(send, 401, "Incorrect API key provided.", "invalid_api_key")
-                        return
-                    tenant = None  # no key (a router that forwards none): a plain turn
-                scope = _scoped(scope, body, tenant.conversation(turn.session_id) if tenant else "")
+                except KeyRefused:
+                    await _refuse(send, 401, "Incorrect API key provided.", "invalid_api_key")
+                    return
+                scope = _scoped(scope, body, conversation)
                 raw = json.dumps(body).encode()
                 scope = _with_length(scope, len(raw))
                 forward = _replay(raw, receive)
@@ -261,15 +268,19 @@ class SessionReuse:
             )
         return self._read_settings
 
-    def _keys(self, scope: Scope) -> ApiKeys | None:
-        """The tenants' keys, when the engine is given a keys file (None: an open door).
-        A file it cannot read stops every session here rather than serving it open."""
+    def _sessions(self, scope: Scope) -> ScopedSessions | None:
+        """The tenant rule, when the engine is given a keys file or a session keys file
+        (None: an open door). A file it cannot read stops every session here rather than
+        serving it open."""
         settings = self._settings(scope)
-        if settings is None or not settings.api_keys:
+        if settings is None or not (settings.api_keys or settings.session_keys):
             return None
-        if self._api_keys is None:
-            self._api_keys = load_api_keys(Path(settings.api_keys))
-        return self._api_keys
+        if self._scoped_sessions is None:
+            self._scoped_sessions = ScopedSessions(
+                load_api_keys(Path(settings.api_keys)) if settings.api_keys else None,
+                load_session_keys(Path(settings.session_keys)) if settings.session_keys else None,
+            )
+        return self._scoped_sessions
 
     def _stub(self, scope: Scope) -> sidecar_pb2_grpc.SidecarServiceStub | None:
         """The sidecar, from the engine's own connector settings (None: it has none)."""

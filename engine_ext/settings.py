@@ -64,12 +64,19 @@ class KvBrokerSettings:
     # (``kvbroker.common.rules.tenants``), and a request without a key as a plain turn. Empty:
     # every session id is taken as given (an engine port only trusted callers reach).
     api_keys: str = ""
+    # A session keys file (``TENANT SESSION_KEY_HEX`` lines, ``kvbroker tenant key``; a
+    # secret): a signed session id (``kvbroker tenant session-id``) then resolves to its
+    # tenant's conversation when its signature verifies, for clients behind a router that
+    # forwards no API key (``vllm-router``). With either file set, a session id that neither
+    # a key nor a signature vouches for is served as a plain turn.
+    session_keys: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> KvBrokerSettings:
         return cls(
             sidecar=str(extra.get("kvbroker_sidecar", "")),
             api_keys=str(extra.get("kvbroker_api_keys", "")),
+            session_keys=str(extra.get("kvbroker_session_keys", "")),
             recompute_threshold=int(extra.get("kv_recompute_threshold", cls.recompute_threshold)),
             hard_cap_s=float(extra.get("decoder_kv_blocks_ttl", cls.hard_cap_s)),
             lease_check_timeout_s=float(

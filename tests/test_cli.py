@@ -13,8 +13,10 @@ import pytest
 
 from kvbroker.cli.sidecar import Role
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.process.credentials import load_api_keys, load_session_keys
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.labels import by_lower_label
+from kvbroker.common.rules.tenants import Tenant
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.testing.processes import RegistryProcess
@@ -488,3 +490,31 @@ async def test_bad_tls_files_are_one_sentence_naming_the_file(
 
 def test_sidecar_roles_are_the_node_role_labels() -> None:
     assert [role.value for role in Role] == list(by_lower_label(node_pb2.NodeRole))
+
+
+async def test_a_tenant_s_key_its_files_lines_and_its_signed_session_ids(tmp_path: Path) -> None:
+    """``kvbroker tenant key`` prints a key and the lines the keys file and the session keys
+    file accept for it; ``tenant session-id`` signs with the key from the environment, and
+    only the tenant's session key verifies the result."""
+    made = await run_cli("tenant", "key", "acme")
+    assert made.code == 0, made.stderr
+    printed = dict(line.split(":", 1) for line in made.stdout.splitlines())
+    key = printed["key"].strip()
+    (tmp_path / "api-keys").write_text(printed["api-keys line"].strip() + "\n")
+    (tmp_path / "session-keys").write_text(printed["session-keys line"].strip() + "\n")
+    assert load_api_keys(tmp_path / "api-keys").tenant(f"Bearer {key}") == Tenant("acme")
+    session_keys = load_session_keys(tmp_path / "session-keys")
+
+    signed = await run_cli(
+        "tenant", "session-id", "conv-1", "--tenant", "acme", env={"KVBROKER_API_KEY": key}
+    )
+    assert signed.code == 0, signed.stderr
+    assert session_keys.conversation(signed.stdout.strip()) == "acme/conv-1"
+    wrong = await run_cli(
+        "tenant", "session-id", "conv-1", "--tenant", "acme", env={"KVBROKER_API_KEY": "other"}
+    )
+    assert wrong.code == 0, wrong.stderr
+    assert session_keys.conversation(wrong.stdout.strip()) == ""
+
+    refused = await run_cli("tenant", "key", "a/b")
+    assert refused.code == 2 and "tenant 'a/b'" in refused.stderr

@@ -1,7 +1,8 @@
 """The engine's session middleware as an ASGI app in front of a recording one: a body it will
 not read whole is refused with 413, never handed on cut short; a body it reads is handed on
 whole, however it arrived; a client gone mid-body gets nothing sent and the engine no request;
-with a keys file, a session is its key's tenant's and a request without a key is a plain turn.
+with a keys file, a session is its key's tenant's and a request without a key is a plain turn;
+with session keys, a signed session id resolves only when its signature is its tenant's.
 (The resolving itself runs on real engines in tests/test_e2e_fleets.py.)"""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvbroker.common.process.credentials import fresh_credential
+from kvbroker.common.rules.tenants import Tenant, session_key, sign_session
 from kvbroker.engine_ext import session_reuse
 from kvbroker.engine_ext.session_reuse import Message, Receive, Scope, Send, SessionReuse
 from kvbroker.engine_ext.settings import KvBrokerSettings
@@ -177,3 +179,60 @@ async def test_an_open_engine_takes_session_ids_as_given(tmp_path: Path) -> None
     sent = await send_through(SessionReuse(engine), {**CHAT, "session_id": "acme/conv-1"}, [])
     assert sent[0]["status"] == 200
     assert json.loads(engine.bodies[-1])["session_id"] == "acme/conv-1"
+
+
+def signing(tmp_path: Path) -> tuple[SessionReuse, Engine, dict[str, str]]:
+    """The middleware of an engine given only the session keys of tenants ``acme`` and
+    ``globex`` (as behind ``vllm-router``, which forwards no key); their API keys."""
+    keys = {"acme": "acme-api-key", "globex": "globex-api-key"}
+    session_keys = tmp_path / "session-keys"
+    session_keys.write_text("".join(f"{t} {session_key(k)}\n" for t, k in keys.items()))
+    engine = Engine()
+    middleware = SessionReuse(engine)
+    middleware._read_settings = KvBrokerSettings(session_keys=str(session_keys))
+    return middleware, engine, keys
+
+
+async def test_a_signed_session_id_resolves_only_its_own_tenant_s_conversation(
+    tmp_path: Path,
+) -> None:
+    """A session id signed with the tenant's key names ``TENANT/SESSION``; one signed with
+    another tenant's key, tampered with, or not signed at all names nothing (a plain turn)."""
+    middleware, engine, keys = signing(tmp_path)
+    acme, globex = Tenant("acme"), Tenant("globex")
+    own = sign_session(keys["globex"], globex, "conv-b")
+    forged = sign_session(keys["acme"], globex, "conv-b")  # acme's key, globex's name
+    tampered = own.replace("conv-b", "conv-c")
+    for session, resolved in (
+        (own, "globex/conv-b"),
+        (sign_session(keys["acme"], acme, "conv-a"), "acme/conv-a"),
+        (forged, None),
+        (tampered, None),
+        ("globex/conv-b", None),
+        ("conv-b", None),
+    ):
+        sent = await send_through(middleware, {**CHAT, "session_id": session}, [])
+        assert sent[0]["status"] == 200
+        assert json.loads(engine.bodies[-1]).get("session_id") == resolved, session
+
+
+async def test_a_key_s_client_cannot_use_another_tenant_s_signed_session_id(
+    tmp_path: Path,
+) -> None:
+    """With both files, a request with acme's key and a session id globex signed resolves
+    nothing: a key's client names only its own tenant's conversations."""
+    middleware, engine, keys = signing(tmp_path)
+    token, line = fresh_credential("acme")
+    api_keys = tmp_path / "api-keys"
+    api_keys.write_text(line + "\n")
+    middleware._read_settings = KvBrokerSettings(
+        api_keys=str(api_keys), session_keys=str(tmp_path / "session-keys")
+    )
+    headers = [(b"authorization", f"Bearer {token}".encode())]
+    theirs = sign_session(keys["globex"], Tenant("globex"), "conv-b")
+    sent = await send_through(middleware, {**CHAT, "session_id": theirs}, headers)
+    assert sent[0]["status"] == 200
+    assert "session_id" not in json.loads(engine.bodies[-1])
+    ours = sign_session(keys["acme"], Tenant("acme"), "conv-a")
+    await send_through(middleware, {**CHAT, "session_id": ours}, headers)
+    assert json.loads(engine.bodies[-1])["session_id"] == "acme/conv-a"

@@ -19,6 +19,7 @@ from kvbroker.cli.registry import registry_app
 from kvbroker.cli.router import router_app
 from kvbroker.cli.sidecar import sidecar_app
 from kvbroker.cli.stack import demo, up
+from kvbroker.cli.tenant import tenant_app
 
 app = typer.Typer(
     name="kvbroker",
@@ -32,6 +33,7 @@ app.add_typer(node_app, name="node")
 app.add_typer(sidecar_app, name="sidecar")
 app.add_typer(router_app, name="router")
 app.add_typer(placement_app, name="placement")
+app.add_typer(tenant_app, name="tenant")
 app.command("up")(up)
 app.command("demo")(demo)
 app.add_typer(bench_app, name="bench")

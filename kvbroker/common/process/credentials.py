@@ -2,7 +2,9 @@
 token's SHA-256 in lower-case hex, as ``token_digest`` writes it), ``#`` comments and blank
 lines skipped. The registry's ``--credentials`` (holders ``ROLE[:NODE_ID:
 NODE_ROLE]``) and the router's ``--api-keys`` (holders tenants) are both read here, and a
-presented token is looked up by ``token_digest``, the one digest both use.
+presented token is looked up by ``token_digest``, the one digest both use. The tenants'
+session keys (``TENANT SESSION_KEY_HEX``, ``kvbroker.common.rules.tenants.session_key``) have
+the same form and reader, but are secrets: they sign session ids.
 
 The reader is strict because it guards a door: a file it half-reads (a byte-order mark, CRLF
 line ends, an upper-case digest) would otherwise drop or mangle a
@@ -20,9 +22,15 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvbroker.common.rules.digests import token_digest
-from kvbroker.common.rules.tenants import ApiKeys, parse_tenant
+from kvbroker.common.rules.tenants import ApiKeys, SessionKeys, parse_tenant
 
-__all__ = ["fresh_credential", "load_api_keys", "read_digest_file", "token_digest"]
+__all__ = [
+    "fresh_credential",
+    "load_api_keys",
+    "load_session_keys",
+    "read_digest_file",
+    "token_digest",
+]
 
 H = TypeVar("H")
 
@@ -73,7 +81,7 @@ def read_digest_file(path: Path, holder: Callable[[str], H], form: str) -> dict[
         if len(digest) != DIGEST_LENGTH or not _LOWER_HEX.issuperset(digest):
             raise ValueError(
                 f"{path}:{number}: the digest is not {DIGEST_LENGTH} lower-case hex digits "
-                "(a token's SHA-256 as 'kvbroker registry credential' prints it)"
+                "(as 'kvbroker registry credential' or 'kvbroker tenant key' prints it)"
             )
         try:
             parsed = holder(who)
@@ -91,3 +99,10 @@ def load_api_keys(path: Path) -> ApiKeys:
     """A keys file (``TENANT SHA256_HEX`` lines) as the tenants' keys; raises ValueError naming
     the line of a malformed file, or a file with no key (which would refuse every client)."""
     return ApiKeys(read_digest_file(path, parse_tenant, "TENANT SHA256_HEX"))
+
+
+def load_session_keys(path: Path) -> SessionKeys:
+    """A session keys file (``TENANT SESSION_KEY_HEX`` lines, as ``kvbroker tenant key``
+    prints them) as the keys signed session ids are verified with; raises ValueError as
+    ``load_api_keys`` does."""
+    return SessionKeys.of(read_digest_file(path, parse_tenant, "TENANT SESSION_KEY_HEX"))

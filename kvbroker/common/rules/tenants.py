@@ -11,11 +11,26 @@ tenant's ids can have. The id limit (``kvbroker.common.rules.ids``) applies to t
 
 A door without a keys file is open: every client is the one unnamed tenant, and session ids
 reach the registry as they are (trusted clients only: any of them can name any conversation).
+
+A router that forwards no client header to the engines (``vllm-router`` forwards only the
+body's session id) leaves a keyed engine nothing to learn the tenant from. For it a client
+sends a **signed session id** (``sign_session``): ``kvbs1~TENANT~MAC~SESSION``, where MAC is
+an HMAC of ``TENANT/SESSION`` keyed by the tenant's *session key*, itself derived from the API
+key (``session_key``). A door that holds the tenants' session keys (``SessionKeys``: a file of
+``TENANT SESSION_KEY_HEX`` lines, a secret, unlike the keys file) verifies it and resolves
+``TENANT/SESSION``, the conversation the same client's key would name; a signature that does
+not verify resolves nothing. The session key is a derivation, not the API key itself nor the
+keys file's digest, so an engine that can verify a tenant's session ids cannot call the router
+as that tenant, and the keys file stays free of secrets.
+``ScopedSessions`` is the rule such a door (an engine's session middleware, the placement
+hop) applies to every request: the API key's tenant, else the signature's, else nothing.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -100,3 +115,112 @@ class ApiKeys:
         if tenant is None:
             raise KeyRefused(KeyRefusal.UNKNOWN)
         return tenant
+
+
+# A signed session id: ``kvbs1~TENANT~MAC~SESSION`` (a tenant's name holds no ``~``).
+SIGNED_PREFIX = "kvbs1~"
+_SIGNED_SEPARATOR = "~"
+# What a session key is derived for, so that it is no other HMAC of the API key.
+_SESSION_KEY_CONTEXT = b"kvbroker session key v1"
+# The MAC's length in hex digits (128 bits).
+_MAC_DIGITS = 32
+
+
+def session_key(api_key: str) -> str:
+    """The secret (64 hex digits) a door verifies its tenant's signed session ids with:
+    HMAC-SHA256 of a fixed context keyed by the API key. Knowing it lets one sign session ids
+    as the tenant, never call a router with its key."""
+    return hmac.new(api_key.encode(), _SESSION_KEY_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def _mac(key_hex: str, conversation: str) -> str:
+    digest = hmac.new(bytes.fromhex(key_hex), conversation.encode(), hashlib.sha256)
+    return digest.hexdigest()[:_MAC_DIGITS]
+
+
+def sign_session(api_key: str, tenant: Tenant, session: str) -> str:
+    """The session id a client of ``tenant`` holding ``api_key`` sends where no router
+    forwards its key: names its tenant and session, and proves the key. Raises ValueError for
+    an open tenant, an empty session or one whose conversation id would be over the limit."""
+    if not tenant.name:
+        raise ValueError("a signed session id names a tenant")
+    if not session:
+        raise ValueError("a signed session id names a session")
+    if len(session) > tenant.id_limit:
+        raise ValueError(
+            f"session id is {len(session)} characters long; tenant {tenant.name!r}'s limit is "
+            f"{tenant.id_limit}"
+        )
+    mac = _mac(session_key(api_key), tenant.conversation(session))
+    return _SIGNED_SEPARATOR.join((SIGNED_PREFIX + tenant.name, mac, session))
+
+
+@dataclass(frozen=True)
+class SessionKeys:
+    """The session keys a door verifies signed session ids with: tenant -> its keys (hex;
+    several for a tenant with several API keys)."""
+
+    keys: Mapping[Tenant, frozenset[str]]
+
+    @classmethod
+    def of(cls, by_key: Mapping[str, Tenant]) -> SessionKeys:
+        """From a file's form: each session key -> its tenant."""
+        keys: dict[Tenant, set[str]] = {}
+        for key, tenant in by_key.items():
+            keys.setdefault(tenant, set()).add(key)
+        return cls({tenant: frozenset(held) for tenant, held in keys.items()})
+
+    def conversation(self, signed: str) -> str:
+        """The conversation a signed session id names when its MAC verifies with one of its
+        tenant's keys; "" otherwise (not signed, an unknown tenant, a forged or foreign MAC)."""
+        if not signed.startswith(SIGNED_PREFIX):
+            return ""
+        fields = signed[len(SIGNED_PREFIX) :].split(_SIGNED_SEPARATOR, 2)
+        if len(fields) != 3 or not fields[2]:
+            return ""
+        name, mac, session = fields
+        tenant = Tenant(name)
+        if len(session) > tenant.id_limit:
+            return ""
+        conversation = tenant.conversation(session)
+        for key in self.keys.get(tenant, ()):
+            if hmac.compare_digest(_mac(key, conversation), mac):
+                return conversation
+        return ""
+
+
+@dataclass(frozen=True)
+class ScopedSessions:
+    """The tenant rule at a door that takes no session id as given (an engine's session
+    middleware, the placement hop): a request's session resolves to its tenant's
+    conversation, or to none (a plain turn, no pin)."""
+
+    keys: ApiKeys | None = None
+    signed: SessionKeys | None = None
+
+    def conversation(self, session: str, authorization: str | None, api_key: str | None) -> str:
+        """The conversation ``session`` names for this request ("": none):
+
+        - a signed session id (``sign_session``): its own when its signature verifies and no
+          API key names another tenant;
+        - any other id: its API key's tenant's (``Tenant.conversation``);
+        - without a key (a router that forwards none): none.
+
+        Raises ``KeyRefused`` (``UNKNOWN``) for an API key the keys file does not hold: the
+        door decides whether that is a refusal (the engine's 401) or a request left as sent
+        (the hop's)."""
+        tenant: Tenant | None = None
+        if self.keys is not None:
+            try:
+                tenant = self.keys.tenant(authorization, api_key)
+            except KeyRefused as refused:
+                if refused.refusal is not KeyRefusal.MISSING:
+                    raise
+        if not session:
+            return ""
+        if session.startswith(SIGNED_PREFIX):
+            signed = self.signed.conversation(session) if self.signed is not None else ""
+            if tenant is not None and tenant_of(signed) != tenant.name:
+                return ""  # a key's client may name only its own tenant's conversations
+            return signed
+        return tenant.conversation(session) if tenant is not None else ""
