@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvbroker.common.rules.tenants import ScopedSessions
+
 # The gRPC service Envoy's ext_proc filter calls.
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # The dynamic metadata namespace GIE's endpoint-picker protocol reads the endpoint subset an
@@ -41,6 +43,11 @@ class PlacementConfig:
     # At most this many registry hints a second, the hop as a whole: past it a request goes on
     # unchanged (no pin), so a flood of requests never becomes a flood of registry calls.
     max_hints_per_s: float = 2000.0
+    # The tenant rule for the clients' session ids (the router's keys file, the engines'
+    # session keys): a session is asked about as its tenant's conversation, and a request
+    # whose session neither a key nor a signature vouches for goes on unchanged. None: the
+    # session header is the conversation id as sent (clients the gateway trusts).
+    sessions: ScopedSessions | None = None
 
     def __post_init__(self) -> None:
         for name in ("hint_timeout_s", "max_hints_per_s"):

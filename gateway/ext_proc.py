@@ -9,6 +9,10 @@ fails open: when the registry is slow (past ``hint_timeout_s``), away or answers
 is retained, the request goes on exactly as sent and the fleet's router places it as it would.
 The engine the turn reaches resolves its own handle (``engine_ext/session_reuse.py``), so
 reuse stays correct whatever is picked; the hop only makes it likely to be fast.
+
+With the tenants' keys (``PlacementConfig.sessions``) the hop applies the engines' tenant rule
+to the session header, so a client can never have the hop ask about, or steer by, another
+tenant's conversation.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvbroker.common.client.grpc_client import AUTH_METADATA_KEY
 from kvbroker.common.process.credentials import token_digest
 from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.placement import DYNAMO_PINS, SUBSET_HEADER, pinned_endpoints, pins
+from kvbroker.common.rules.tenants import KeyRefused
 from kvbroker.gateway.config import SUBSET_NAMESPACE, Mode, PlacementConfig
 from kvbroker.gateway.envoy_v3.envoy.config.core.v3 import base_pb2
 from kvbroker.gateway.envoy_v3.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -158,8 +163,24 @@ class PlacementProcessor:
                 # the same stream; each passes unchanged.
                 yield _unchanged(phase)
 
+    def conversation(self, headers: Mapping[str, str]) -> str:
+        """The conversation a request continues ("": none to pin): its session header, scoped
+        by the tenant rule when the hop has one. Envoy hands the hop the client's own headers,
+        so its key (or signed session id) names the tenant; a request without either, or with
+        a key the file does not hold, is pinned nowhere and goes on unchanged (the router or
+        engine behind answers for the key)."""
+        session = session_of(headers)
+        if self.config.sessions is None or not session:
+            return session
+        try:
+            return self.config.sessions.conversation(
+                session, headers.get("authorization"), headers.get("x-api-key")
+            )
+        except KeyRefused:
+            return ""
+
     async def on_request_headers(self, message: ep.HttpHeaders) -> ep.ProcessingResponse:
-        session = session_of(request_headers(message))
+        session = self.conversation(request_headers(message))
         if not session:
             return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
         if not self.budget.take():

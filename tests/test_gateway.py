@@ -22,9 +22,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint
-from kvbroker.common.process.credentials import fresh_credential
+from kvbroker.common.process.credentials import fresh_credential, token_digest
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import Announces, ChildProcess
+from kvbroker.common.rules.tenants import (
+    ApiKeys,
+    ScopedSessions,
+    SessionKeys,
+    Tenant,
+    session_key,
+    sign_session,
+)
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.gateway.config import EXT_PROC_SERVICE, Mode, PlacementConfig
 from kvbroker.gateway.envoy_v3.envoy.config.core.v3 import base_pb2
@@ -350,6 +358,54 @@ async def test_with_credentials_only_an_authenticated_envoy_gets_pins(
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+async def test_with_tenants_keys_a_session_is_pinned_only_for_its_own_tenant(
+    stack: AsyncExitStack,
+    tmp_path: Path,
+    registry_server: RunningRegistry,
+    stub: RegistryServiceStub,
+) -> None:
+    """Given the tenants' keys, the hop asks about a session as its client's tenant's: tenant
+    B's session id sent with A's key, with no key, with a key the file does not hold, or
+    signed with A's key in B's name pins nothing (the request is served unchanged); B's own
+    key, or B's signed session id, pins B's conversation to the node holding its KV. B's lease
+    keeps its id and epoch throughout."""
+    keys = {"acme": "acme-api-key", "globex": "globex-api-key"}
+    sessions = ScopedSessions(
+        ApiKeys({token_digest(key): Tenant(name) for name, key in keys.items()}),
+        SessionKeys.of({session_key(key): Tenant(name) for name, key in keys.items()}),
+    )
+    hop = await start_hop(stack, registry_server.address, sessions=sessions)
+    chain = await start_chain(stack, tmp_path, hop.address)
+    nodes = decode_nodes(chain)
+    globex = Tenant("globex")
+    async with Heartbeats(stub, *nodes), httpx.AsyncClient(timeout=10) as http:
+        lease = await grant(stub, nodes[2], globex.conversation("conv-b"), "req-1", tokens=512)
+        refused = (
+            {"x-session-id": "conv-b", "authorization": f"Bearer {keys['acme']}"},
+            {"x-session-id": "globex/conv-b", "authorization": f"Bearer {keys['acme']}"},
+            {"x-session-id": "conv-b"},
+            {"x-session-id": "globex/conv-b"},
+            {"x-session-id": "conv-b", "authorization": "Bearer not-a-key"},
+            {"x-session-id": sign_session(keys["acme"], globex, "conv-b")},
+            {
+                "x-session-id": sign_session(keys["globex"], globex, "conv-b"),
+                "authorization": f"Bearer {keys['acme']}",
+            },
+        )
+        for headers in refused:
+            assert (await chain.chat(http, **headers)).status_code == 200
+            assert chain.picker.picks[-1].subset is None, headers
+        for headers in (
+            {"x-session-id": "conv-b", "authorization": f"Bearer {keys['globex']}"},
+            {"x-session-id": "conv-b", "x-api-key": keys["globex"]},
+            {"x-session-id": sign_session(keys["globex"], globex, "conv-b")},
+        ):
+            assert (await chain.chat(http, **headers)).status_code == 200
+            assert chain.picker.picks[-1].subset == [chain.endpoint(1), PREFILL], headers
+        after = await stub.GetLease(registry_pb2.GetLeaseRequest(lease_id=lease.lease_id))
+    assert (after.lease.lease_id, after.lease.epoch) == (lease.lease_id, lease.epoch)
+
+
 def headers_message(session: str) -> ep.ProcessingRequest:
     """The request-headers message Envoy sends for a request of ``session``."""
     header = base_pb2.HeaderValue(key="x-session-id", raw_value=session.encode())
@@ -463,6 +519,8 @@ async def test_the_cli_serves_the_hop_with_health(
         (["--listen", "nowhere"], "HOST:PORT"),
         (["--hint-timeout", "0"], "0 is not above 0 seconds"),
         (["--mode", "epp"], "epp"),
+        (["--api-keys", "/nonexistent/api-keys"], "cannot read /nonexistent/api-keys"),
+        (["--session-keys", "/nonexistent/keys"], "cannot read /nonexistent/keys"),
     ],
 )
 async def test_the_cli_refuses_bad_flags_clearly(flags: list[str], says: str) -> None:

@@ -22,7 +22,13 @@ from kvbroker.cli.options import (
 )
 from kvbroker.cli.output import fail
 from kvbroker.common.client.grpc_client import RegistryEndpoint
-from kvbroker.common.process.credentials import fresh_credential, read_digest_file
+from kvbroker.common.process.credentials import (
+    fresh_credential,
+    load_api_keys,
+    load_session_keys,
+    read_digest_file,
+)
+from kvbroker.common.rules.tenants import ScopedSessions
 from kvbroker.gateway.config import Mode, PlacementConfig
 
 placement_app = typer.Typer(
@@ -77,6 +83,24 @@ def placement_serve(
             "goes on unchanged.",
         ),
     ] = PlacementConfig.max_hints_per_s,
+    api_keys: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_API_KEYS",
+            help="The tenants' API keys (the router's --api-keys file, 'TENANT SHA256_HEX' "
+            "lines): a session is its client's key's tenant's, and a request without a key the "
+            "file holds is pinned nowhere. Unset (and no --session-keys): session headers are "
+            "taken as sent.",
+        ),
+    ] = None,
+    session_keys: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KVBROKER_SESSION_KEYS",
+            help="The tenants' session keys ('TENANT SESSION_KEY_HEX' lines, 'kvbroker tenant "
+            "key'; a secret): a signed session id is its tenant's when its signature verifies.",
+        ),
+    ] = None,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
     *,
@@ -92,12 +116,22 @@ def placement_serve(
             digests = frozenset(read_digest_file(credentials, _caller, "CALLER SHA256_HEX"))
         except ValueError as error:
             fail(str(error))
+    sessions = None
+    if api_keys is not None or session_keys is not None:
+        try:
+            sessions = ScopedSessions(
+                load_api_keys(api_keys) if api_keys is not None else None,
+                load_session_keys(session_keys) if session_keys is not None else None,
+            )
+        except ValueError as error:
+            fail(str(error), 2)
     config = PlacementConfig(
         listen=listen,
         mode=mode,
         hint_timeout_s=hint_timeout,
         token_digests=digests,
         max_hints_per_s=max_hints_per_second,
+        sessions=sessions,
     )
     apply_logging_flags(log_level, log_format)
     try:
