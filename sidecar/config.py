@@ -3,6 +3,7 @@ them as its flags' defaults without importing the agent's dependencies."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from kvbroker.v1 import node_pb2
@@ -41,3 +42,23 @@ class SidecarConfig:
     health_timeout_s: float = 1.0
     # Health probes in a row that must time out before the node is reported not ready.
     unready_after_timeouts: int = 3
+
+
+def check_local_listen(listen: str) -> str:
+    """``listen`` if it is where only the node's own processes reach the sidecar: a Unix
+    socket (``unix:PATH``) or a loopback ``HOST:PORT``; ValueError otherwise. The sidecar
+    answers its engine's calls (``ResolveHandle`` names any conversation, ``AttachEngine``
+    speaks for the node) with no credential, so it is never served beyond the node."""
+    if listen.startswith("unix:"):
+        return listen
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(
+            f"the sidecar serves its engine only, on unix:PATH or a loopback address, not "
+            f"{listen!r}: whoever reaches it can resolve any conversation's KV"
+        )
+    return listen

@@ -1,4 +1,9 @@
-"""The engine-facing endpoint: SidecarService on a Unix socket (or loopback TCP)."""
+"""The engine-facing endpoint: SidecarService on a Unix socket (or loopback TCP).
+
+It trusts its caller as the engine it serves: ``ResolveHandle`` names any conversation (the
+engine's session middleware has applied the tenant rule before asking), ``AttachEngine``
+speaks for the node. So it listens only where nothing off the node can reach it
+(``config.check_local_listen``); the socket's directory decides who on the node can."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import grpc
 
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.session import RPC_TIMEOUT_S, SessionLostError
-from kvbroker.v1 import sidecar_pb2, sidecar_pb2_grpc
+from kvbroker.v1 import registry_pb2, sidecar_pb2, sidecar_pb2_grpc
 
 
 class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
@@ -56,6 +61,10 @@ class SidecarServicer(sidecar_pb2_grpc.SidecarServiceServicer):
     ) -> sidecar_pb2.ResolveHandleResponse:
         if not request.conversation_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "conversation_id is required")
+        if request.path not in registry_pb2.TurnPath.values():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"path {request.path} is not a TurnPath"
+            )
         remaining = context.time_remaining()
         try:
             hint = await self.agent.resolve_handle(

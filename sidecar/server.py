@@ -19,7 +19,7 @@ import structlog
 from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.common.process.metrics_http import MetricsTls, serve_metrics
 from kvbroker.sidecar.agent import Agent
-from kvbroker.sidecar.config import SidecarConfig
+from kvbroker.sidecar.config import SidecarConfig, check_local_listen
 from kvbroker.sidecar.local import SidecarServicer
 from kvbroker.v1 import sidecar_pb2_grpc
 
@@ -48,6 +48,7 @@ async def start_sidecar(
     metrics_listen: str | None = None,
     metrics_tls: MetricsTls | None = None,
 ) -> RunningSidecar:
+    check_local_listen(listen)
     agent = Agent(config, registry)
     server = grpc.aio.server()
     sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(SidecarServicer(agent), server)

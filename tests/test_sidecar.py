@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import grpc
 import httpx
@@ -24,12 +25,20 @@ from kvbroker.common.rules.clock import to_duration, to_timestamp
 from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.sidecar.agent import Agent
-from kvbroker.sidecar.config import SidecarConfig
+from kvbroker.sidecar.config import SidecarConfig, check_local_listen
+from kvbroker.sidecar.server import start_sidecar
 from kvbroker.stack import sidecar_command
 from kvbroker.testing.engine import FakeEngine
 from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, node_spec
 from kvbroker.testing.processes import RegistryProcess, sidecar_process
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc, sidecar_pb2
+from kvbroker.v1 import (
+    lease_pb2,
+    node_pb2,
+    registry_pb2,
+    registry_pb2_grpc,
+    sidecar_pb2,
+    sidecar_pb2_grpc,
+)
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from tests.conftest import FAST, eventually, run_cli, spawn_registry
 from tests.test_engine_work import vllm_metrics
@@ -866,3 +875,48 @@ async def test_a_fork_resolves_its_parent_s_prefix_through_its_sidecar(
         finally:
             link.close()
             await sidecar.stop()
+
+
+async def test_resolve_handle_refuses_a_turn_path_it_does_not_know(stack: Stack) -> None:
+    """An unknown turn path (99) is refused naming the field, never answered as a hint."""
+    async with grpc.aio.insecure_channel(f"unix:{stack.socket_path}") as channel:
+        sidecar = sidecar_pb2_grpc.SidecarServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await sidecar.ResolveHandle(
+                sidecar_pb2.ResolveHandleRequest(
+                    conversation_id="conv-1",
+                    path=cast("registry_pb2.TurnPath", 99),  # as a client's wire can carry
+                ),
+                timeout=5,
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "path 99" in (refused.value.details() or "")
+        # The node's session is up once it holds a lease the registry knows.
+        stack.link.retained(retained_blocks("decode-0", "conv-1", "req-1"))
+        await eventually(lambda: live_leases(stack.stub), what="the node's session")
+        async with Heartbeats(stack.stub, node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL)):
+            known = await sidecar.ResolveHandle(
+                sidecar_pb2.ResolveHandleRequest(
+                    conversation_id="conv-1", path=registry_pb2.TURN_PATH_DECODE_LOCAL
+                ),
+                timeout=5,
+            )
+        # A known path is the registry's to answer: this node holds conv-1's live lease.
+        assert known.hint.path == registry_pb2.TURN_PATH_DECODE_LOCAL
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "10.1.2.3:5000", "[::]:0", "node-7:5000"])
+async def test_the_sidecar_is_never_served_beyond_its_node(listen: str) -> None:
+    """ResolveHandle names any conversation and trusts its caller as the engine: the sidecar
+    refuses to listen anywhere but a Unix socket or loopback, in process and on the CLI."""
+    config = SidecarConfig("decode-0", node_pb2.NODE_ROLE_DECODE, "http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="unix:PATH or a loopback address"):
+        await start_sidecar(config, RegistryEndpoint.parse("127.0.0.1:1"), listen)
+    refused = await run_cli(
+        "sidecar", "run", "--registry", "127.0.0.1:1", "--engine-url", "http://127.0.0.1:1",
+        "--role", "decode", "--listen", listen,
+    )  # fmt: skip
+    assert refused.code == 2
+    assert "loopback" in refused.stderr
+    for local in ("unix:/tmp/s.sock", "127.0.0.1:5000", "localhost:5000", "[::1]:5000"):
+        assert check_local_listen(local) == local

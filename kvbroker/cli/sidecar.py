@@ -26,7 +26,7 @@ from kvbroker.common.process.metrics_http import MetricsTls
 from kvbroker.common.process.ports import ensure_free
 from kvbroker.common.process.tls_files import TlsFileError
 from kvbroker.common.rules.labels import by_lower_label
-from kvbroker.sidecar.config import SidecarConfig
+from kvbroker.sidecar.config import SidecarConfig, check_local_listen
 from kvbroker.v1 import node_pb2
 
 sidecar_app = typer.Typer(help="Run the agent beside a vLLM server.", no_args_is_help=True)
@@ -35,8 +35,13 @@ _NODE_ROLES = by_lower_label(node_pb2.NodeRole)
 
 
 def _listen_address(value: str) -> str:
-    """--listen: unix:PATH, or HOST:PORT (checked as every listen address is)."""
-    return value if not value or value.startswith("unix:") else str(host_port(value))
+    """--listen: unix:PATH, or a loopback HOST:PORT (checked as every listen address is)."""
+    if not value or value.startswith("unix:"):
+        return value
+    try:
+        return check_local_listen(str(host_port(value)))
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
 
 
 class Role(StrEnum):
@@ -64,7 +69,8 @@ def sidecar_run(
         typer.Option(
             envvar="KVBROKER_SIDECAR_LISTEN",
             callback=_listen_address,
-            help="Local endpoint for the engine [default: unix:/tmp/kvbroker-NODE.sock].",
+            help="Local endpoint for the engine, unix:PATH or a loopback HOST:PORT (never served "
+            "beyond the node) [default: unix:/tmp/kvbroker-NODE.sock].",
         ),
     ] = "",
     model: Annotated[
