@@ -349,20 +349,23 @@ class Handlers:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        """200 ``ok`` while the registry answers; 200 ``degraded`` while it does not but the
-        last node list can still route plain P/D (a load balancer should keep this router:
-        every other one is in the same place); 503 ``unavailable`` when neither, as every
-        request would get a 503; 503 ``misconfigured`` while the registry refuses this
-        router's credential."""
+        """200 ``ok`` while the registry answers, having taken this router's hint calls as
+        well as its node reads; 200 ``degraded`` while it does not but the last node list can
+        still route plain P/D (a load balancer should keep this router: every other one is in
+        the same place); 503 ``unavailable`` when neither, as every request would get a 503;
+        503 ``misconfigured`` while the registry refuses this router's credential for any
+        call it makes (a node's credential lists nodes but gets no hints)."""
         refused = self.router.registry_refused
         if refused is not None:
             # A configuration error: a rollout of it should stop here, not serve on quietly.
             refusal = f"refused this router's credential: {refused}"
             return JSONResponse({"status": "misconfigured", "registry": refusal}, 503)
         away = self.router.registry_away
-        if away is None:
+        if self.router.registry_confirmed:
             return JSONResponse({"status": "ok"})
-        detail = {"registry": f"unreachable: {away}"}
+        # Not ``ok`` on the node list alone: the registry must have taken a hint call too.
+        why = f"unreachable: {away}" if away else "has not yet answered a hint call"
+        detail = {"registry": why}
         if self.router.can_route_alone():
             serving = "plain P/D from the last known node list, without KV reuse"
             return JSONResponse({"status": "degraded", **detail, "serving": serving})

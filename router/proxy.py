@@ -22,6 +22,7 @@ a bug in the router, logged with its traceback.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,13 @@ _NODE_LIST_TIMEOUT_S = 2.0
 # A registry's answer that this router's credential is not accepted (configuration).
 _CREDENTIAL_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 JSON_HEADERS = {"content-type": "application/json"}
+
+
+class RegistryCall(enum.Enum):
+    """The registry calls a router depends on, each of which its credential may be refused."""
+
+    NODES = "ListNodes"
+    HINTS = "BatchGetRoutingHints"
 
 
 class UpstreamError(Exception):
@@ -126,9 +134,14 @@ class Router:
         self.known_nodes: list[node_pb2.Node] = []
         # Why the registry could not be reached at the last call to it (None: it answered).
         self.registry_away: str | None = "not reached yet"
-        # Why the registry refused this router's credential at the last call (None: it did
-        # not): a configuration error, said in /health and the log, not the registry's absence.
-        self.registry_refused: str | None = None
+        # Why the registry refused this router's credential, by the call it refused (a
+        # credential may allow one call and not another: a node's lists nodes but gets no
+        # hints): a configuration error, said in /health and the log, not the registry's
+        # absence. A refusal ends only when the same call is answered.
+        self._refused: dict[RegistryCall, str] = {}
+        # Whether the registry has answered a hint call of this router (until then /health
+        # cannot say ``ok``: its node list alone does not show the router may ask for hints).
+        self._hints_answered = False
         self._turn = 0
         self.prompt_size = PromptSize()
         self._refresher: asyncio.Task[None] | None = None
@@ -159,8 +172,35 @@ class Router:
 
     async def _refresh_nodes(self) -> None:
         while True:
+            if not self._hints_answered:
+                await self.check_hints()  # first: a node list read says the check was made
             await self.refresh_nodes()
             await asyncio.sleep(self.config.node_refresh_s)
+
+    @property
+    def registry_refused(self) -> str | None:
+        """Why the registry refuses this router's credential for a call it needs (None: it
+        refuses none that was made)."""
+        return next(iter(self._refused.values()), None)
+
+    @property
+    def registry_confirmed(self) -> bool:
+        """The registry has answered both calls the router depends on: its node list and a
+        hint (what /health's ``ok`` means)."""
+        return self._hints_answered and self.registry_away is None and not self._refused
+
+    async def check_hints(self) -> None:
+        """An empty batch of hints: whether the registry takes this router's hint calls,
+        before any client's turn depends on it (an empty batch costs it nothing)."""
+        try:
+            await self.stub.BatchGetRoutingHints(
+                registry_pb2.BatchGetRoutingHintsRequest(), timeout=_NODE_LIST_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() in _CREDENTIAL_REFUSED:
+                self._registry_failed(error, RegistryCall.HINTS)
+            return  # away: asked again at the next refresh
+        self._registry_answered(RegistryCall.HINTS)
 
     async def refresh_nodes(self, timeout_s: float = _NODE_LIST_TIMEOUT_S) -> None:
         """The registry's node list, for routing while it is away and for telling an unknown
@@ -168,10 +208,10 @@ class Router:
         try:
             response = await self.stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
-            self._registry_failed(error)
+            self._registry_failed(error, RegistryCall.NODES)
             return
         self.known_nodes = list(response.nodes)
-        self._registry_answered()
+        self._registry_answered(RegistryCall.NODES)
 
     async def _fresh_nodes(self) -> None:
         """A refresh of the node list, shared by every request that needs one now (a
@@ -180,20 +220,21 @@ class Router:
             self._refreshing = asyncio.ensure_future(self.refresh_nodes(self.config.hint_timeout_s))
         await asyncio.shield(self._refreshing)
 
-    def _registry_answered(self) -> None:
+    def _registry_answered(self, call: RegistryCall) -> None:
         self.registry_away = None
-        if self.registry_refused is not None:
+        if call is RegistryCall.HINTS:
+            self._hints_answered = True
+        if self._refused.pop(call, None) is not None and not self._refused:
             log.info("registry_credential_accepted")
-            self.registry_refused = None
 
-    def _registry_failed(self, error: grpc.aio.AioRpcError) -> None:
+    def _registry_failed(self, error: grpc.aio.AioRpcError, call: RegistryCall) -> None:
         """A call to the registry failed: it is away, or it refused this router's
-        credential (logged once, as the configuration error it is)."""
+        credential for that call (logged once, as the configuration error it is)."""
         why = error.details() or error.code().name
         self.registry_away = why
         if error.code() not in _CREDENTIAL_REFUSED:
             return
-        if self.registry_refused is None:
+        if not self._refused:
             log.error(
                 "registry_refused_credential",
                 code=error.code().name,
@@ -201,7 +242,7 @@ class Router:
                 fix="give the router a credential the registry accepts (--registry-token, "
                 "or a client certificate); meanwhile turns are served plain P/D, without reuse",
             )
-        self.registry_refused = why
+        self._refused[call] = why
 
     def can_route_alone(self) -> bool:
         """Whether the last node list has a ready prefill and decode node (of any model): what
@@ -273,15 +314,15 @@ class Router:
             return await self._degraded_plan(model, "the registry did not answer in time")
         except RegistryCallError as error:
             if error.reason in _REGISTRY_ANSWERS:
-                self._registry_answered()
+                self._registry_answered(RegistryCall.HINTS)
                 raise  # the registry answered: nowhere to send it, or a request at fault
             # Away (UNAVAILABLE, DEADLINE_EXCEEDED), overloaded (RESOURCE_EXHAUSTED), failing
             # (INTERNAL, UNKNOWN), this router's credential refused, or anything else: no
             # hint, but the turn can still be served.
-            self._registry_failed(error)
+            self._registry_failed(error, RegistryCall.HINTS)
             why = f"{error.code().name}: {error.message}" if error.message else error.code().name
             return await self._degraded_plan(model, why)
-        self._registry_answered()
+        self._registry_answered(RegistryCall.HINTS)
         return Plan(
             prefill=hint.prefill,
             decode=hint.decode,

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ from starlette.routing import Route
 from structlog.testing import capture_logs
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint
+from kvbroker.common.process.credentials import fresh_credential
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.rules.handles import decided_params, decode_local_params
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
@@ -301,3 +303,30 @@ async def test_a_streamed_answer_loses_the_decode_engine_s_handle_whatever_its_c
     assert response.content.startswith(first)
     assert b'"content":"lo"' in response.content
     assert response.content.endswith(done)
+
+
+async def test_a_credential_that_lists_nodes_but_gets_no_hints_is_never_ok(
+    tmp_path: Path, registry_server: RunningRegistry, router_at: Callable[[Router], Any]
+) -> None:
+    """A router given a node's credential: the registry lists nodes for it but refuses its
+    hints. /health says ``misconfigured`` from the start (before any client's turn), and a
+    node list read afterwards does not turn it back to ``ok``."""
+    token, line = fresh_credential("node:decode-0:decode")
+    credentials = tmp_path / "credentials"
+    credentials.write_text(line + "\n")
+    running = await start_registry(
+        ServerOptions(listen="127.0.0.1:0", credentials_file=credentials, config=FAST)
+    )
+    try:
+        router = Router(RegistryEndpoint.parse(running.address, token), NO_BACKGROUND_REFRESH)
+        url = await router_at(router)
+        async with httpx.AsyncClient() as client:
+            await eventually(lambda: router.registry_refused is not None, what="the refusal")
+            await router.refresh_nodes()  # the node list is the registry's to give this one
+            assert router.registry_away is None
+            health = await client.get(f"{url}/health")
+    finally:
+        await running.stop(grace=0.1)
+    assert health.status_code == 503
+    assert health.json()["status"] == "misconfigured"
+    assert "may not call BatchGetRoutingHints" in health.json()["registry"]
