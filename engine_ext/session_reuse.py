@@ -184,9 +184,11 @@ class SessionReuse:
                 "request_too_large",
             )
             return
-        forward = _replay(raw, receive)
         body = _json_object(raw)
         turn = read_turn(scope["headers"], body) if body is not None else None
+        # Whether the body was changed: it is encoded again once, when handed on (a large
+        # body's encoding costs the API server's event loop, which serves every request).
+        changed = False
         if turn is not None and body is not None and not turn.prepared:
             sessions = self._sessions(scope)
             if sessions is not None:
@@ -201,25 +203,23 @@ class SessionReuse:
                     await _refuse(send, 401, "Incorrect API key provided.", "invalid_api_key")
                     return
                 scope = _scoped(scope, body, conversation)
-                raw = json.dumps(body).encode()
-                scope = _with_length(scope, len(raw))
-                forward = _replay(raw, receive)
+                changed = True
                 turn = read_turn(scope["headers"], body)
         sidecar = self._stub(scope) if turn is not None and not turn.prepared else None
-        if turn is None or body is None or sidecar is None or not (turn.prefill_leg or turn.alone):
-            await self.app(scope, forward, send)
-            return
-        hint = await self._resolve(sidecar, turn, body)
-        params = self._params(turn, hint)
-        if turn.conditional and turn.alone and params is None:
-            await _precondition_failed(send, hint)
-            return
-        if params is not None:
-            body["kv_transfer_params"] = params
+        resolvable = turn is not None and (turn.prefill_leg or turn.alone)
+        if resolvable and turn is not None and body is not None and sidecar is not None:
+            hint = await self._resolve(sidecar, turn, body)
+            params = self._params(turn, hint)
+            if turn.conditional and turn.alone and params is None:
+                await _precondition_failed(send, hint)
+                return
+            if params is not None:
+                body["kv_transfer_params"] = params
+                changed = True
+        if changed and body is not None:
             raw = json.dumps(body).encode()
             scope = _with_length(scope, len(raw))
-            forward = _replay(raw, receive)
-        await self.app(scope, forward, send)
+        await self.app(scope, _replay(raw, receive), send)
 
     def _params(self, turn: Turn, hint: registry_pb2.RoutingHint | None) -> dict[str, Any] | None:
         """The transfer parameters the turn goes on with (None: as it was sent)."""
