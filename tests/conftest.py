@@ -130,6 +130,7 @@ LAYERS = {
     "test_e2e_faults_mixed": "e2e",
     "test_e2e_faults_reuse_off": "e2e",
     "test_e2e_fleets": "e2e",
+    "test_e2e_tenants": "e2e",
     "test_e2e_forks": "e2e",
     "test_e2e_gateway": "e2e",
     "test_e2e_metrics": "e2e",
