@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvbroker.common.process.credentials import fresh_credential
-from kvbroker.common.rules.tenants import Tenant, session_key, sign_session
+from kvbroker.common.rules.tenants import SessionKeys, Tenant, session_key, sign_session
 from kvbroker.engine_ext import session_reuse
 from kvbroker.engine_ext.session_reuse import Message, Receive, Scope, Send, SessionReuse
 from kvbroker.engine_ext.settings import KvBrokerSettings
@@ -236,3 +236,18 @@ async def test_a_key_s_client_cannot_use_another_tenant_s_signed_session_id(
     ours = sign_session(keys["acme"], Tenant("acme"), "conv-a")
     await send_through(middleware, {**CHAT, "session_id": ours}, headers)
     assert json.loads(engine.bodies[-1])["session_id"] == "acme/conv-a"
+
+
+def test_a_signed_session_id_is_made_only_for_a_named_tenant_within_its_limit() -> None:
+    """The id names a tenant and a session, its conversation fits the id limit, and a
+    session holding the separator reads back whole."""
+    acme = Tenant("acme")
+    with pytest.raises(ValueError, match="names a tenant"):
+        sign_session("key", Tenant(), "conv-1")
+    with pytest.raises(ValueError, match="names a session"):
+        sign_session("key", acme, "")
+    with pytest.raises(ValueError, match="limit is"):
+        sign_session("key", acme, "x" * (acme.id_limit + 1))
+    keys = SessionKeys.of({session_key("key"): acme})
+    assert keys.conversation(sign_session("key", acme, "a~b/c")) == "acme/a~b/c"
+    assert keys.conversation(sign_session("key", acme, "x" * acme.id_limit)) != ""
