@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from kvbroker.v1 import lease_pb2 as _lease_pb2
 from kvbroker.v1 import node_pb2 as _node_pb2
 from google.protobuf.internal import containers as _containers
@@ -76,6 +77,13 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_NOT_ROUTED_HERE: _ClassVar[ErrorReason]
     ERROR_REASON_NODE_IN_USE: _ClassVar[ErrorReason]
     ERROR_REASON_NOT_A_PREFILL_NODE: _ClassVar[ErrorReason]
+
+class HintRecordKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HINT_RECORD_KIND_UNSPECIFIED: _ClassVar[HintRecordKind]
+    HINT_RECORD_KIND_NODE: _ClassVar[HintRecordKind]
+    HINT_RECORD_KIND_CONVERSATION: _ClassVar[HintRecordKind]
+    HINT_RECORD_KIND_LEASE: _ClassVar[HintRecordKind]
 NOT_RETAINED_REASON_UNSPECIFIED: NotRetainedReason
 NOT_RETAINED_REASON_RETENTION_OFF: NotRetainedReason
 NOT_RETAINED_REASON_ABORTED: NotRetainedReason
@@ -123,6 +131,10 @@ ERROR_REASON_PERMISSION_DENIED: ErrorReason
 ERROR_REASON_NOT_ROUTED_HERE: ErrorReason
 ERROR_REASON_NODE_IN_USE: ErrorReason
 ERROR_REASON_NOT_A_PREFILL_NODE: ErrorReason
+HINT_RECORD_KIND_UNSPECIFIED: HintRecordKind
+HINT_RECORD_KIND_NODE: HintRecordKind
+HINT_RECORD_KIND_CONVERSATION: HintRecordKind
+HINT_RECORD_KIND_LEASE: HintRecordKind
 
 class EndReadPinRequest(_message.Message):
     __slots__ = ("node_id", "lease_id", "pin_id")
@@ -601,3 +613,29 @@ class HintError(_message.Message):
     message: str
     reason: ErrorReason
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ...) -> None: ...
+
+class WatchHintStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HintRecord(_message.Message):
+    __slots__ = ("kind", "id", "record")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    kind: HintRecordKind
+    id: str
+    record: bytes
+    def __init__(self, kind: _Optional[_Union[HintRecordKind, str]] = ..., id: _Optional[str] = ..., record: _Optional[bytes] = ...) -> None: ...
+
+class WatchHintStateResponse(_message.Message):
+    __slots__ = ("records", "leader_time", "snapshot_complete", "term")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TIME_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[HintRecord]
+    leader_time: _timestamp_pb2.Timestamp
+    snapshot_complete: bool
+    term: int
+    def __init__(self, records: _Optional[_Iterable[_Union[HintRecord, _Mapping]]] = ..., leader_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., snapshot_complete: _Optional[bool] = ..., term: _Optional[int] = ...) -> None: ...

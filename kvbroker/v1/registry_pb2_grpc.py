@@ -135,6 +135,11 @@ class RegistryServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_registry__pb2.EndReadPinRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_registry__pb2.EndReadPinResponse.FromString,
                 _registered_method=True)
+        self.WatchHintState = channel.unary_stream(
+                '/kvbroker.v1.RegistryService/WatchHintState',
+                request_serializer=kvbroker_dot_v1_dot_registry__pb2.WatchHintStateRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_registry__pb2.WatchHintStateResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServiceServicer:
@@ -287,6 +292,15 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchHintState(self, request, context):
+        """Replicas only: the leader's state that hints read (nodes with their load, conversations,
+        leases), a snapshot and then every change, so that a follower answers dry-run hints
+        itself (docs/design.md, "Hints on every replica"). Only the leader serves it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -389,6 +403,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.EndReadPin,
                     request_deserializer=kvbroker_dot_v1_dot_registry__pb2.EndReadPinRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_registry__pb2.EndReadPinResponse.SerializeToString,
+            ),
+            'WatchHintState': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchHintState,
+                    request_deserializer=kvbroker_dot_v1_dot_registry__pb2.WatchHintStateRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_registry__pb2.WatchHintStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -932,6 +951,33 @@ class RegistryService:
             '/kvbroker.v1.RegistryService/EndReadPin',
             kvbroker_dot_v1_dot_registry__pb2.EndReadPinRequest.SerializeToString,
             kvbroker_dot_v1_dot_registry__pb2.EndReadPinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchHintState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvbroker.v1.RegistryService/WatchHintState',
+            kvbroker_dot_v1_dot_registry__pb2.WatchHintStateRequest.SerializeToString,
+            kvbroker_dot_v1_dot_registry__pb2.WatchHintStateResponse.FromString,
             options,
             channel_credentials,
             insecure,
