@@ -158,6 +158,19 @@ class RegistryMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.follower_hints = Counter(
+            "kvbroker_registry_follower_hints",
+            "Dry-run hints a follower replica was asked, by who answered: local (its copy of "
+            "the leader's state), stale (its copy was too far behind: forwarded).",
+            ["answer"],
+            registry=self.registry,
+        )
+        self.hint_state_behind = Gauge(
+            "kvbroker_registry_hint_state_behind_seconds",
+            "How far behind its leader a follower's copy of the hint state was at its last "
+            "dry-run hint (+Inf: it has none).",
+            registry=self.registry,
+        )
         self._hint_children: dict[tuple[int, bool, int], tuple[Counter, Counter]] = {}
         self._event_children: dict[str, Counter] = {}
         self._end_children: dict[str, Counter] = {}

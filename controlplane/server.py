@@ -67,6 +67,8 @@ class ServerOptions:
     advertise: str | None = None
     election_ttl_s: int = 2
     etcd_prefix: str = "/kvbroker"
+    # How far behind its leader a follower may be and still answer dry-run hints itself.
+    hint_staleness_s: float = 1.0
 
 
 @dataclass
@@ -174,7 +176,12 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         await _set_health(health_servicer, serving=False)
         replica = Replica(
             EtcdStore(etcd, options.etcd_prefix),
-            ReplicaOptions(options.advertise or address, options.election_ttl_s, peers),
+            ReplicaOptions(
+                options.advertise or address,
+                options.election_ttl_s,
+                peers,
+                options.hint_staleness_s,
+            ),
             options.config,
             metrics,
             on_serving=lambda serving: _set_health(health_servicer, serving),

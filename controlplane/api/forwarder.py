@@ -1,11 +1,16 @@
-"""A follower's ``RegistryApi``: each call is the leader's RPC of the same name.
+"""A follower's ``RegistryApi``: each call is the leader's RPC of the same name, but for hints
+that write nothing.
 
-A follower serves nothing itself: it rebuilds the request from the call's arguments, sends it
-to the leader within ``timeout``, and returns the leader's answer as the leader's ``Registry``
-would, so the servicer answers the same response either way; the leader's errors are relayed
-with their reason. While no leader can be reached, hints are answered from this replica's
-cache (DEGRADED, ``Leadership.cached_hint``) and every other call fails with NO_LEADER. Each
-outcome is counted in ``kvbroker_registry_forwarded_total``.
+A hint that writes nothing (``hints.served_locally``: a dry run the routing rule alone
+answers) the follower answers itself from its copy of the leader's state while that copy is
+current (``Leadership.local_hint``); a batch of only such hints too. Everything else it
+rebuilds from the call's arguments, sends to the leader within ``timeout``, and returns the
+leader's answer as the leader's ``Registry`` would, so the servicer answers the same response
+either way; the leader's errors are relayed with their reason. While no leader can be
+reached, hints are answered from this replica's etcd cache (DEGRADED,
+``Leadership.cached_hint``) and every other call fails with NO_LEADER. Each forwarded call's
+outcome is counted in ``kvbroker_registry_forwarded_total``; ``served_by`` says which replica
+answered the last hint.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from kvbroker.common.client.grpc_client import from_grpc_error
 from kvbroker.common.rules.clock import to_duration
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.api.interface import Leadership
-from kvbroker.controlplane.errors import NoLeader, RegistryError, hint_error
+from kvbroker.controlplane.config import MAX_HINT_BATCH
+from kvbroker.controlplane.errors import InvalidArgument, NoLeader, RegistryError, hint_error
+from kvbroker.controlplane.placement.hints import served_locally
 from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
 from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records import codec
@@ -49,6 +56,8 @@ class Forwarder:
         self._leadership = leadership
         self._timeout = timeout
         self._outcomes = leadership.metrics.forwarded
+        # The replica whose answer the last hint is: this one, or the leader.
+        self.served_by = leadership.address
 
     def _stub(self, hint: bool = False) -> RegistryServiceStub:
         stub = self._leadership.leader_stub()
@@ -261,6 +270,10 @@ class Forwarder:
         time_remaining: float | None = None,
     ) -> registry_pb2.RoutingHint:
         """``time_remaining`` is already in this forwarder's timeout."""
+        if served_locally(dry_run, asked):
+            local = self._leadership.local_hint(conversation_id, model)
+            if local is not None:
+                return local
         request = _hint_request(conversation_id, model, dry_run, asked)
         try:
             stub = self._stub(hint=True)
@@ -269,6 +282,7 @@ class Forwarder:
             )
         except _LeaderAway as away:
             return await self._leadership.cached_hint(conversation_id, model, away.why)
+        self.served_by = self._leadership.leader_address or ""
         return response.hint
 
     async def routing_hints(
@@ -276,12 +290,41 @@ class Forwarder:
         requests: Sequence[registry_pb2.GetRoutingHintRequest],
         time_remaining: float | None = None,
     ) -> registry_pb2.BatchGetRoutingHintsResponse:
+        if all(served_locally(r.dry_run, TurnRequest.of(r)) for r in requests):
+            local = self._local_hints(requests)
+            if local is not None:
+                return local
         request = registry_pb2.BatchGetRoutingHintsRequest(requests=requests)
         try:
             stub = self._stub(hint=True)
-            return await self._call(stub.BatchGetRoutingHints, request, hint=True)
+            response: registry_pb2.BatchGetRoutingHintsResponse = await self._call(
+                stub.BatchGetRoutingHints, request, hint=True
+            )
         except _LeaderAway as away:
             return await self._cached_hints(requests, away.why)
+        self.served_by = self._leadership.leader_address or ""
+        return response
+
+    def _local_hints(
+        self, requests: Sequence[registry_pb2.GetRoutingHintRequest]
+    ) -> registry_pb2.BatchGetRoutingHintsResponse | None:
+        """Each hint from this follower's copy, each failing alone as the leader's would;
+        None when the copy is too far behind (checked once: the batch is answered at once)."""
+        if len(requests) > MAX_HINT_BATCH:
+            raise InvalidArgument(
+                f"{len(requests)} hint requests exceed the batch limit of {MAX_HINT_BATCH}"
+            )
+        response = registry_pb2.BatchGetRoutingHintsResponse()
+        for item in requests:
+            try:
+                hint = self._leadership.local_hint(item.conversation_id, item.model)
+            except RegistryError as error:
+                response.results.add().error.CopyFrom(hint_error(error))
+                continue
+            if hint is None:
+                return None
+            response.results.add().hint.CopyFrom(hint)
+        return response
 
     async def match_prefix(
         self,

@@ -19,6 +19,7 @@ from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
 from kvbroker.controlplane.records.model import Conversation, CostProfile, EngineWork, NodeLoad
 from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.replication.hint_state import HintFeed
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 
@@ -135,11 +136,28 @@ class Leadership(Protocol):
     @property
     def metrics(self) -> RegistryMetrics: ...
 
+    @property
+    def address(self) -> str:
+        """Where this replica serves ("": a standalone registry)."""
+        ...
+
+    @property
+    def leader_address(self) -> str | None: ...
+
     def leader_stub(self) -> RegistryServiceStub | None: ...
+
+    def local_hint(self, conversation_id: str, model: str) -> registry_pb2.RoutingHint | None:
+        """A dry-run hint a follower answers itself (``hints.served_locally``); None: the
+        leader's to answer."""
+        ...
 
     async def cached_hint(
         self, conversation_id: str, model: str, why: str
     ) -> registry_pb2.RoutingHint: ...
+
+    def hint_feed(self) -> HintFeed | None:
+        """While this replica leads over etcd: its state for the followers."""
+        ...
 
 
 @dataclass
@@ -152,7 +170,16 @@ class Standalone:
     def metrics(self) -> RegistryMetrics:
         return self.registry.metrics
 
+    address = ""
+    leader_address = None
+
     def leader_stub(self) -> RegistryServiceStub | None:
+        return None
+
+    def local_hint(self, conversation_id: str, model: str) -> registry_pb2.RoutingHint | None:
+        return None  # unreachable: a standalone registry always leads
+
+    def hint_feed(self) -> HintFeed | None:
         return None
 
     async def cached_hint(

@@ -2,9 +2,11 @@
 
 With replicas, a call reaches whichever replica the client's channel picked. Each handler
 makes its one call on a ``RegistryApi`` (``api.interface``): the ``Registry`` while this
-replica leads, else a ``Forwarder`` to the leader, which relays its answer and, while no
-leader can be reached, answers hints from its cache (DEGRADED) and everything else with
-UNAVAILABLE.
+replica leads, else a ``Forwarder``, which answers hints that write nothing from this
+replica's copy of the leader's state, relays the leader's answer to everything else and,
+while no leader can be reached, answers hints from its cache (DEGRADED) and everything else
+with UNAVAILABLE. A hint's trailing metadata names the replica whose answer it is
+(``SERVED_BY``).
 
 This is the one place a domain error becomes a gRPC status: its code, its sentence, and its
 reason in the trailing metadata (``errors.status_metadata``); a leader's error is relayed with
@@ -27,7 +29,13 @@ from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.api.forwarder import Forwarder
 from kvbroker.controlplane.api.identity import Credentials, authorize, hide_incarnations
 from kvbroker.controlplane.api.interface import Leadership, RegistryApi
-from kvbroker.controlplane.errors import InvalidArgument, RegistryError, hint_error, status_metadata
+from kvbroker.controlplane.errors import (
+    InvalidArgument,
+    NoLeader,
+    RegistryError,
+    hint_error,
+    status_metadata,
+)
 from kvbroker.controlplane.placement.planner import TurnRequest
 from kvbroker.controlplane.records import codec
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
@@ -39,6 +47,8 @@ Resp = TypeVar("Resp")
 Handler = Callable[[Any, RegistryApi, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 Served = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
+# The trailing metadata that names the replica whose answer a hint is (its address).
+SERVED_BY = "x-kvbroker-served-by"
 # A forwarded call waits at most this long for the leader (less if the caller's deadline is).
 FORWARD_TIMEOUT_S = 5.0
 
@@ -285,7 +295,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         request: registry_pb2.BatchGetRoutingHintsRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.BatchGetRoutingHintsResponse:
-        return await api.routing_hints(request.requests, context.time_remaining())
+        response = await api.routing_hints(request.requests, context.time_remaining())
+        self._say_who_served(api, context)
+        return response
 
     @_served
     async def SetCostProfile(
@@ -311,7 +323,30 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             TurnRequest.of(request),
             context.time_remaining(),
         )
+        self._say_who_served(api, context)
         return registry_pb2.GetRoutingHintResponse(hint=hint)
+
+    def _say_who_served(self, api: RegistryApi, context: grpc.aio.ServicerContext) -> None:
+        """Names the replica whose answer a hint is (``SERVED_BY``): this one when it leads or
+        answered from its copy, else its leader (nothing for a standalone registry)."""
+        served_by = api.served_by if isinstance(api, Forwarder) else self.leadership.address
+        if served_by:
+            context.set_trailing_metadata(((SERVED_BY, served_by),))
+
+    async def WatchHintState(
+        self, request: registry_pb2.WatchHintStateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry_pb2.WatchHintStateResponse]:
+        """The leader's state for a follower (``replication.hint_state``); only the leader
+        serves it, and only to replicas (and operators)."""
+        try:
+            authorize(self.credentials.principal(context), "WatchHintState", request)
+            feed = self.leadership.hint_feed()
+            if feed is None:
+                raise NoLeader("this replica does not lead: follow the leader's hint state")
+            async for message in feed.subscribe():
+                yield message
+        except RegistryError as error:
+            await _abort(context, error)
 
     @_served
     async def MatchPrefix(

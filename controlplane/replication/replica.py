@@ -8,6 +8,10 @@ leases, which are not written (``_lead``); a follower
 keeps a watch-fed cache, forwards calls to the leader, and answers hints from its cache as
 DEGRADED while no leader can be reached.
 
+Hints that write nothing every replica answers itself: the leader streams its state to each
+follower (``hint_state.HintFeed``), and a follower whose copy is at most ``hint_staleness_s``
+behind answers from it (``local_hint``), else forwards.
+
 Whether a replica can serve is said to ``on_serving`` (the server's gRPC health) each time it
 changes: it can while it leads, or while it follows a leader that a store it reaches names and
 whose own health says it serves; not while the store is out of reach or nobody leads, when
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,9 +39,11 @@ from kvbroker.common.rules.clock import MonotonicClock
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import StoreUnavailable
 from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.controlplane.placement.hints import cached_hint
+from kvbroker.controlplane.placement.hints import EXACT, cached_hint, fed_hint
+from kvbroker.controlplane.records.validation import Validation
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.replication.election import Election, Term
+from kvbroker.controlplane.replication.hint_state import FollowedHints, HintFeed
 from kvbroker.controlplane.storage.etcd_store import EtcdStore
 from kvbroker.v1 import registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
@@ -55,6 +62,10 @@ class ReplicaOptions:
     # token, or a certificate whose common name is "replica") and the CA that signs their
     # server certificates. Its address is ignored.
     peers: RegistryEndpoint | None = None
+    # How far behind the leader a follower's copy of its state may be for the follower to
+    # answer a dry-run hint itself; further behind, it forwards the hint (docs/design.md,
+    # "Hints on every replica", says why this bounds quality, not safety).
+    hint_staleness_s: float = 1.0
 
 
 class Replica:
@@ -80,6 +91,12 @@ class Replica:
         self._leader_health: health_pb2_grpc.HealthStub | None = None
         self._deposed = asyncio.Event()
         self._turn = itertools.count()
+        self._validate = Validation(self.config)
+        # While leading: the stream of its state to the followers.
+        self.feed: HintFeed | None = None
+        # While following: the copy of the leader's state, and the task that keeps it.
+        self._followed: FollowedHints | None = None
+        self._followed_task: asyncio.Task[None] | None = None
         # Whether it can serve, as last told to ``on_serving``.
         self._serving = False
         self._on_serving = on_serving
@@ -89,6 +106,29 @@ class Replica:
     def leader_stub(self) -> RegistryServiceStub | None:
         """The leader's stub while another replica leads; None while none is known."""
         return self._leader_stub if self.registry is None else None
+
+    @property
+    def address(self) -> str:
+        return self.options.advertise
+
+    def hint_feed(self) -> HintFeed | None:
+        return self.feed
+
+    def local_hint(self, conversation_id: str, model: str) -> registry_pb2.RoutingHint | None:
+        """A dry-run hint (``hints.served_locally``) from this follower's copy of the
+        leader's state; None when its copy is further behind than ``hint_staleness_s`` (or
+        it has none), and the hint is the leader's to answer."""
+        view = self._followed.view if self._followed is not None else None
+        behind = view.behind_s() if view is not None else math.inf
+        self.metrics.hint_state_behind.set(behind)
+        if view is None or behind > self.options.hint_staleness_s:
+            self.metrics.follower_hints.labels("stale").inc()
+            return None
+        self._validate.hint(conversation_id, model)
+        hint = fed_hint(view, conversation_id, model, next(self._turn))
+        self.metrics.follower_hints.labels("local").inc()
+        self.metrics.hint(hint.decision, hint.consistency == EXACT, hint.path)
+        return hint
 
     async def cached_hint(
         self, conversation_id: str, model: str, why: str
@@ -170,6 +210,8 @@ class Replica:
             registry.start()
             self.registry = registry
             self._follow_leader(self.options.advertise)
+            self.feed = HintFeed(self.store, self.clock, term.revision)
+            self.feed.start()
             await self._can_serve(True)
             took = time.perf_counter() - started
             self.metrics.leader.set(1)
@@ -192,6 +234,9 @@ class Replica:
             log.exception("registry_leadership_cut_off")
         finally:
             self.registry = None
+            if self.feed is not None:
+                await self.feed.close()
+                self.feed = None
             await self._can_serve(False)
             self.store.fence = None
             self.metrics.leader.set(0)
@@ -229,13 +274,22 @@ class Replica:
         self.leader_address = address
         channel, self._leader_channel = self._leader_channel, None
         self._leader_stub = self._leader_health = None
+        if self._followed_task is not None:
+            self._followed_task.cancel()
+        self._followed = self._followed_task = None
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
         if address is not None and address != self.options.advertise:
             peers = self.options.peers or RegistryEndpoint([address])
             self._leader_channel = open_channel(peers.at(address))
-            self._leader_stub = registry_stub(self._leader_channel)
+            stub = self._leader_stub = registry_stub(self._leader_channel)
             self._leader_health = health_pb2_grpc.HealthStub(self._leader_channel)
+            # A new copy for each leader: one term's state is never mixed with another's.
+            followed = self._followed = FollowedHints(self.clock, self.options.election_ttl_s / 4)
+            self._followed_task = asyncio.get_running_loop().create_task(
+                _until_cancelled(lambda: followed.run(stub), "hint_state", followed.retry_s),
+                name="kvbroker-hint-state",
+            )
             log.info("registry_following", leader=address)
 
 

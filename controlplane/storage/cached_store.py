@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Protocol
 
 import structlog
 
@@ -22,6 +23,15 @@ from kvbroker.controlplane.storage.state_cache import RecordKind, StateCache
 from kvbroker.controlplane.storage.store import REPLAYED, Backend, Change, MemoryBackend
 
 log = structlog.get_logger("kvbroker.registry")
+
+
+class ChangeListener(Protocol):
+    def changed(self, kind: RecordKind, ident: str) -> None:
+        """A record was put."""
+
+    def undone(self) -> None:
+        """Records were put back to what is durable (a refused commit): which, it does not
+        say."""
 
 
 class CachedStore:
@@ -40,8 +50,23 @@ class CachedStore:
         # True while a watch keeps the cache current (``follow``).
         self.following = False
         self._advanced = asyncio.Event()
-        self.resync_due = False
+        # Told of every record put while this store leads and followers copy its hint state
+        # (``replication.hint_state.HintFeed``).
+        self.feed: ChangeListener | None = None
+        self._resync_due = False
         self._commits = GroupCommit(self)
+
+    @property
+    def resync_due(self) -> bool:
+        """Set when a refused record was undone in the cache: the owner rebuilds what it
+        derived from the records."""
+        return self._resync_due
+
+    @resync_due.setter
+    def resync_due(self, due: bool) -> None:
+        self._resync_due = due
+        if due and self.feed is not None:
+            self.feed.undone()
 
     # ------------------------------------------------------------ reads
 
@@ -107,6 +132,8 @@ class CachedStore:
                 raw = record_bytes(record) if record is not None else None
                 self._commits.queue(Change(kind, ident, raw))
         self.cache.put(kind, ident, record.copy() if record is not None else None)
+        if self.feed is not None:
+            self.feed.changed(kind, ident)
 
     async def commit(self) -> None:
         """With a backend that keeps nothing, the cache is already all there is."""

@@ -193,6 +193,14 @@ def registry_serve(
     etcd_prefix: Annotated[
         str, typer.Option(envvar="KVBROKER_ETCD_PREFIX", help="Key prefix in etcd.")
     ] = "/kvbroker",
+    hint_staleness: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_HINT_STALENESS",
+            help="Seconds a follower's copy of the leader's state may be behind for it to "
+            "answer dry-run hints itself; further behind, it forwards them (etcd store).",
+        ),
+    ] = 1.0,
     log_level: LogLevelOpt = DEFAULT_LOG_LEVEL,
     log_format: LogFormatOpt = DEFAULT_LOG_FORMAT,
 ) -> None:
@@ -245,6 +253,7 @@ def registry_serve(
         advertise=advertise,
         election_ttl_s=election_ttl,
         etcd_prefix=etcd_prefix,
+        hint_staleness_s=hint_staleness,
     )
     try:
         # uvloop: the registry's time is mostly event loop and gRPC per-call work, and uvloop
