@@ -104,6 +104,7 @@ LAYERS = {
     "test_gateway": "integration",
     "test_identity": "integration",
     "test_leader_resilience": "integration",
+    "test_replica_hints": "integration",
     "test_long_context": "integration",
     "test_reclaim": "integration",
     "test_registry_bench": "integration",

@@ -27,6 +27,7 @@ from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.placement.hints import cached_hint
 from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.replication.hint_state import HintFeed
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.controlplane.storage.cached_store import MemoryStore
 from kvbroker.router.config import RouterConfig
@@ -149,6 +150,19 @@ class Follower:
 
     def leader_stub(self) -> RegistryServiceStub | None:
         return self.leader
+
+    # No copy of the leader's state: every hint is the leader's (or, without one, the cache's).
+    address = "follower"
+
+    @property
+    def leader_address(self) -> str | None:
+        return "leader"
+
+    def local_hint(self, conversation_id: str, model: str) -> registry_pb2.RoutingHint | None:
+        return None
+
+    def hint_feed(self) -> HintFeed | None:
+        return None
 
     async def cached_hint(
         self, conversation_id: str, model: str, why: str

@@ -23,6 +23,7 @@ from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer
 from kvbroker.controlplane.records.model import Conversation, CostProfile, EngineWork, NodeLoad
 from kvbroker.controlplane.registry import Registry
+from kvbroker.controlplane.replication.hint_state import HintFeed
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.testing.factories import block_hashes, handle, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -47,6 +48,19 @@ class Following:
 
     def leader_stub(self) -> RegistryServiceStub | None:
         return self.stub
+
+    # No copy of the leader's state: every hint is the leader's (or, without one, the cache's).
+    address = "follower"
+
+    @property
+    def leader_address(self) -> str | None:
+        return "leader"
+
+    def local_hint(self, conversation_id: str, model: str) -> registry_pb2.RoutingHint | None:
+        return None
+
+    def hint_feed(self) -> HintFeed | None:
+        return None
 
     async def cached_hint(
         self, conversation_id: str, model: str, why: str
