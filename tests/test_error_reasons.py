@@ -22,12 +22,12 @@ from kvbroker.common.client.grpc_client import (
 )
 from kvbroker.common.client.hint_batcher import HintBatcher
 from kvbroker.common.process.tasks import poll_until
+from kvbroker.controlplane.api.interface import HintFeed
 from kvbroker.controlplane.api.service import RegistryServicer
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.placement.hints import cached_hint
 from kvbroker.controlplane.registry import Registry
-from kvbroker.controlplane.replication.hint_state import HintFeed
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.controlplane.storage.cached_store import MemoryStore
 from kvbroker.router.config import RouterConfig

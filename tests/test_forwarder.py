@@ -16,14 +16,13 @@ from kvbroker.common.client.grpc_client import RegistryCallError
 from kvbroker.common.rules.costs import Costs
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.api.forwarder import Forwarder
-from kvbroker.controlplane.api.interface import RegistryApi
+from kvbroker.controlplane.api.interface import HintFeed, RegistryApi
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import NoLeader
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer
 from kvbroker.controlplane.records.model import Conversation, CostProfile, EngineWork, NodeLoad
 from kvbroker.controlplane.registry import Registry
-from kvbroker.controlplane.replication.hint_state import HintFeed
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.testing.factories import block_hashes, handle, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2

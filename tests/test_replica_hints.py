@@ -19,11 +19,15 @@ from dataclasses import dataclass, replace
 import grpc
 import pytest
 
-from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.grpc_client import (
+    SERVED_BY_METADATA_KEY,
+    RegistryEndpoint,
+    open_channel,
+    registry_stub,
+)
 from kvbroker.common.process.local_etcd import LocalEtcd
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.rules import routing
-from kvbroker.controlplane.api.service import SERVED_BY
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -145,7 +149,7 @@ async def ask(
         timeout=10,
     )
     hint = (await call).hint
-    served_by = dict(await call.trailing_metadata() or ()).get(SERVED_BY, "")
+    served_by = dict(await call.trailing_metadata() or ()).get(SERVED_BY_METADATA_KEY, "")
     return hint, str(served_by)
 
 

@@ -19,7 +19,6 @@ from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
 from kvbroker.controlplane.records.model import Conversation, CostProfile, EngineWork, NodeLoad
 from kvbroker.controlplane.registry import Registry
-from kvbroker.controlplane.replication.hint_state import HintFeed
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 
@@ -127,6 +126,12 @@ class RegistryApi(Protocol):
     async def end_read_pin(self, node_id: str, lease_id: str, pin_id: str) -> None: ...
 
 
+class HintFeed(Protocol):
+    """The leader's state as followers copy it."""
+
+    def subscribe(self) -> AsyncIterator[registry_pb2.WatchHintStateResponse]: ...
+
+
 class Leadership(Protocol):
     """Who serves: this process's registry while it leads, else the leader to forward to."""
 
@@ -156,7 +161,8 @@ class Leadership(Protocol):
     ) -> registry_pb2.RoutingHint: ...
 
     def hint_feed(self) -> HintFeed | None:
-        """While this replica leads over etcd: its state for the followers."""
+        """While this replica leads over etcd: its state for the followers
+        (``replication.hint_state.HintFeed``)."""
         ...
 
 

@@ -6,7 +6,7 @@ replica leads, else a ``Forwarder``, which answers hints that write nothing from
 replica's copy of the leader's state, relays the leader's answer to everything else and,
 while no leader can be reached, answers hints from its cache (DEGRADED) and everything else
 with UNAVAILABLE. A hint's trailing metadata names the replica whose answer it is
-(``SERVED_BY``).
+(``SERVED_BY_METADATA_KEY``).
 
 This is the one place a domain error becomes a gRPC status: its code, its sentence, and its
 reason in the trailing metadata (``errors.status_metadata``); a leader's error is relayed with
@@ -24,7 +24,7 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
-from kvbroker.common.client.grpc_client import from_grpc_error
+from kvbroker.common.client.grpc_client import SERVED_BY_METADATA_KEY, from_grpc_error
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.api.forwarder import Forwarder
 from kvbroker.controlplane.api.identity import Credentials, authorize, hide_incarnations
@@ -47,8 +47,6 @@ Resp = TypeVar("Resp")
 Handler = Callable[[Any, RegistryApi, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 Served = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
-# The trailing metadata that names the replica whose answer a hint is (its address).
-SERVED_BY = "x-kvbroker-served-by"
 # A forwarded call waits at most this long for the leader (less if the caller's deadline is).
 FORWARD_TIMEOUT_S = 5.0
 
@@ -327,11 +325,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         return registry_pb2.GetRoutingHintResponse(hint=hint)
 
     def _say_who_served(self, api: RegistryApi, context: grpc.aio.ServicerContext) -> None:
-        """Names the replica whose answer a hint is (``SERVED_BY``): this one when it leads or
-        answered from its copy, else its leader (nothing for a standalone registry)."""
+        """Names the replica whose answer a hint is (``SERVED_BY_METADATA_KEY``): this one
+        when it leads or answered from its copy, else its leader (nothing for a standalone
+        registry)."""
         served_by = api.served_by if isinstance(api, Forwarder) else self.leadership.address
         if served_by:
-            context.set_trailing_metadata(((SERVED_BY, served_by),))
+            context.set_trailing_metadata(((SERVED_BY_METADATA_KEY, served_by),))
 
     async def WatchHintState(
         self, request: registry_pb2.WatchHintStateRequest, context: grpc.aio.ServicerContext

@@ -37,6 +37,8 @@ DEFAULT_REGISTRY_ADDRESS = "127.0.0.1:7070"
 AUTH_METADATA_KEY = "authorization"
 # Trailing metadata of a failed call: its HintError (code, message, reason), serialised.
 ERROR_METADATA_KEY = "kvbroker-error-bin"
+# Trailing metadata of a routing hint: the address of the registry replica whose answer it is.
+SERVED_BY_METADATA_KEY = "kvbroker-served-by"
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 # A DNS name: dot-separated labels of letters, digits, '-' and '_', no label starting or
 # ending with '-' (RFC 1123, with the underscore some internal names use).
