@@ -15,11 +15,16 @@ serve` in its own process:
    look-ups (MatchPrefix, a fork's match by content) as fast as they are answered;
 5. restart: the registry is killed and started again, every node re-registers and replays
    its leases; the time until all are back.
+
+With ``--replicas 1,3`` (on etcd) it measures instead what more replicas answer: dry-run hints
+spread over 1, then 3 replicas, every follower answering from its copy of the leader's state
+(``run_replica_hints``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 import uuid
@@ -34,13 +39,19 @@ from kvbroker.bench.registry_workers import (
     BLOCK_SIZE,
     HINT_RPC,
     fixed_rate_worker,
+    paced_hint_worker,
     prefix_worker,
     retained_blocks,
     run_workers,
     saturation_worker,
 )
 from kvbroker.bench.stats import quantile
-from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.grpc_client import (
+    SERVED_BY_METADATA_KEY,
+    RegistryEndpoint,
+    open_channel,
+    registry_stub,
+)
 from kvbroker.common.client.hint_batcher import HintBatcher
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.checkpoints import probe_blocks
@@ -71,11 +82,12 @@ def _spec(index: int, role: node_pb2.NodeRole) -> node_pb2.NodeSpec:
 class MeasuredRegistry:
     """The registry under test, in its own process, and what that process uses."""
 
-    def __init__(self, store: str = "memory") -> None:
+    def __init__(self, store: str = "memory", etcd_prefix: str = "/kvbroker") -> None:
         self.store = store
         self.process = RegistryProcess(
             "--log-level", "warning", "--session-ttl", "3600", "--heartbeat-interval", "60",
             "--lease-ttl", "3600", "--no-learn-idle-ttl", "--store", store,
+            "--etcd-prefix", etcd_prefix,
         )  # fmt: skip
         self.address = self.process.address
 
@@ -343,3 +355,103 @@ async def _restart(registry: MeasuredRegistry, fleet: Fleet, leases: int) -> dic
         recovered = time.perf_counter() - started
         back = await _live_leases(stub)
     return {"leases": kept, "recovered": back, "startup_s": startup, "recovery_s": recovered}
+
+
+# ---------------------------------------------------------------- hints on every replica
+
+
+async def run_replica_hints(
+    store: str,
+    replica_counts: Sequence[int] = (1, 3),
+    live_leases: int = 10_000,
+    rate: float = 1000.0,
+    seconds: float = 10.0,
+    nodes: int = 50,
+    progress: Any = print,
+) -> dict[str, Any]:
+    """Dry-run hints (as a gateway's placement hop asks them) against 1, 3, ... replicas on
+    the etcd at ``store``, each configuration under its own key prefix: the first replica
+    leads and is populated, the others answer from their copy of its state. For each, hints at
+    ``rate`` spread evenly over the replicas (open loop), then at saturation (single calls, then
+    batched) from two load processes; the replicas' CPU is their sum."""
+    configurations: list[dict[str, Any]] = []
+    for count in replica_counts:
+        prefix = f"/kvbroker-bench-{count}-{uuid.uuid4().hex[:8]}"
+        replicas = [MeasuredRegistry(store, prefix) for _ in range(count)]
+        try:
+            progress(f"{count} replica(s): starting, populating {live_leases:,} live leases")
+            await replicas[0].start()
+            for follower in replicas[1:]:
+                await follower.start()
+            fleet = Fleet(
+                decodes=[_spec(i, node_pb2.NODE_ROLE_DECODE) for i in range(nodes)],
+                prefills=[_spec(i, node_pb2.NODE_ROLE_PREFILL) for i in range(nodes)],
+                retained={},
+            )
+            fleet.retained = {n.node_id: [] for n in fleet.decodes}
+            async with open_channel(RegistryEndpoint.parse(replicas[0].address)) as channel:
+                stub = registry_stub(channel)
+                await _register(stub, fleet)
+                await _populate(stub, fleet, live_leases, 0)
+            for follower in replicas[1:]:
+                await _until_copied(follower.address, live_leases - 1)
+            addresses = ",".join(r.address for r in replicas)
+            results = []
+            progress(f"{count} replica(s): {rate:.0f} dry-run hints/s for {seconds:.0f} s")
+            cores = _cpu_of(replicas)
+            outputs = await asyncio.to_thread(
+                run_workers,
+                paced_hint_worker,
+                [(addresses, live_leases, rate / 2, seconds, seed) for seed in (0, 1)],
+            )
+            results.append(_summed("GetRoutingHint", rate, outputs, cores()))
+            for batched, rpc in ((False, "GetRoutingHint"), (True, HINT_RPC)):
+                progress(f"{count} replica(s): saturation, {rpc} from 2 processes x 64 callers")
+                cores = _cpu_of(replicas)
+                outputs = await asyncio.to_thread(
+                    run_workers,
+                    saturation_worker,
+                    [(addresses, live_leases, seconds, batched)] * 2,
+                )
+                results.append(_summed(rpc, 0, outputs, cores()))
+            configurations.append({"replicas": count, "load": [asdict(r) for r in results]})
+        finally:
+            for replica in replicas:
+                await replica.process.stop()
+    return {
+        "configurations": configurations,
+        "live_leases": live_leases,
+        "nodes": nodes,
+        "seconds": seconds,
+        "cores": os.cpu_count(),
+    }
+
+
+async def _until_copied(address: str, conversation: int, within_s: float = 60) -> None:
+    """A follower answers ``conv-N`` from its copy of the leader's state (the last lease
+    populated, so the copy is whole)."""
+    async with open_channel(RegistryEndpoint.parse(address)) as channel:
+        stub = registry_stub(channel)
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id=f"conv-{conversation}", dry_run=True
+        )
+
+        async def copied() -> bool:
+            call = stub.GetRoutingHint(request, timeout=5)
+            hint = (await call).hint
+            served_by = dict(await call.trailing_metadata() or ()).get(SERVED_BY_METADATA_KEY)
+            return served_by == address and hint.decision == registry_pb2.HINT_DECISION_REUSE
+
+        await poll_until(copied, within_s, "the follower's copy of the leader's state", every_s=0.2)
+
+
+def _cpu_of(replicas: Sequence[MeasuredRegistry]) -> Callable[[], float]:
+    meters = [replica.cpu_meter() for replica in replicas]
+    return lambda: sum(meter() for meter in meters)
+
+
+def _summed(rpc: str, rate: float, outputs: list[dict[str, Any]], cpu: float) -> LoadResult:
+    merged = [x for o in outputs for x in o["latencies"]]
+    elapsed = max(o["seconds"] for o in outputs)
+    errors = sum(o["errors"] for o in outputs)
+    return summarise(rpc, rate, merged, elapsed, errors, cpu)

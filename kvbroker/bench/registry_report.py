@@ -67,3 +67,38 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
     ax.legend(fontsize=8)
     path = save_figure(fig, output / "registry_latency.png")
     return [output / "registry.json", path]
+
+
+def write_replicas(report: dict[str, Any], output: Path) -> list[Path]:
+    """registry_replicas.json, and its plot: hints/s at saturation and p50/p99 at the paced
+    rate, per number of replicas."""
+    output.mkdir(parents=True, exist_ok=True)
+    data = output / "registry_replicas.json"
+    data.write_text(json.dumps(report, indent=2))
+    ready_plotting()
+    import matplotlib.pyplot as plt
+
+    configurations = report["configurations"]
+    labels = [f"{c['replicas']} replica{'s' if c['replicas'] > 1 else ''}" for c in configurations]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4))
+    width = 0.38
+    for offset, rpc in ((-width / 2, "GetRoutingHint"), (width / 2, HINT_RPC)):
+        rows = [next(r for r in c["load"] if r["rpc"] == rpc and r["rate"] == 0)
+                for c in configurations]  # fmt: skip
+        positions = [i + offset for i in range(len(rows))]
+        left.bar(positions, [r["throughput"] for r in rows], width, label=f"{rpc}")
+    left.set_xticks(range(len(labels)), labels)
+    left.set_ylabel("dry-run hints/s at saturation")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3, axis="y")
+    paced = [next(r for r in c["load"] if r["rate"] > 0) for c in configurations]
+    for offset, key in ((-width / 2, "p50_ms"), (width / 2, "p99_ms")):
+        positions = [i + offset for i in range(len(paced))]
+        right.bar(positions, [r[key] for r in paced], width, label=key.replace("_ms", ""))
+    right.set_xticks(range(len(labels)), labels)
+    right.set_ylabel(f"latency at {paced[0]['rate']:.0f} hints/s (ms)")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3, axis="y")
+    fig.suptitle("Dry-run hints answered by every replica (etcd, gRPC on loopback)")
+    path = save_figure(fig, output / "registry_replicas.png")
+    return [data, path]

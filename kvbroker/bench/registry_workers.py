@@ -9,6 +9,7 @@ to the load and its gRPC client, without the registry process or the report.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import time
@@ -146,7 +147,7 @@ async def _saturation(
     errors = 0
     stop_at = time.perf_counter() + seconds
 
-    async def caller(stub: Any, offset: int) -> None:
+    async def caller(stub: Any, hints: HintBatcher, offset: int) -> None:
         nonlocal errors
         index = offset
         while time.perf_counter() < stop_at:
@@ -164,11 +165,60 @@ async def _saturation(
                 errors += 1
             index += 97
 
-    async with open_channel(RegistryEndpoint.parse(address)) as channel:
-        stub = registry_stub(channel)
-        hints = HintBatcher(stub, timeout_s=5)
+    async with contextlib.AsyncExitStack() as stack:
+        # One channel per replica ("a,b,c"), the callers spread over them evenly.
+        stubs = [
+            registry_stub(await stack.enter_async_context(open_channel(RegistryEndpoint([one]))))
+            for one in address.split(",")
+        ]
+        batchers = [HintBatcher(stub, timeout_s=5) for stub in stubs]
         start = time.perf_counter()
-        await asyncio.gather(*(caller(stub, i) for i in range(64)))
+        await asyncio.gather(
+            *(caller(stubs[i % len(stubs)], batchers[i % len(stubs)], i) for i in range(64))
+        )
+        elapsed = time.perf_counter() - start
+    return {"latencies": latencies, "errors": errors, "seconds": elapsed}
+
+
+def paced_hint_worker(
+    addresses: str, conversations: int, rate: float, seconds: float, seed: int, out: Any
+) -> None:
+    out.put(uvloop.run(_paced_hints(addresses, conversations, rate, seconds, seed)))
+
+
+async def _paced_hints(
+    addresses: str, conversations: int, rate: float, seconds: float, seed: int
+) -> dict[str, Any]:
+    """Dry-run hints at ``rate``, open loop, each as one GetRoutingHint call to the replicas
+    ("a,b,c") in turn: what a gateway's placement hop asks on every request."""
+    latencies: list[float] = []
+    errors = 0
+
+    async def one(stub: Any, index: int) -> None:
+        nonlocal errors
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id=f"conv-{(index * 7919 + seed) % conversations}", dry_run=True
+        )
+        started = time.perf_counter()
+        try:
+            await stub.GetRoutingHint(request, timeout=5)
+            latencies.append(time.perf_counter() - started)
+        except Exception:  # counted: any failure of a hint
+            errors += 1
+
+    async with contextlib.AsyncExitStack() as stack:
+        stubs = [
+            registry_stub(await stack.enter_async_context(open_channel(RegistryEndpoint([one]))))
+            for one in addresses.split(",")
+        ]
+        tasks = []
+        start = time.perf_counter()
+        for index in range(int(rate * seconds)):
+            delay = start + index / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(stubs[index % len(stubs)], index)))
+        await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
     return {"latencies": latencies, "errors": errors, "seconds": elapsed}
 

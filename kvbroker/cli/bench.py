@@ -172,14 +172,27 @@ def bench_registry(
         bool,
         typer.Option(help="Run the registry as a replica on its own etcd (load levels only)."),
     ] = False,
+    replicas: Annotated[
+        str,
+        typer.Option(
+            help="With --etcd: measure dry-run hints spread over each of these numbers of "
+            "replicas instead (e.g. 1,3), at the first of --rates and at saturation."
+        ),
+    ] = "",
 ) -> None:
     """Registry latency and throughput over gRPC, RSS per lease, and restart recovery."""
     _plots_or_fail()
     try:
         rate_list = [float(r) for r in rates.split(",")]
         points = [int(p) for p in memory_points.split(",") if p]
+        counts = [int(c) for c in replicas.split(",") if c]
     except ValueError:
-        fail("--rates and --memory-points are comma-separated numbers", 2)
+        fail("--rates, --memory-points and --replicas are comma-separated numbers", 2)
+    if counts and (not etcd or min(counts) < 1):
+        fail("--replicas needs --etcd, and each count is at least 1", 2)
+    if counts:
+        _bench_replicas(counts, rate_list[0], live_leases, seconds, output)
+        return
     from kvbroker.bench.registry_load import run_registry_bench
     from kvbroker.bench.registry_report import write
 
@@ -237,6 +250,44 @@ def bench_registry(
             f"{restart['recovery_s']:.2f} s (process start {restart['startup_s']:.2f} s)"
         )
     paths = write(result, output)
+    console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))
+
+
+def _bench_replicas(
+    counts: list[int], rate: float, live_leases: int, seconds: float, output: Path
+) -> None:
+    from kvbroker.bench.registry_load import run_replica_hints
+    from kvbroker.bench.registry_report import write_replicas
+    from kvbroker.common.process.local_etcd import LocalEtcd
+
+    console = Console()
+
+    async def bench() -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="kvbroker-bench-etcd-") as workdir:
+            server = LocalEtcd(Path(workdir))
+            await server.start()
+            try:
+                return await run_replica_hints(
+                    server.url, counts, live_leases, rate, seconds, progress=partial(say, console)
+                )
+            finally:
+                await server.stop()
+
+    result = asyncio.run(bench())
+    table = Table(title="dry-run hints over registry replicas", title_justify="left")
+    columns = ("replicas", "rpc", "rate/s", "p50 ms", "p99 ms", "done/s", "errors", "cores")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for configuration in result["configurations"]:
+        for row in configuration["load"]:
+            table.add_row(
+                str(configuration["replicas"]), row["rpc"],
+                f"{row['rate']:.0f}" if row["rate"] else "saturation",
+                f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['throughput']:,.0f}",
+                str(row["errors"]), f"{row['registry_cpu']:.2f}",
+            )  # fmt: skip
+    console.print(table)
+    paths = write_replicas(result, output)
     console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))
 
 
