@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvbroker.bench.registry_load import run_registry_bench
-from kvbroker.bench.registry_report import write
+import pytest
+
+from kvbroker.bench.registry_load import run_registry_bench, run_replica_hints
+from kvbroker.bench.registry_report import write, write_replicas
 from kvbroker.bench.registry_workers import HINT_RPC
+from kvbroker.common.process.local_etcd import LocalEtcd
 
 
 async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:
@@ -44,4 +47,27 @@ async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Pa
 
     paths = write(report, tmp_path)
     assert json.loads(paths[0].read_text())["load"] == report["load"]
+    assert paths[1].stat().st_size > 10_000  # the plot
+
+
+@pytest.mark.etcd
+async def test_dry_run_hints_over_replicas_are_answered_where_asked(
+    etcd: LocalEtcd, tmp_path: Path
+) -> None:
+    """`--replicas 1,2`, shrunk, on a real etcd: every hint answered, by the replica it was
+    sent to (the follower from its copy of the leader's state), and the figures written."""
+    report = await run_replica_hints(
+        etcd.url, (1, 2), live_leases=200, rate=40, seconds=2, nodes=4, progress=lambda _: None
+    )
+    assert [c["replicas"] for c in report["configurations"]] == [1, 2]
+    for configuration in report["configurations"]:
+        assert configuration["answered_there"] == 1.0
+        rows = {(row["rpc"], row["rate"]): row for row in configuration["load"]}
+        assert rows[("GetRoutingHint", 40)]["throughput"] >= 30
+        for rpc, rate in (("GetRoutingHint", 40), ("GetRoutingHint", 0), (HINT_RPC, 0)):
+            row = rows[(rpc, rate)]
+            assert row["errors"] == 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+            assert row["registry_cpu"] > 0
+    paths = write_replicas(report, tmp_path)
+    assert json.loads(paths[0].read_text()) == report
     assert paths[1].stat().st_size > 10_000  # the plot

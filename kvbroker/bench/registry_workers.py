@@ -19,7 +19,12 @@ from typing import Any
 import uvloop
 
 from kvbroker.common.client.batcher import Batcher
-from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.grpc_client import (
+    SERVED_BY_METADATA_KEY,
+    RegistryEndpoint,
+    open_channel,
+    registry_stub,
+)
 from kvbroker.common.client.hint_batcher import HintBatcher
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
@@ -190,26 +195,31 @@ async def _paced_hints(
     addresses: str, conversations: int, rate: float, seconds: float, seed: int
 ) -> dict[str, Any]:
     """Dry-run hints at ``rate``, open loop, each as one GetRoutingHint call to the replicas
-    ("a,b,c") in turn: what a gateway's placement hop asks on every request."""
+    ("a,b,c") in turn: what a gateway's placement hop asks on every request. ``answered_there``
+    counts the hints the replica asked answered itself (``kvbroker-served-by``)."""
     latencies: list[float] = []
-    errors = 0
+    errors = answered_there = 0
+    replicas = addresses.split(",")
 
-    async def one(stub: Any, index: int) -> None:
-        nonlocal errors
+    async def one(stub: Any, address: str, index: int) -> None:
+        nonlocal errors, answered_there
         request = registry_pb2.GetRoutingHintRequest(
             conversation_id=f"conv-{(index * 7919 + seed) % conversations}", dry_run=True
         )
         started = time.perf_counter()
         try:
-            await stub.GetRoutingHint(request, timeout=5)
+            call = stub.GetRoutingHint(request, timeout=5)
+            await call
             latencies.append(time.perf_counter() - started)
+            served_by = dict(await call.trailing_metadata() or ()).get(SERVED_BY_METADATA_KEY)
+            answered_there += served_by == address
         except Exception:  # counted: any failure of a hint
             errors += 1
 
     async with contextlib.AsyncExitStack() as stack:
         stubs = [
             registry_stub(await stack.enter_async_context(open_channel(RegistryEndpoint([one]))))
-            for one in addresses.split(",")
+            for one in replicas
         ]
         tasks = []
         start = time.perf_counter()
@@ -217,10 +227,16 @@ async def _paced_hints(
             delay = start + index / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(stubs[index % len(stubs)], index)))
+            which = index % len(stubs)
+            tasks.append(asyncio.create_task(one(stubs[which], replicas[which], index)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
-    return {"latencies": latencies, "errors": errors, "seconds": elapsed}
+    return {
+        "latencies": latencies,
+        "errors": errors,
+        "seconds": elapsed,
+        "answered_there": answered_there,
+    }
 
 
 def run_workers(target: Any, args_per_worker: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
