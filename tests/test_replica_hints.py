@@ -28,6 +28,7 @@ from kvbroker.common.client.grpc_client import (
 from kvbroker.common.process.local_etcd import LocalEtcd
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.rules import routing
+from kvbroker.controlplane.replication.replica import Replica
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -329,6 +330,15 @@ async def test_a_partitioned_follower_answers_degraded(etcd: LocalEtcd) -> None:
     async with replicas(etcd) as pair, Heartbeats(pair.to_leader, PREFILL, DECODE):
         lease = await grant(pair.to_leader, DECODE, "conv-1", "req-1")
         await eventually(lambda: offered(pair, "conv-1", lease), what="the grant copied")
+        follower = pair.follower.leadership
+        assert isinstance(follower, Replica)
+
+        async def etcd_cache_routes() -> bool:
+            """What the follower's etcd watch brought (behind its copy: a separate stream)."""
+            nodes = await follower.store.list_nodes()
+            return sum(node.state == node_pb2.NODE_STATE_READY for node in nodes) == 2
+
+        await eventually(etcd_cache_routes, what="both nodes ready in the follower's etcd cache")
         pair.link.cut()
         try:
 
