@@ -25,7 +25,7 @@ from kvbroker.common.rules.clock import to_duration
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.api.interface import Leadership
 from kvbroker.controlplane.config import MAX_HINT_BATCH
-from kvbroker.controlplane.errors import InvalidArgument, NoLeader, RegistryError, hint_error
+from kvbroker.controlplane.errors import NoLeader, RegistryError, hint_error
 from kvbroker.controlplane.placement.hints import served_locally
 from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
 from kvbroker.controlplane.placement.prefix_match import PrefixMatch
@@ -290,7 +290,10 @@ class Forwarder:
         requests: Sequence[registry_pb2.GetRoutingHintRequest],
         time_remaining: float | None = None,
     ) -> registry_pb2.BatchGetRoutingHintsResponse:
-        if all(served_locally(r.dry_run, TurnRequest.of(r)) for r in requests):
+        # A batch over the limit goes to the leader, which refuses it.
+        if len(requests) <= MAX_HINT_BATCH and all(
+            served_locally(r.dry_run, TurnRequest.of(r)) for r in requests
+        ):
             local = self._local_hints(requests)
             if local is not None:
                 return local
@@ -310,10 +313,6 @@ class Forwarder:
     ) -> registry_pb2.BatchGetRoutingHintsResponse | None:
         """Each hint from this follower's copy, each failing alone as the leader's would;
         None when the copy is too far behind (checked once: the batch is answered at once)."""
-        if len(requests) > MAX_HINT_BATCH:
-            raise InvalidArgument(
-                f"{len(requests)} hint requests exceed the batch limit of {MAX_HINT_BATCH}"
-            )
         response = registry_pb2.BatchGetRoutingHintsResponse()
         for item in requests:
             try:

@@ -66,10 +66,9 @@ class _Follower:
 class HintFeed:
     """The leader's side: its cache's records to each follower that asks, as they change."""
 
-    def __init__(self, store: CachedStore, now: Callable[[], float], term: int) -> None:
+    def __init__(self, store: CachedStore, now: Callable[[], float]) -> None:
         self._store = store
         self._now = now
-        self._term = term
         self._dirty: set[tuple[RecordKind, str]] = set()
         self._followers: set[_Follower] = set()
         self._task: asyncio.Task[None] | None = None
@@ -129,7 +128,7 @@ class HintFeed:
 
     def _message(self, keys: list[tuple[RecordKind, str]]) -> registry_pb2.WatchHintStateResponse:
         """The records' bytes as the cache holds them now (a record gone: empty)."""
-        message = registry_pb2.WatchHintStateResponse(term=self._term)
+        message = registry_pb2.WatchHintStateResponse()
         cache = self._store.cache
         for kind, ident in keys:
             record = cache.record(kind, ident)
@@ -165,11 +164,11 @@ def _end(follower: _Follower) -> None:
 
 
 class HintView:
-    """A follower's copy of its leader's hint state (one term's feed), and how current it is."""
+    """A follower's copy of its leader's hint state (one subscription's), and how current it
+    is."""
 
     def __init__(self, now: Callable[[], float]) -> None:
         self.cache = StateCache()
-        self.term = 0
         # Whole once the snapshot has arrived.
         self.complete = False
         self._now = now
@@ -188,7 +187,6 @@ class HintView:
             nodes_changed = nodes_changed or kind is RecordKind.NODE
         if nodes_changed:
             self._routes.clear()
-        self.term = message.term
         self.complete = self.complete or message.snapshot_complete
         received = self._now()
         self._leader_time = from_timestamp(message.leader_time)

@@ -210,7 +210,7 @@ class Replica:
             registry.start()
             self.registry = registry
             self._follow_leader(self.options.advertise)
-            self.feed = HintFeed(self.store, self.clock, term.revision)
+            self.feed = HintFeed(self.store, self.clock)
             self.feed.start()
             await self._can_serve(True)
             took = time.perf_counter() - started

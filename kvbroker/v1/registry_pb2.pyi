@@ -629,13 +629,11 @@ class HintRecord(_message.Message):
     def __init__(self, kind: _Optional[_Union[HintRecordKind, str]] = ..., id: _Optional[str] = ..., record: _Optional[bytes] = ...) -> None: ...
 
 class WatchHintStateResponse(_message.Message):
-    __slots__ = ("records", "leader_time", "snapshot_complete", "term")
+    __slots__ = ("records", "leader_time", "snapshot_complete")
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     LEADER_TIME_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
-    TERM_FIELD_NUMBER: _ClassVar[int]
     records: _containers.RepeatedCompositeFieldContainer[HintRecord]
     leader_time: _timestamp_pb2.Timestamp
     snapshot_complete: bool
-    term: int
-    def __init__(self, records: _Optional[_Iterable[_Union[HintRecord, _Mapping]]] = ..., leader_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., snapshot_complete: _Optional[bool] = ..., term: _Optional[int] = ...) -> None: ...
+    def __init__(self, records: _Optional[_Iterable[_Union[HintRecord, _Mapping]]] = ..., leader_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., snapshot_complete: _Optional[bool] = ...) -> None: ...
