@@ -17,11 +17,13 @@ from rich.text import Text
 
 from kvbroker.bench.plotting import PlottingUnavailable, ready_plotting
 from kvbroker.bench.retention import TraceConfig
+from kvbroker.cli.bench_fleet import bench_fleet
 from kvbroker.cli.options import finite, positive_seconds, seconds
 from kvbroker.cli.output import fail, say
 from kvbroker.cli.stack import Switch, run_with_stack
 
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+bench_app.command("fleet")(bench_fleet)
 
 
 def _plots_or_fail() -> None:

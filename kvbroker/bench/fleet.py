@@ -1,0 +1,506 @@
+"""`kvbroker bench fleet`: the control plane at fleet scale, on its real parts.
+
+For each fleet size (half prefill, half decode nodes) a fresh etcd and registry replicas on it
+(`kvbroker registry serve --store etcd://…`, each its own process) serve what a fleet's
+sidecars and routers send them, over gRPC on loopback, the engines simulated:
+
+* every node registers, replays its (empty) retention and heartbeats as a sidecar does;
+* the conversations live at the start are already some turns in: their decode nodes report
+  what they retain, as a sidecar replays it;
+* then turns of the generated agentic trace (``fleet_trace``) at a fixed offered rate, open
+  loop: the router's hint (batched, as the router sends them, spread over the replicas), the
+  prefill node's fence before a READ (GetLease, as its sidecar checks), a sub-agent's look-up
+  by content (MatchPrefix, then EndReadPin), and the decode node's retention report with what
+  its engine frees: after a READ, to stay within its retention budget (least recently used
+  first), when the conversation ends.
+
+Each simulated decode engine keeps what it retains within its budget, so a hint can be
+checked against what the engines really held. Leases do not expire during a run (the trace's
+clock only orders the turns): what ends them is the engines' budget, reads and ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvbroker.bench.cpu import cpu_seconds
+from kvbroker.bench.fleet_report import FleetPoint, point_of
+from kvbroker.bench.fleet_trace import FleetTrace, TraceParams, Turn
+from kvbroker.common.client.batcher import Batcher
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.hint_batcher import HintBatcher
+from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker.common.process.tasks import poll_until
+from kvbroker.common.rules.checkpoints import checkpoint_blocks, probe_blocks, stride_for
+from kvbroker.common.rules.routing import read_refusal
+from kvbroker.testing.processes import RegistryProcess
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+
+MODEL = "fleet"
+BLOCK_SIZE = 16  # vLLM's default on GPUs
+REUSE_PATHS = (registry_pb2.TURN_PATH_READ, registry_pb2.TURN_PATH_DECODE_LOCAL)
+# How long a hint's claim protects a lease for its read. A new leader protects every lease
+# this long from its start (a claim its predecessor made may be in flight), answering an
+# engine's reclaim with "keep": the run waits that out before the engines retain anything, so
+# that what they reclaim is freed at once and their record of what they hold stays true.
+CLAIM_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    sizes: tuple[int, ...] = (10, 100, 1_000)  # nodes, half of them prefill
+    rate: float = 300.0  # offered turns per second
+    seconds: float = 10.0  # of turns per size
+    saturation_s: float = 5.0  # of hints alone, as fast as they are answered
+    replicas: int = 2
+    heartbeat_interval_s: float = 5.0
+    # A decode engine's KV cache (16-token blocks: 1M tokens) and the share it may retain.
+    capacity_blocks: int = 65_536
+    retention_share: float = 0.5
+    trace: TraceParams = field(default_factory=TraceParams)
+
+
+@dataclass
+class Tally:
+    """What the turns saw, for one fleet size."""
+
+    latencies: list[float] = field(default_factory=list)
+    turns: int = 0
+    later: int = 0  # turns after a conversation's first
+    reused: int = 0  # later turns whose hint said READ or DECODE_LOCAL
+    held: int = 0  # later turns whose KV an engine still held at the hint
+    reused_held: int = 0
+    reused_not_held: int = 0  # a hint to reuse what no engine held: must stay 0
+    fenced: int = 0  # READs the prefill node's fence refused
+    forks: int = 0
+    fork_hits: int = 0  # sub-agents' first turns that found the parent's KV by content
+    refused_events: int = 0
+    errors: int = 0
+    heartbeat_errors: int = 0
+
+
+class SimDecode:
+    """A decode node's engine as far as retention goes: what it holds, within its budget."""
+
+    def __init__(
+        self,
+        spec: node_pb2.NodeSpec,
+        budget: int,
+        stub: Any,
+        tally: Tally,
+        holders: dict[str, SimDecode],
+    ) -> None:
+        self.spec, self.budget, self.tally = spec, budget, tally
+        # Which engine holds each conversation's KV, shared by the fleet's engines.
+        self.holders = holders
+        self.held: OrderedDict[str, tuple[str, int]] = OrderedDict()  # conv: (request, blocks)
+        self.used = 0
+        self._sequence = 0
+        self._stub = stub
+        self.reports: Batcher[registry_pb2.RetentionEvent, bool] = Batcher(
+            self._send, max_batch=512, name=f"reports-{spec.node_id}"
+        )
+
+    def retain(self, retained: registry_pb2.RetainedBlocks, blocks: int) -> list[Any]:
+        """The conversation's new blocks, and what the engine reclaims to stay in budget."""
+        conversation = retained.conversation_id
+        self.drop(conversation)
+        self.held[conversation] = (retained.handle.remote_request_id, blocks)
+        self.holders[conversation] = self
+        self.used += blocks
+        events = [registry_pb2.RetentionEvent(retained=retained)]
+        while self.used > self.budget and len(self.held) > 1:
+            oldest = next(iter(self.held))
+            request_id, _ = self.drop(oldest) or ("", 0)
+            reclaim = registry_pb2.ReclaimRequest(
+                remote_request_id=request_id, cause=lease_pb2.LEASE_END_CAUSE_BUDGET
+            )
+            events.append(registry_pb2.RetentionEvent(reclaim=reclaim))
+        return events
+
+    def drop(self, conversation: str) -> tuple[str, int] | None:
+        found = self.held.pop(conversation, None)
+        if found is not None:
+            self.used -= found[1]
+            del self.holders[conversation]
+        return found
+
+    def released(self, conversation: str, cause: int) -> list[Any]:
+        found = self.drop(conversation)
+        if found is None:
+            return []
+        event = registry_pb2.ReleasedBlocks(remote_request_id=found[0], cause=cause)  # type: ignore[arg-type]
+        return [registry_pb2.RetentionEvent(released=event)]
+
+    def number(self, events: list[Any]) -> list[Any]:
+        for event in events:
+            self._sequence += 1
+            event.sequence = self._sequence
+        return events
+
+    async def _send(self, events: list[Any]) -> list[bool]:
+        response = await self._stub.ReportRetention(
+            registry_pb2.ReportRetentionRequest(
+                node_id=self.spec.node_id, incarnation=self.spec.incarnation,
+                events=self.number(events),
+            ),
+            timeout=30,
+        )  # fmt: skip
+        refused = {r.sequence for r in response.refused}
+        self.tally.refused_events += len(refused)
+        return [e.sequence not in refused for e in events]
+
+
+def node_spec(index: int, role: int, capacity_blocks: int) -> node_pb2.NodeSpec:
+    name = "prefill" if role == node_pb2.NODE_ROLE_PREFILL else "decode"
+    return node_pb2.NodeSpec(
+        node_id=f"{name}-{index}", role=role, engine_id=f"engine-{name}-{index}",  # type: ignore[arg-type]
+        side_channel_host="10.0.0.1", side_channel_port=5600 + index,
+        http_base_url=f"http://10.0.0.1:{8000 + index}", model=MODEL, block_size=BLOCK_SIZE,
+        capacity_blocks=capacity_blocks, bytes_per_block=1 << 17, incarnation=uuid.uuid4().hex,
+    )  # fmt: skip
+
+
+class FleetRun:
+    """One fleet size: its etcd, replicas, simulated nodes and routers."""
+
+    def __init__(self, config: FleetConfig, nodes: int, workdir: Path) -> None:
+        self.config, self.workdir = config, workdir
+        self.tally = Tally()
+        half = nodes // 2
+        self.prefills = [node_spec(i, node_pb2.NODE_ROLE_PREFILL, config.capacity_blocks)
+                         for i in range(nodes - half)]  # fmt: skip
+        self.decode_specs = [node_spec(i, node_pb2.NODE_ROLE_DECODE, config.capacity_blocks)
+                             for i in range(half)]  # fmt: skip
+        self.trace = FleetTrace(config.trace, nodes, BLOCK_SIZE)
+        self.etcd = LocalEtcd(workdir)
+        beat = config.heartbeat_interval_s
+        flags = ["--log-level", "warning", "--heartbeat-interval", str(beat),
+                 "--session-ttl", str(6 * beat), "--lease-ttl", "3600", "--max-lease-ttl",
+                 "3600", "--no-learn-idle-ttl", "--election-ttl", "5",
+                 "--claim-timeout", str(CLAIM_TIMEOUT_S)]  # fmt: skip
+        self.replicas = [
+            RegistryProcess(
+                "--store",
+                self.etcd.url,
+                *flags,
+                name=f"registry-{i}",
+                log=workdir / f"registry-{i}.log",
+            )
+            for i in range(config.replicas)
+        ]
+        self.holder: dict[str, SimDecode] = {}  # conversation: the engine holding its KV
+        self.pending: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self, progress: Callable[[str], None]) -> FleetPoint:
+        await self.etcd.start()
+        try:
+            for replica in self.replicas:
+                await replica.start()
+            return await self._drive(progress)
+        finally:
+            for replica in self.replicas:
+                await replica.stop()
+            await self.etcd.stop()
+
+    async def _drive(self, progress: Callable[[str], None]) -> FleetPoint:
+        addresses = [r.address for r in self.replicas]
+        # Sidecars list the replicas in order; each router starts at another (hints spread).
+        rotations = [",".join(addresses[i:] + addresses[:i]) for i in range(len(addresses))]
+        sidecars = open_channel(RegistryEndpoint.parse(rotations[0]))
+        routers = [open_channel(RegistryEndpoint.parse(spec)) for spec in rotations]
+        try:
+            stub = registry_stub(sidecars)
+            await poll_until(lambda: _answers(stub), 60, "a registry replica leading", every_s=0.2)
+            await asyncio.sleep(CLAIM_TIMEOUT_S + 0.5)  # see CLAIM_TIMEOUT_S
+            budget = int(self.config.capacity_blocks * self.config.retention_share)
+            self.decodes = {s.node_id: SimDecode(s, budget, stub, self.tally, self.holder)
+                            for s in self.decode_specs}  # fmt: skip
+            nodes = len(self.prefills) + len(self.decodes)
+            progress(f"{nodes} nodes: registering, {len(self.trace.live):,} live conversations")
+            started = time.perf_counter()
+            await _bounded([self._register(stub, s) for s in (*self.prefills, *self.decode_specs)])
+            registered_s = time.perf_counter() - started
+            beats = asyncio.create_task(self._heartbeats(stub))
+            started = time.perf_counter()
+            await self._populate(stub)
+            populated_s = time.perf_counter() - started
+            hints = [HintBatcher(registry_stub(c), timeout_s=10) for c in routers]
+            progress(
+                f"{nodes} nodes: {self.config.rate:.0f} turns/s for {self.config.seconds:.0f} s"
+            )
+            measured = await self._turns(stub, hints)
+            seconds = self.config.saturation_s
+            progress(f"{nodes} nodes: hints alone, as fast as answered, for {seconds:.0f} s")
+            saturated = await self._saturate(hints, seconds)
+            beats.cancel()
+            rss = [_rss_mib(r.pid) for r in self.replicas]
+        finally:
+            for channel in (sidecars, *routers):
+                await channel.close()
+        return point_of(
+            self.config, nodes, self.tally, measured, saturated, rss, registered_s, populated_s
+        )
+
+    async def _register(self, stub: Any, spec: node_pb2.NodeSpec) -> None:
+        await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=30)
+        await stub.ReportRetention(
+            registry_pb2.ReportRetentionRequest(
+                node_id=spec.node_id, incarnation=spec.incarnation, full_snapshot=True
+            ),
+            timeout=30,
+        )
+        await self._heartbeat(stub, spec)
+
+    async def _heartbeat(self, stub: Any, spec: node_pb2.NodeSpec) -> None:
+        decode = self.decodes.get(spec.node_id)
+        usage = decode.used / self.config.capacity_blocks if decode else 0.0
+        await stub.Heartbeat(
+            registry_pb2.HeartbeatRequest(
+                node_id=spec.node_id, incarnation=spec.incarnation, engine_ready=True,
+                load=node_pb2.NodeLoad(kv_cache_usage=usage),
+            ),
+            timeout=30,
+        )  # fmt: skip
+
+    async def _heartbeats(self, stub: Any) -> None:
+        """Every node's heartbeat once an interval, spread evenly over it."""
+        specs = [*self.prefills, *self.decode_specs]
+        spacing = self.config.heartbeat_interval_s / len(specs)
+        beats: set[asyncio.Task[None]] = set()
+
+        async def beat(spec: node_pb2.NodeSpec) -> None:
+            try:
+                await self._heartbeat(stub, spec)
+            except grpc.aio.AioRpcError:
+                self.tally.heartbeat_errors += 1
+
+        start = time.perf_counter()
+        for index in range(1_000_000_000):
+            await asyncio.sleep(max(0.0, start + index * spacing - time.perf_counter()))
+            task = asyncio.create_task(beat(specs[index % len(specs)]))
+            beats.add(task)
+            task.add_done_callback(beats.discard)
+
+    async def _populate(self, stub: Any) -> None:
+        """The conversations already some turns in: retained on the decode nodes in turn, and
+        reported as their sidecars replay them (500 events a report)."""
+        decodes = list(self.decodes.values())
+        events: dict[str, list[Any]] = {d.spec.node_id: [] for d in decodes}
+        in_progress = [c for c in self.trace.live.values() if c.context]
+        for index, conv in enumerate(in_progress):
+            decode = decodes[index % len(decodes)]
+            retained, blocks = self._retained(conv.name, conv.context, decode)
+            events[decode.spec.node_id] += decode.retain(retained, blocks)
+
+        async def report(decode: SimDecode, chunk: list[Any]) -> None:
+            response = await stub.ReportRetention(
+                registry_pb2.ReportRetentionRequest(
+                    node_id=decode.spec.node_id, incarnation=decode.spec.incarnation,
+                    events=decode.number(chunk),
+                ),
+                timeout=120,
+            )  # fmt: skip
+            self.tally.refused_events += len(response.refused)
+
+        await _bounded(
+            [report(d, events[d.spec.node_id][i : i + 500])
+             for d in decodes for i in range(0, len(events[d.spec.node_id]), 500)],
+            limit=8,
+        )  # fmt: skip
+
+    def _retained(self, conversation: str, tokens: int, decode: SimDecode) -> tuple[Any, int]:
+        blocks = max(1, tokens // BLOCK_SIZE)
+        stride = stride_for(blocks)
+        spec = decode.spec
+        retained = registry_pb2.RetainedBlocks(
+            conversation_id=conversation,
+            handle=lease_pb2.KvHandle(
+                remote_engine_id=spec.engine_id, remote_request_id=uuid.uuid4().hex,
+                remote_block_groups=[lease_pb2.BlockIdGroup(block_ids=range(blocks))],
+                remote_host=spec.side_channel_host, remote_port=spec.side_channel_port,
+                remote_num_tokens=tokens, tp_size=1,
+            ),
+            block_hashes=self.trace.hashes(conversation, checkpoint_blocks(blocks, stride)),
+            token_count=blocks * BLOCK_SIZE, block_hash_stride=stride,
+        )  # fmt: skip
+        return retained, blocks
+
+    async def _turns(self, stub: Any, hints: list[HintBatcher]) -> dict[str, Any]:
+        """The trace's next turns at the offered rate, open loop; a conversation's turn waits
+        for its previous one (its prompt follows that answer). What it used, measured."""
+        used = self._cpu_meter()
+        total = int(self.config.rate * self.config.seconds)
+        tasks = []
+        start = time.perf_counter()
+        for index in range(total):
+            delay = start + index / self.config.rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            turn = self.trace.next_turn()
+            previous = self.pending.get(turn.conversation)
+            task = asyncio.create_task(self._play(stub, hints[index % len(hints)], turn, previous))
+            self.pending[turn.conversation] = task
+            tasks.append(task)
+        issued = time.perf_counter() - start
+        await asyncio.gather(*tasks)
+        return {"seconds": time.perf_counter() - start, "issue_seconds": issued, **used()}
+
+    async def _saturate(self, hints: list[HintBatcher], seconds: float) -> dict[str, Any]:
+        """Hints alone as fast as they are answered (dry runs: nothing claimed), 64 callers
+        per router, for conversations whose KV is held: what a registry core buys."""
+        held = list(self.holder)
+        used = self._cpu_meter()
+        start = time.perf_counter()
+        answered = 0
+
+        async def caller(index: int) -> None:
+            nonlocal answered
+            router = hints[index % len(hints)]
+            while time.perf_counter() < start + seconds:
+                conversation = held[(index * 7919 + answered) % len(held)]
+                await router.hint(
+                    registry_pb2.GetRoutingHintRequest(
+                        conversation_id=conversation, model=MODEL, dry_run=True
+                    )
+                )
+                answered += 1
+
+        await asyncio.gather(*(caller(i) for i in range(64 * len(hints))))
+        return {"seconds": time.perf_counter() - start, "hints": answered, **used()}
+
+    def _cpu_meter(self) -> Callable[[], dict[str, Any]]:
+        """Starts measuring; the returned call gives the CPU seconds each replica, etcd and
+        this process (the load) used since."""
+        pids = [p.pid for p in (*self.replicas, self.etcd.child)]
+        before, own = [cpu_seconds(pid) for pid in pids], time.process_time()
+
+        def used() -> dict[str, Any]:
+            cpu = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
+            return {"replica_cpu_s": cpu[:-1], "etcd_cpu_s": cpu[-1],
+                    "loadgen_cpu_s": time.process_time() - own}  # fmt: skip
+
+        return used
+
+    async def _play(
+        self, stub: Any, hints: HintBatcher, turn: Turn, previous: asyncio.Task[None] | None
+    ) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        try:
+            await self._turn(stub, hints, turn)
+        except (grpc.aio.AioRpcError, KeyError):  # a refused hint, or one without a decode node
+            self.tally.errors += 1
+        finally:
+            if self.pending.get(turn.conversation) is asyncio.current_task():
+                del self.pending[turn.conversation]
+
+    async def _turn(self, stub: Any, hints: HintBatcher, turn: Turn) -> None:
+        tally = self.tally
+        request = registry_pb2.GetRoutingHintRequest(
+            conversation_id=turn.conversation, model=MODEL,
+            prompt_tokens=turn.context_tokens + turn.new_tokens, new_tokens=turn.new_tokens,
+        )  # fmt: skip
+        holder = self.holder.get(turn.conversation)
+        started = time.perf_counter()
+        hint = await hints.hint(request)
+        tally.latencies.append(time.perf_counter() - started)
+        tally.turns += 1
+        reused = hint.path in REUSE_PATHS
+        if turn.index > 0:
+            tally.later += 1
+            tally.reused += reused
+            tally.held += holder is not None
+            tally.reused_held += reused and holder is not None
+            tally.reused_not_held += reused and holder is None
+        if hint.path == registry_pb2.TURN_PATH_READ:
+            lease = (await stub.GetLease(
+                registry_pb2.GetLeaseRequest(lease_id=hint.lease.lease_id), timeout=10
+            )).lease  # fmt: skip
+            tally.fenced += read_refusal(lease, hint.lease.epoch) is not None
+        if turn.parent:
+            await self._fork_read(stub, hint, turn)
+        decode = self.decodes[hint.decode.node_id]
+        sends: list[tuple[SimDecode, Any]] = []
+        if holder is not None and holder is not decode:
+            # After a READ the holder frees the blocks (vLLM frees after a read); otherwise
+            # the registry's command to free the superseded lease's blocks did.
+            freed = holder.released(turn.conversation, lease_pb2.LEASE_END_CAUSE_READ)
+            if hint.path == registry_pb2.TURN_PATH_READ:
+                sends += [(holder, event) for event in freed]
+        tokens = turn.context_tokens + turn.new_tokens + turn.output_tokens
+        retained, blocks = self._retained(turn.conversation, tokens, decode)
+        sends += [(decode, event) for event in decode.retain(retained, blocks)]
+        if turn.last:  # the agent is done: the lease idles out and the engine frees its blocks
+            sends += [
+                (decode, e)
+                for e in decode.released(turn.conversation, lease_pb2.LEASE_END_CAUSE_IDLE)
+            ]
+            self.trace.forget(turn.conversation)
+        await asyncio.gather(*(node.reports.submit(event) for node, event in sends))
+
+    async def _fork_read(self, stub: Any, hint: Any, turn: Turn) -> None:
+        """A sub-agent's first prompt starts with its parent's history: its prefill node's
+        connector looks it up by content and, found, reads it under a pin it then ends."""
+        self.tally.forks += 1
+        blocks = (turn.context_tokens + turn.new_tokens) // BLOCK_SIZE
+        node_id = hint.prefill.node_id
+        answer = await stub.MatchPrefix(
+            registry_pb2.MatchPrefixRequest(
+                node_id=node_id, conversation_id=turn.conversation, model=MODEL,
+                block_size=BLOCK_SIZE,
+                probe_hashes=self.trace.hashes(turn.conversation, probe_blocks(blocks)),
+            ),
+            timeout=10,
+        )  # fmt: skip
+        if answer.pin_id:
+            self.tally.fork_hits += 1
+            await stub.EndReadPin(
+                registry_pb2.EndReadPinRequest(
+                    node_id=node_id, lease_id=answer.lease.lease_id, pin_id=answer.pin_id
+                ),
+                timeout=10,
+            )
+
+
+async def _answers(stub: Any) -> bool:
+    """A replica answers calls once one of them leads (followers forward to it)."""
+    await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=2)
+    return True
+
+
+async def _bounded(calls: list[Any], limit: int = 32) -> None:
+    """Runs the coroutines ``limit`` at a time, as many sidecars starting at once would."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(call: Any) -> None:
+        async with gate:
+            await call
+
+    await asyncio.gather(*(one(call) for call in calls))
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def run_fleet(config: FleetConfig, progress: Callable[[str], None]) -> list[FleetPoint]:
+    """Each fleet size of ``config``, one after another, each on a fresh etcd and replicas."""
+    points = []
+    for nodes in config.sizes:
+        with tempfile.TemporaryDirectory(prefix="kvbroker-fleet-") as workdir:
+            points.append(await FleetRun(config, nodes, Path(workdir)).run(progress))
+    return points
