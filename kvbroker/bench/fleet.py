@@ -22,6 +22,7 @@ clock only orders the turns): what ends them is the engines' budget, reads and e
 from __future__ import annotations
 
 import asyncio
+import itertools
 import tempfile
 import time
 import uuid
@@ -54,6 +55,10 @@ REUSE_PATHS = (registry_pb2.TURN_PATH_READ, registry_pb2.TURN_PATH_DECODE_LOCAL)
 # engine's reclaim with "keep": the run waits that out before the engines retain anything, so
 # that what they reclaim is freed at once and their record of what they hold stays true.
 CLAIM_TIMEOUT_S = 3.0
+# How long a node's session lives without a heartbeat. The engines' replay at the start puts
+# tens of thousands of leases through etcd at once, and heartbeats wait behind those commits
+# (the longest wait is reported): long enough that the replay ends no session.
+SESSION_TTL_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class Tally:
     refused_events: int = 0
     errors: int = 0
     heartbeat_errors: int = 0
+    heartbeat_max_s: float = 0.0  # the longest a heartbeat took to be answered
 
 
 class SimDecode:
@@ -111,22 +117,23 @@ class SimDecode:
             self._send, max_batch=512, name=f"reports-{spec.node_id}"
         )
 
-    def retain(self, retained: registry_pb2.RetainedBlocks, blocks: int) -> list[Any]:
-        """The conversation's new blocks, and what the engine reclaims to stay in budget."""
-        conversation = retained.conversation_id
+    def retain(self, conversation: str, blocks: int) -> tuple[str, list[Any]]:
+        """Retains the conversation's blocks under a new request id; returns it, and the
+        reclaims the engine sends to stay within its budget (least recently used first)."""
+        request_id = uuid.uuid4().hex
         self.drop(conversation)
-        self.held[conversation] = (retained.handle.remote_request_id, blocks)
+        self.held[conversation] = (request_id, blocks)
         self.holders[conversation] = self
         self.used += blocks
-        events = [registry_pb2.RetentionEvent(retained=retained)]
+        events = []
         while self.used > self.budget and len(self.held) > 1:
             oldest = next(iter(self.held))
-            request_id, _ = self.drop(oldest) or ("", 0)
+            freed, _ = self.drop(oldest) or ("", 0)
             reclaim = registry_pb2.ReclaimRequest(
-                remote_request_id=request_id, cause=lease_pb2.LEASE_END_CAUSE_BUDGET
+                remote_request_id=freed, cause=lease_pb2.LEASE_END_CAUSE_BUDGET
             )
             events.append(registry_pb2.RetentionEvent(reclaim=reclaim))
-        return events
+        return request_id, events
 
     def drop(self, conversation: str) -> tuple[str, int] | None:
         found = self.held.pop(conversation, None)
@@ -186,7 +193,7 @@ class FleetRun:
         self.etcd = LocalEtcd(workdir)
         beat = config.heartbeat_interval_s
         flags = ["--log-level", "warning", "--heartbeat-interval", str(beat),
-                 "--session-ttl", str(6 * beat), "--lease-ttl", "3600", "--max-lease-ttl",
+                 "--session-ttl", str(SESSION_TTL_S), "--lease-ttl", "3600", "--max-lease-ttl",
                  "3600", "--no-learn-idle-ttl", "--election-ttl", "5",
                  "--claim-timeout", str(CLAIM_TIMEOUT_S)]  # fmt: skip
         self.replicas = [
@@ -201,6 +208,7 @@ class FleetRun:
         ]
         self.holder: dict[str, SimDecode] = {}  # conversation: the engine holding its KV
         self.pending: dict[str, asyncio.Task[None]] = {}
+        self.registered: set[str] = set()
 
     async def run(self, progress: Callable[[str], None]) -> FleetPoint:
         await self.etcd.start()
@@ -219,6 +227,7 @@ class FleetRun:
         rotations = [",".join(addresses[i:] + addresses[:i]) for i in range(len(addresses))]
         sidecars = open_channel(RegistryEndpoint.parse(rotations[0]))
         routers = [open_channel(RegistryEndpoint.parse(spec)) for spec in rotations]
+        beats: asyncio.Task[None] | None = None
         try:
             stub = registry_stub(sidecars)
             await poll_until(lambda: _answers(stub), 60, "a registry replica leading", every_s=0.2)
@@ -228,10 +237,13 @@ class FleetRun:
                             for s in self.decode_specs}  # fmt: skip
             nodes = len(self.prefills) + len(self.decodes)
             progress(f"{nodes} nodes: registering, {len(self.trace.live):,} live conversations")
+            # Heartbeats from the first registration on: registering 1,000 nodes takes longer
+            # than a session lives without them.
+            beats = asyncio.create_task(self._heartbeats(stub))
             started = time.perf_counter()
             await _bounded([self._register(stub, s) for s in (*self.prefills, *self.decode_specs)])
             registered_s = time.perf_counter() - started
-            beats = asyncio.create_task(self._heartbeats(stub))
+            progress(f"{nodes} nodes: registered in {registered_s:.1f} s; the engines replay")
             started = time.perf_counter()
             await self._populate(stub)
             populated_s = time.perf_counter() - started
@@ -243,9 +255,11 @@ class FleetRun:
             seconds = self.config.saturation_s
             progress(f"{nodes} nodes: hints alone, as fast as answered, for {seconds:.0f} s")
             saturated = await self._saturate(hints, seconds)
-            beats.cancel()
             rss = [_rss_mib(r.pid) for r in self.replicas]
         finally:
+            if beats is not None:
+                beats.cancel()
+                await asyncio.gather(beats, return_exceptions=True)
             for channel in (sidecars, *routers):
                 await channel.close()
         return point_of(
@@ -261,10 +275,12 @@ class FleetRun:
             timeout=30,
         )
         await self._heartbeat(stub, spec)
+        self.registered.add(spec.node_id)
 
     async def _heartbeat(self, stub: Any, spec: node_pb2.NodeSpec) -> None:
         decode = self.decodes.get(spec.node_id)
         usage = decode.used / self.config.capacity_blocks if decode else 0.0
+        started = time.perf_counter()
         await stub.Heartbeat(
             registry_pb2.HeartbeatRequest(
                 node_id=spec.node_id, incarnation=spec.incarnation, engine_ready=True,
@@ -272,9 +288,10 @@ class FleetRun:
             ),
             timeout=30,
         )  # fmt: skip
+        self.tally.heartbeat_max_s = max(self.tally.heartbeat_max_s, time.perf_counter() - started)
 
     async def _heartbeats(self, stub: Any) -> None:
-        """Every node's heartbeat once an interval, spread evenly over it."""
+        """Every registered node's heartbeat once an interval, spread evenly over it."""
         specs = [*self.prefills, *self.decode_specs]
         spacing = self.config.heartbeat_interval_s / len(specs)
         beats: set[asyncio.Task[None]] = set()
@@ -286,22 +303,31 @@ class FleetRun:
                 self.tally.heartbeat_errors += 1
 
         start = time.perf_counter()
-        for index in range(1_000_000_000):
-            await asyncio.sleep(max(0.0, start + index * spacing - time.perf_counter()))
-            task = asyncio.create_task(beat(specs[index % len(specs)]))
-            beats.add(task)
-            task.add_done_callback(beats.discard)
+        try:
+            for index in itertools.count():
+                await asyncio.sleep(max(0.0, start + index * spacing - time.perf_counter()))
+                spec = specs[index % len(specs)]
+                if spec.node_id in self.registered:
+                    task = asyncio.create_task(beat(spec))
+                    beats.add(task)
+                    task.add_done_callback(beats.discard)
+        finally:
+            for task in beats:
+                task.cancel()
 
     async def _populate(self, stub: Any) -> None:
-        """The conversations already some turns in: retained on the decode nodes in turn, and
-        reported as their sidecars replay them (500 events a report)."""
+        """The conversations already some turns in: retained on the decode nodes in turn
+        (each engine keeping what its budget allows), and what each holds reported as its
+        sidecar replays it (500 events a report)."""
         decodes = list(self.decodes.values())
-        events: dict[str, list[Any]] = {d.spec.node_id: [] for d in decodes}
         in_progress = [c for c in self.trace.live.values() if c.context]
         for index, conv in enumerate(in_progress):
-            decode = decodes[index % len(decodes)]
-            retained, blocks = self._retained(conv.name, conv.context, decode)
-            events[decode.spec.node_id] += decode.retain(retained, blocks)
+            decodes[index % len(decodes)].retain(conv.name, _blocks(conv.context))
+        events = {
+            d.spec.node_id: [self._retained(conv, blocks, d, request)
+                             for conv, (request, blocks) in d.held.items()]
+            for d in decodes
+        }  # fmt: skip
 
         async def report(decode: SimDecode, chunk: list[Any]) -> None:
             response = await stub.ReportRetention(
@@ -316,25 +342,26 @@ class FleetRun:
         await _bounded(
             [report(d, events[d.spec.node_id][i : i + 500])
              for d in decodes for i in range(0, len(events[d.spec.node_id]), 500)],
-            limit=8,
+            limit=4,
         )  # fmt: skip
 
-    def _retained(self, conversation: str, tokens: int, decode: SimDecode) -> tuple[Any, int]:
-        blocks = max(1, tokens // BLOCK_SIZE)
+    def _retained(
+        self, conversation: str, blocks: int, decode: SimDecode, request_id: str
+    ) -> registry_pb2.RetentionEvent:
         stride = stride_for(blocks)
         spec = decode.spec
         retained = registry_pb2.RetainedBlocks(
             conversation_id=conversation,
             handle=lease_pb2.KvHandle(
-                remote_engine_id=spec.engine_id, remote_request_id=uuid.uuid4().hex,
+                remote_engine_id=spec.engine_id, remote_request_id=request_id,
                 remote_block_groups=[lease_pb2.BlockIdGroup(block_ids=range(blocks))],
                 remote_host=spec.side_channel_host, remote_port=spec.side_channel_port,
-                remote_num_tokens=tokens, tp_size=1,
+                remote_num_tokens=blocks * BLOCK_SIZE, tp_size=1,
             ),
             block_hashes=self.trace.hashes(conversation, checkpoint_blocks(blocks, stride)),
             token_count=blocks * BLOCK_SIZE, block_hash_stride=stride,
         )  # fmt: skip
-        return retained, blocks
+        return registry_pb2.RetentionEvent(retained=retained)
 
     async def _turns(self, stub: Any, hints: list[HintBatcher]) -> dict[str, Any]:
         """The trace's next turns at the offered rate, open loop; a conversation's turn waits
@@ -438,9 +465,10 @@ class FleetRun:
             freed = holder.released(turn.conversation, lease_pb2.LEASE_END_CAUSE_READ)
             if hint.path == registry_pb2.TURN_PATH_READ:
                 sends += [(holder, event) for event in freed]
-        tokens = turn.context_tokens + turn.new_tokens + turn.output_tokens
-        retained, blocks = self._retained(turn.conversation, tokens, decode)
-        sends += [(decode, event) for event in decode.retain(retained, blocks)]
+        blocks = _blocks(turn.context_tokens + turn.new_tokens + turn.output_tokens)
+        request_id, reclaims = decode.retain(turn.conversation, blocks)
+        retained = self._retained(turn.conversation, blocks, decode, request_id)
+        sends += [(decode, event) for event in (retained, *reclaims)]
         if turn.last:  # the agent is done: the lease idles out and the engine frees its blocks
             sends += [
                 (decode, e)
@@ -471,6 +499,11 @@ class FleetRun:
                 ),
                 timeout=10,
             )
+
+
+def _blocks(tokens: int) -> int:
+    """The whole blocks of ``tokens`` an engine retains (the last, partial one it does not)."""
+    return max(1, tokens // BLOCK_SIZE)
 
 
 async def _answers(stub: Any) -> bool:

@@ -55,6 +55,7 @@ class FleetPoint:
     fork_hits: int  # sub-agents that found the parent's KV by content (MatchPrefix)
     refused_events: int
     heartbeat_errors: int
+    heartbeat_max_s: float  # the longest a heartbeat took to be answered, replay included
     register_s: float
     populate_s: float
 
@@ -107,6 +108,7 @@ def point_of(
         fork_hits=tally.fork_hits,
         refused_events=tally.refused_events,
         heartbeat_errors=tally.heartbeat_errors,
+        heartbeat_max_s=tally.heartbeat_max_s,
         register_s=register_s,
         populate_s=populate_s,
     )
@@ -135,7 +137,9 @@ def print_table(points: list[FleetPoint], console: Console) -> None:
             f"{p.nodes:,} nodes: engines held {p.held_rate:.1%} of later turns' KV, the hint "
             f"reused {p.reused_of_held:.1%} of it; sub-agents found their parent's KV "
             f"{p.fork_hits}/{p.forks}; etcd {p.etcd_cores:.2f} cores, the load "
-            f"{p.loadgen_cores:.2f}; {p.heartbeat_errors} heartbeats failed"
+            f"{p.loadgen_cores:.2f}; {p.heartbeat_errors} heartbeats failed, the slowest took "
+            f"{p.heartbeat_max_s:.1f} s; registering took {p.register_s:.1f} s, the replay "
+            f"{p.populate_s:.1f} s"
         )
 
 

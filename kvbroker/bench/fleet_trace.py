@@ -166,7 +166,8 @@ class FleetTrace:
         child.replaced = False
         shared_blocks = child.shared // self.block_size
         roots = [(s, r) for s, r in self._roots[parent.name] if s < shared_blocks]
-        self._begin(child, [*roots, (shared_blocks, self._random.getrandbits(63))], self.now + 1.0)
+        # The parent's tool call starts it at once: its first turn is the trace's next.
+        self._begin(child, [*roots, (shared_blocks, self._random.getrandbits(63))], self.now)
 
     def _begin(self, conv: _Conversation, roots: list[tuple[int, int]], at: float) -> None:
         self.live[conv.name] = conv
