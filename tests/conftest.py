@@ -63,6 +63,7 @@ LAYERS = {
     "test_engine_load": "unit",
     "test_engine_rules": "unit",
     "test_engine_work": "unit",
+    "test_fleet_bench": "integration",
     "test_fragmentation": "unit",
     "test_labels": "unit",
     "test_layers": "unit",

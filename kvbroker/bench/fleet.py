@@ -375,7 +375,8 @@ class FleetRun:
             if delay > 0:
                 await asyncio.sleep(delay)
             turn = self.trace.next_turn()
-            previous = self.pending.get(turn.conversation)
+            # A turn follows its conversation's previous one, a sub-agent's first its parent's.
+            previous = self.pending.get(turn.conversation) or self.pending.get(turn.parent)
             task = asyncio.create_task(self._play(stub, hints[index % len(hints)], turn, previous))
             self.pending[turn.conversation] = task
             tasks.append(task)
