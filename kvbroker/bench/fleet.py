@@ -27,7 +27,7 @@ import tempfile
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,12 @@ from kvbroker.bench.cpu import cpu_seconds
 from kvbroker.bench.fleet_report import FleetPoint, point_of
 from kvbroker.bench.fleet_trace import FleetTrace, TraceParams, Turn
 from kvbroker.common.client.batcher import Batcher
-from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.grpc_client import (
+    RegistryEndpoint,
+    open_channel,
+    registry_stub,
+    replica_away,
+)
 from kvbroker.common.client.hint_batcher import HintBatcher
 from kvbroker.common.process.local_etcd import LocalEtcd
 from kvbroker.common.process.tasks import poll_until
@@ -194,7 +199,7 @@ class FleetRun:
         beat = config.heartbeat_interval_s
         flags = ["--log-level", "warning", "--heartbeat-interval", str(beat),
                  "--session-ttl", str(SESSION_TTL_S), "--lease-ttl", "3600", "--max-lease-ttl",
-                 "3600", "--no-learn-idle-ttl", "--election-ttl", "5",
+                 "3600", "--no-learn-idle-ttl", "--election-ttl", "15",
                  "--claim-timeout", str(CLAIM_TIMEOUT_S)]  # fmt: skip
         self.replicas = [
             RegistryProcess(
@@ -267,13 +272,12 @@ class FleetRun:
         )
 
     async def _register(self, stub: Any, spec: node_pb2.NodeSpec) -> None:
-        await stub.RegisterNode(registry_pb2.RegisterNodeRequest(spec=spec), timeout=30)
-        await stub.ReportRetention(
-            registry_pb2.ReportRetentionRequest(
-                node_id=spec.node_id, incarnation=spec.incarnation, full_snapshot=True
-            ),
-            timeout=30,
+        registration = registry_pb2.RegisterNodeRequest(spec=spec)
+        await _again_if_away(lambda: stub.RegisterNode(registration, timeout=30))
+        replay = registry_pb2.ReportRetentionRequest(
+            node_id=spec.node_id, incarnation=spec.incarnation, full_snapshot=True
         )
+        await _again_if_away(lambda: stub.ReportRetention(replay, timeout=30))
         await self._heartbeat(stub, spec)
         self.registered.add(spec.node_id)
 
@@ -330,13 +334,11 @@ class FleetRun:
         }  # fmt: skip
 
         async def report(decode: SimDecode, chunk: list[Any]) -> None:
-            response = await stub.ReportRetention(
-                registry_pb2.ReportRetentionRequest(
-                    node_id=decode.spec.node_id, incarnation=decode.spec.incarnation,
-                    events=decode.number(chunk),
-                ),
-                timeout=120,
+            request = registry_pb2.ReportRetentionRequest(
+                node_id=decode.spec.node_id, incarnation=decode.spec.incarnation,
+                events=decode.number(chunk),
             )  # fmt: skip
+            response = await _again_if_away(lambda: stub.ReportRetention(request, timeout=120))
             self.tally.refused_events += len(response.refused)
 
         await _bounded(
@@ -500,6 +502,21 @@ class FleetRun:
                 ),
                 timeout=10,
             )
+
+
+async def _again_if_away(call: Callable[[], Awaitable[Any]], attempts: int = 3) -> Any:
+    """A sidecar's call that no replica served (``replica_away``: on a machine this busy, a
+    leader can miss its election lease) sent again, as the sidecar's session would; the
+    registry applies a report's events once, by their sequence."""
+    for attempt in range(attempts):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as error:
+            if attempt == attempts - 1 or not (
+                replica_away(error) or error.code() == grpc.StatusCode.CANCELLED
+            ):
+                raise
+    raise AssertionError("unreachable")
 
 
 def _blocks(tokens: int) -> int:
