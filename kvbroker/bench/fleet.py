@@ -26,7 +26,7 @@ import itertools
 import tempfile
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +91,8 @@ class Tally:
     held: int = 0  # later turns whose KV an engine still held at the hint
     reused_held: int = 0
     reused_not_held: int = 0  # a hint to reuse what no engine held: must stay 0
-    fenced: int = 0  # READs the prefill node's fence refused
+    # READs the prefill node's fence declined: the hint's claim lapsed before the check.
+    fenced: int = 0
     forks: int = 0
     fork_hits: int = 0  # sub-agents' first turns that found the parent's KV by content
     refused_events: int = 0
@@ -110,10 +111,12 @@ class SimDecode:
         stub: Any,
         tally: Tally,
         holders: dict[str, SimDecode],
+        busy: Counter[str],
     ) -> None:
         self.spec, self.budget, self.tally = spec, budget, tally
-        # Which engine holds each conversation's KV, shared by the fleet's engines.
-        self.holders = holders
+        # Shared by the fleet's engines: which engine holds each conversation's KV, and the
+        # conversations whose KV a hint or a look-up in flight may have handed to a reader.
+        self.holders, self.busy = holders, busy
         self.held: OrderedDict[str, tuple[str, int]] = OrderedDict()  # conv: (request, blocks)
         self.used = 0
         self._sequence = 0
@@ -131,8 +134,12 @@ class SimDecode:
         self.holders[conversation] = self
         self.used += blocks
         events = []
-        while self.used > self.budget and len(self.held) > 1:
-            oldest = next(iter(self.held))
+        while self.used > self.budget:
+            # Not a conversation a read may be reading now (a turn or a sub-agent's look-up in
+            # flight): the registry would answer that reclaim "keep it for the read".
+            oldest = next((c for c in self.held if c != conversation and not self.busy[c]), None)
+            if oldest is None:
+                break
             freed, _ = self.drop(oldest) or ("", 0)
             reclaim = registry_pb2.ReclaimRequest(
                 remote_request_id=freed, cause=lease_pb2.LEASE_END_CAUSE_BUDGET
@@ -212,8 +219,10 @@ class FleetRun:
             for i in range(config.replicas)
         ]
         self.holder: dict[str, SimDecode] = {}  # conversation: the engine holding its KV
+        self.busy: Counter[str] = Counter()  # see SimDecode
         self.pending: dict[str, asyncio.Task[None]] = {}
         self.registered: set[str] = set()
+        self.decodes: dict[str, SimDecode] = {}  # once the sidecars' channel is open
 
     async def run(self, progress: Callable[[str], None]) -> FleetPoint:
         await self.etcd.start()
@@ -238,12 +247,13 @@ class FleetRun:
             await poll_until(lambda: _answers(stub), 60, "a registry replica leading", every_s=0.2)
             await asyncio.sleep(CLAIM_TIMEOUT_S + 0.5)  # see CLAIM_TIMEOUT_S
             budget = int(self.config.capacity_blocks * self.config.retention_share)
-            self.decodes = {s.node_id: SimDecode(s, budget, stub, self.tally, self.holder)
-                            for s in self.decode_specs}  # fmt: skip
+            for spec in self.decode_specs:
+                self.decodes[spec.node_id] = SimDecode(
+                    spec, budget, stub, self.tally, self.holder, self.busy
+                )
             nodes = len(self.prefills) + len(self.decodes)
             progress(f"{nodes} nodes: registering, {len(self.trace.live):,} live conversations")
-            # Heartbeats from the first registration on: registering 1,000 nodes takes longer
-            # than a session lives without them.
+            # Heartbeats from each node's registration on, as its sidecar sends them.
             beats = asyncio.create_task(self._heartbeats(stub))
             started = time.perf_counter()
             await _bounded([self._register(stub, s) for s in (*self.prefills, *self.decode_specs)])
@@ -427,11 +437,14 @@ class FleetRun:
     ) -> None:
         if previous is not None:
             await asyncio.wait([previous])
+        readers = [turn.conversation, turn.parent] if turn.parent else [turn.conversation]
+        self.busy.update(readers)
         try:
             await self._turn(stub, hints, turn)
         except (grpc.aio.AioRpcError, KeyError):  # a refused hint, or one without a decode node
             self.tally.errors += 1
         finally:
+            self.busy.subtract(readers)
             if self.pending.get(turn.conversation) is asyncio.current_task():
                 del self.pending[turn.conversation]
 

@@ -50,7 +50,7 @@ class FleetPoint:
     held_rate: float  # later turns whose KV an engine still held at the hint
     reused_of_held: float  # of those, the share the hint reused
     reused_not_held: int  # hints to reuse KV no engine held: must be 0
-    fenced: int  # READs the prefill node's fence refused
+    fenced: int  # READs the prefill node's fence declined (the claim lapsed before it)
     forks: int
     fork_hits: int  # sub-agents that found the parent's KV by content (MatchPrefix)
     refused_events: int
@@ -117,9 +117,10 @@ def point_of(
 def print_table(points: list[FleetPoint], console: Console) -> None:
     table = Table(title="the control plane at fleet scale", title_justify="left")
     # "max": hints alone, as fast as they are answered; "stale": hints to reuse KV no engine
-    # held, and READs the fence refused (both must be 0).
+    # held (must be 0); "fenced": READs the prefill node's fence declined.
     columns = ("nodes", "convs", "turns/s", "p50 ms", "p99 ms", "p999 ms", "cores",
-               "hints/core", "max/s", "max/core", "RSS MiB", "hit", "errors", "stale")  # fmt: skip
+               "hints/core", "max/s", "max/core", "RSS MiB", "hit", "errors", "stale",
+               "fenced")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for p in points:
@@ -129,7 +130,7 @@ def print_table(points: list[FleetPoint], console: Console) -> None:
             f"{p.registry_cores:.2f}", f"{p.hints_per_core:,.0f}",
             f"{p.saturated_hints_per_s:,.0f}", f"{p.saturated_hints_per_core:,.0f}",
             f"{p.registry_rss_mib:,.0f}", f"{p.hit_rate:.1%}", str(p.errors),
-            str(p.reused_not_held + p.fenced),
+            str(p.reused_not_held), str(p.fenced),
         )  # fmt: skip
     console.print(table)
     for p in points:

@@ -54,7 +54,7 @@ def bench_fleet(
     config = FleetConfig(sizes=size_list, rate=rate, seconds=seconds, replicas=replicas,
                          trace=TraceParams(conversations_per_node=per_node, seed=seed))  # fmt: skip
     # The table is wider than the 80 columns of a console that is not a terminal.
-    console = Console(width=max(Console().width, 130))
+    console = Console(width=max(Console().width, 150))
     points = asyncio.run(run_fleet(config, partial(say, console)))
     print_table(points, console)
     console.print(Text(f"written: {', '.join(str(p) for p in write(points, config, output))}"))
