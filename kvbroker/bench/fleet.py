@@ -59,11 +59,12 @@ REUSE_PATHS = (registry_pb2.TURN_PATH_READ, registry_pb2.TURN_PATH_DECODE_LOCAL)
 # this long from its start (a claim its predecessor made may be in flight), answering an
 # engine's reclaim with "keep": the run waits that out before the engines retain anything, so
 # that what they reclaim is freed at once and their record of what they hold stays true.
-CLAIM_TIMEOUT_S = 3.0
+CLAIM_TIMEOUT_S = 10.0
 # How long a node's session lives without a heartbeat. The engines' replay at the start puts
 # tens of thousands of leases through etcd at once, and heartbeats wait behind those commits
 # (the longest wait is reported): long enough that the replay ends no session.
 SESSION_TTL_S = 120.0
+SIDECAR_ATTEMPTS = 10
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,20 @@ class Tally:
     errors: int = 0
     heartbeat_errors: int = 0
     heartbeat_max_s: float = 0.0  # the longest a heartbeat took to be answered
+    sidecar_retries: int = 0  # registrations and replays sent again (``_again_if_away``)
+
+
+@dataclass
+class Engines:
+    """What the simulated engines share: which holds each conversation's KV; the
+    conversations a hint or a look-up in flight may have handed to a reader (an engine does not
+    reclaim those: the registry would answer "keep it for the read"); and those an engine
+    asked to reclaim whose report the registry has not answered yet (their blocks are still
+    there, and a hint may still offer them)."""
+
+    holders: dict[str, SimDecode] = field(default_factory=dict)
+    busy: Counter[str] = field(default_factory=Counter)
+    freeing: Counter[str] = field(default_factory=Counter)
 
 
 class SimDecode:
@@ -110,15 +125,12 @@ class SimDecode:
         budget: int,
         stub: Any,
         tally: Tally,
-        holders: dict[str, SimDecode],
-        busy: Counter[str],
+        fleet: Engines,
     ) -> None:
-        self.spec, self.budget, self.tally = spec, budget, tally
-        # Shared by the fleet's engines: which engine holds each conversation's KV, and the
-        # conversations whose KV a hint or a look-up in flight may have handed to a reader.
-        self.holders, self.busy = holders, busy
+        self.spec, self.budget, self.tally, self.fleet = spec, budget, tally, fleet
         self.held: OrderedDict[str, tuple[str, int]] = OrderedDict()  # conv: (request, blocks)
         self.used = 0
+        self.reclaiming: dict[str, str] = {}  # request id: conversation, until the word on it
         self._sequence = 0
         self._stub = stub
         self.reports: Batcher[registry_pb2.RetentionEvent, bool] = Batcher(
@@ -131,16 +143,20 @@ class SimDecode:
         request_id = uuid.uuid4().hex
         self.drop(conversation)
         self.held[conversation] = (request_id, blocks)
-        self.holders[conversation] = self
+        self.fleet.holders[conversation] = self
         self.used += blocks
         events = []
         while self.used > self.budget:
             # Not a conversation a read may be reading now (a turn or a sub-agent's look-up in
             # flight): the registry would answer that reclaim "keep it for the read".
-            oldest = next((c for c in self.held if c != conversation and not self.busy[c]), None)
+            oldest = next(
+                (c for c in self.held if c != conversation and not self.fleet.busy[c]), None
+            )
             if oldest is None:
                 break
             freed, _ = self.drop(oldest) or ("", 0)
+            self.fleet.freeing[oldest] += 1
+            self.reclaiming[freed] = oldest
             reclaim = registry_pb2.ReclaimRequest(
                 remote_request_id=freed, cause=lease_pb2.LEASE_END_CAUSE_BUDGET
             )
@@ -151,7 +167,7 @@ class SimDecode:
         found = self.held.pop(conversation, None)
         if found is not None:
             self.used -= found[1]
-            del self.holders[conversation]
+            del self.fleet.holders[conversation]
         return found
 
     def released(self, conversation: str, cause: int) -> list[Any]:
@@ -177,6 +193,9 @@ class SimDecode:
         )  # fmt: skip
         refused = {r.sequence for r in response.refused}
         self.tally.refused_events += len(refused)
+        for event in events:
+            if event.HasField("reclaim"):  # the registry has its word: freed, or kept for a read
+                self.fleet.freeing.subtract([self.reclaiming.pop(event.reclaim.remote_request_id)])
         return [e.sequence not in refused for e in events]
 
 
@@ -218,8 +237,7 @@ class FleetRun:
             )
             for i in range(config.replicas)
         ]
-        self.holder: dict[str, SimDecode] = {}  # conversation: the engine holding its KV
-        self.busy: Counter[str] = Counter()  # see SimDecode
+        self.engines = Engines()
         self.pending: dict[str, asyncio.Task[None]] = {}
         self.registered: set[str] = set()
         self.decodes: dict[str, SimDecode] = {}  # once the sidecars' channel is open
@@ -248,9 +266,7 @@ class FleetRun:
             await asyncio.sleep(CLAIM_TIMEOUT_S + 0.5)  # see CLAIM_TIMEOUT_S
             budget = int(self.config.capacity_blocks * self.config.retention_share)
             for spec in self.decode_specs:
-                self.decodes[spec.node_id] = SimDecode(
-                    spec, budget, stub, self.tally, self.holder, self.busy
-                )
+                self.decodes[spec.node_id] = SimDecode(spec, budget, stub, self.tally, self.engines)
             nodes = len(self.prefills) + len(self.decodes)
             progress(f"{nodes} nodes: registering, {len(self.trace.live):,} live conversations")
             # Heartbeats from each node's registration on, as its sidecar sends them.
@@ -283,11 +299,11 @@ class FleetRun:
 
     async def _register(self, stub: Any, spec: node_pb2.NodeSpec) -> None:
         registration = registry_pb2.RegisterNodeRequest(spec=spec)
-        await _again_if_away(lambda: stub.RegisterNode(registration, timeout=30))
+        await _again_if_away(lambda: stub.RegisterNode(registration, timeout=30), self.tally)
         replay = registry_pb2.ReportRetentionRequest(
             node_id=spec.node_id, incarnation=spec.incarnation, full_snapshot=True
         )
-        await _again_if_away(lambda: stub.ReportRetention(replay, timeout=30))
+        await _again_if_away(lambda: stub.ReportRetention(replay, timeout=30), self.tally)
         await self._heartbeat(stub, spec)
         self.registered.add(spec.node_id)
 
@@ -348,7 +364,9 @@ class FleetRun:
                 node_id=decode.spec.node_id, incarnation=decode.spec.incarnation,
                 events=decode.number(chunk),
             )  # fmt: skip
-            response = await _again_if_away(lambda: stub.ReportRetention(request, timeout=120))
+            response = await _again_if_away(
+                lambda: stub.ReportRetention(request, timeout=120), self.tally
+            )
             self.tally.refused_events += len(response.refused)
 
         await _bounded(
@@ -399,7 +417,7 @@ class FleetRun:
     async def _saturate(self, hints: list[HintBatcher], seconds: float) -> dict[str, Any]:
         """Hints alone as fast as they are answered (dry runs: nothing claimed), 64 callers
         per router, for conversations whose KV is held: what a registry core buys."""
-        held = list(self.holder)
+        held = list(self.engines.holders)
         used = self._cpu_meter()
         start = time.perf_counter()
         answered = 0
@@ -438,13 +456,13 @@ class FleetRun:
         if previous is not None:
             await asyncio.wait([previous])
         readers = [turn.conversation, turn.parent] if turn.parent else [turn.conversation]
-        self.busy.update(readers)
+        self.engines.busy.update(readers)
         try:
             await self._turn(stub, hints, turn)
         except (grpc.aio.AioRpcError, KeyError):  # a refused hint, or one without a decode node
             self.tally.errors += 1
         finally:
-            self.busy.subtract(readers)
+            self.engines.busy.subtract(readers)
             if self.pending.get(turn.conversation) is asyncio.current_task():
                 del self.pending[turn.conversation]
 
@@ -454,7 +472,8 @@ class FleetRun:
             conversation_id=turn.conversation, model=MODEL,
             prompt_tokens=turn.context_tokens + turn.new_tokens, new_tokens=turn.new_tokens,
         )  # fmt: skip
-        holder = self.holder.get(turn.conversation)
+        holder = self.engines.holders.get(turn.conversation)
+        held = holder is not None or self.engines.freeing[turn.conversation] > 0
         started = time.perf_counter()
         hint = await hints.hint(request)
         tally.latencies.append(time.perf_counter() - started)
@@ -463,9 +482,9 @@ class FleetRun:
         if turn.index > 0:
             tally.later += 1
             tally.reused += reused
-            tally.held += holder is not None
-            tally.reused_held += reused and holder is not None
-            tally.reused_not_held += reused and holder is None
+            tally.held += held
+            tally.reused_held += reused and held
+            tally.reused_not_held += reused and not held
         if hint.path == registry_pb2.TURN_PATH_READ:
             lease = (await stub.GetLease(
                 registry_pb2.GetLeaseRequest(lease_id=hint.lease.lease_id), timeout=10
@@ -517,18 +536,20 @@ class FleetRun:
             )
 
 
-async def _again_if_away(call: Callable[[], Awaitable[Any]], attempts: int = 3) -> Any:
-    """A sidecar's call that no replica served (``replica_away``: on a machine this busy, a
-    leader can miss its election lease) sent again, as the sidecar's session would; the
-    registry applies a report's events once, by their sequence."""
-    for attempt in range(attempts):
+async def _again_if_away(call: Callable[[], Awaitable[Any]], tally: Tally) -> Any:
+    """A sidecar's call that no replica served (``replica_away``, or cancelled: on a machine
+    this busy a leader can lose its election mid-replay) sent again after a second, as the
+    sidecar's session would, up to ``SIDECAR_ATTEMPTS`` times; the registry applies a report's
+    events once, by their sequence."""
+    for attempt in range(SIDECAR_ATTEMPTS):
         try:
             return await call()
         except grpc.aio.AioRpcError as error:
-            if attempt == attempts - 1 or not (
-                replica_away(error) or error.code() == grpc.StatusCode.CANCELLED
-            ):
+            away = replica_away(error) or error.code() == grpc.StatusCode.CANCELLED
+            if attempt == SIDECAR_ATTEMPTS - 1 or not away:
                 raise
+            tally.sidecar_retries += 1
+        await asyncio.sleep(1.0)
     raise AssertionError("unreachable")
 
 
