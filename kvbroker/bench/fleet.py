@@ -353,6 +353,10 @@ class FleetRun:
         in_progress = [c for c in self.trace.live.values() if c.context]
         for index, conv in enumerate(in_progress):
             decodes[index % len(decodes)].retain(conv.name, _blocks(conv.context))
+        # What an engine let go of before its replay was never reported: no word to wait for.
+        self.engines.freeing.clear()
+        for decode in decodes:
+            decode.reclaiming.clear()
         events = {
             d.spec.node_id: [self._retained(conv, blocks, d, request)
                              for conv, (request, blocks) in d.held.items()]
