@@ -56,6 +56,7 @@ class FleetPoint:
     refused_events: int
     heartbeat_errors: int
     heartbeat_max_s: float  # the longest a heartbeat took to be answered, replay included
+    sidecar_retries: int  # registrations and replays no replica served, sent again
     register_s: float
     populate_s: float
 
@@ -109,6 +110,7 @@ def point_of(
         refused_events=tally.refused_events,
         heartbeat_errors=tally.heartbeat_errors,
         heartbeat_max_s=tally.heartbeat_max_s,
+        sidecar_retries=tally.sidecar_retries,
         register_s=register_s,
         populate_s=populate_s,
     )
@@ -140,7 +142,7 @@ def print_table(points: list[FleetPoint], console: Console) -> None:
             f"{p.fork_hits}/{p.forks}; etcd {p.etcd_cores:.2f} cores, the load "
             f"{p.loadgen_cores:.2f}; {p.heartbeat_errors} heartbeats failed, the slowest took "
             f"{p.heartbeat_max_s:.1f} s; registering took {p.register_s:.1f} s, the replay "
-            f"{p.populate_s:.1f} s"
+            f"{p.populate_s:.1f} s ({p.sidecar_retries} calls sent again)"
         )
 
 
@@ -165,6 +167,7 @@ def write(points: list[FleetPoint], config: FleetConfig, output: Path) -> list[P
     cost.plot(nodes, [p.registry_cores for p in points], "o-", label="registry cores")
     cost.plot(nodes, [p.hit_rate for p in points], "s--", label="retained-KV hit rate")
     cost.set_ylabel("cores / share")
+    cost.set_ylim(bottom=0)
     rss = cost.twinx()
     rss.plot(nodes, [p.registry_rss_mib for p in points], "^-", color="tab:red", label="RSS")
     rss.set_ylabel("registry RSS, all replicas (MiB)")
