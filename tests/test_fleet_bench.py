@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvbroker.bench.fleet import BLOCK_SIZE, FleetConfig, run_fleet
+from kvbroker.bench.fleet import FleetConfig, run_fleet
+from kvbroker.bench.fleet_engines import BLOCK_SIZE
 from kvbroker.bench.fleet_report import print_table, write
 from kvbroker.bench.fleet_trace import FleetTrace, TraceParams
 from kvbroker.common.rules.checkpoints import probe_blocks

@@ -19,7 +19,8 @@ from rich.table import Table
 from kvbroker.bench.stats import quantile
 
 if TYPE_CHECKING:
-    from kvbroker.bench.fleet import FleetConfig, Tally
+    from kvbroker.bench.fleet import FleetConfig
+    from kvbroker.bench.fleet_engines import Tally
 
 
 @dataclass(frozen=True)
