@@ -55,6 +55,9 @@ def bench_fleet(
                          trace=TraceParams(conversations_per_node=per_node, seed=seed))  # fmt: skip
     # The table is wider than the 80 columns of a console that is not a terminal.
     console = Console(width=max(Console().width, 150))
-    points = asyncio.run(run_fleet(config, partial(say, console)))
+    try:
+        points = asyncio.run(run_fleet(config, partial(say, console)))
+    except (RuntimeError, TimeoutError) as error:  # etcd or a replica did not start or lead
+        fail(str(error))
     print_table(points, console)
     console.print(Text(f"written: {', '.join(str(p) for p in write(points, config, output))}"))
