@@ -267,9 +267,12 @@ async def run_registry_bench(
     nodes: int = 50,
     progress: Any = print,
     store: str = "memory",
+    load: bool = True,
 ) -> dict[str, Any]:
     """With ``store`` an etcd URL the registry runs as a (lone) replica on it; leave out
-    ``memory_points`` and set ``restart_leases`` to 0 there (every lease is an etcd write)."""
+    ``memory_points`` and set ``restart_leases`` to 0 there (every lease is an etcd write).
+    ``load`` False: no latency levels (idle, fixed rates, saturation), only the memory points
+    and the restart."""
     registry = MeasuredRegistry(store)
     await registry.start()
     fleet = Fleet(
@@ -285,10 +288,12 @@ async def run_registry_bench(
             await _register(stub, fleet)
             progress(f"populating {live_leases:,} live leases over {nodes} decode nodes")
             await _populate(stub, fleet, live_leases, 0)
-            progress("idle: one hint at a time")
-            idle = await _idle_hints(stub, live_leases)
+            idle: dict[str, float] = {}
+            if load:
+                progress("idle: one hint at a time")
+                idle = await _idle_hints(stub, live_leases)
             decodes = [spec.SerializeToString() for spec in fleet.decodes]
-            for rate in rates:
+            for rate in rates if load else ():
                 progress(f"{rate:.0f} turns/s for {seconds:.0f} s")
                 # Two load processes share the offered rate, each the sidecar of half the nodes.
                 cores = registry.cpu_meter()
@@ -304,7 +309,8 @@ async def run_registry_bench(
                     errors = sum(o["errors"] for o in outputs)
                     elapsed = max(o["seconds"] for o in outputs)
                     results.append(summarise(rpc, rate, merged, elapsed, errors, cpu))
-            for batched, rpc in ((False, "GetRoutingHint"), (True, HINT_RPC)):
+            saturating = ((False, "GetRoutingHint"), (True, HINT_RPC)) if load else ()
+            for batched, rpc in saturating:
                 progress(f"saturation: {rpc} from 2 processes x 64 callers for {seconds:.0f} s")
                 cores = registry.cpu_meter()
                 outputs = await asyncio.to_thread(

@@ -181,6 +181,9 @@ def bench_registry(
             "replicas instead (e.g. 1,3), at the first of --rates and at saturation."
         ),
     ] = "",
+    load: Annotated[
+        bool, typer.Option(help="Run the latency levels (--no-load: memory and restart only).")
+    ] = True,
 ) -> None:
     """Registry latency and throughput over gRPC, RSS per lease, and restart recovery."""
     _plots_or_fail()
@@ -204,8 +207,9 @@ def bench_registry(
         progress = partial(say, console)
         if not etcd:
             return await run_registry_bench(
-                rate_list, live_leases, points, restart_leases, seconds, progress=progress
-            )
+                rate_list, live_leases, points, restart_leases, seconds, progress=progress,
+                load=load,
+            )  # fmt: skip
         from kvbroker.common.process.local_etcd import LocalEtcd
 
         with tempfile.TemporaryDirectory(prefix="kvbroker-bench-etcd-") as workdir:
@@ -230,12 +234,14 @@ def bench_registry(
             f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['p999_ms']:.2f}",
             f"{row['throughput']:,.0f}", str(row["errors"]), f"{row['registry_cpu']:.2f}",
         )  # fmt: skip
-    console.print(table)
+    if result["load"]:
+        console.print(table)
     idle = result["idle"]
-    console.print(
-        f"idle registry, one hint at a time: p50 {idle['p50_ms']:.2f} ms, "
-        f"p99 {idle['p99_ms']:.2f} ms"
-    )
+    if idle:
+        console.print(
+            f"idle registry, one hint at a time: p50 {idle['p50_ms']:.2f} ms, "
+            f"p99 {idle['p99_ms']:.2f} ms"
+        )
     for point in result["memory"]:
         console.print(f"RSS {point['rss_mib']:,.0f} MiB with {point['live_leases']:,} live leases")
     for point in result["prefix"]:
