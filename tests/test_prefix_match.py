@@ -69,17 +69,19 @@ def test_the_index_finds_the_longest_share_first_and_forgets_a_removed_lease() -
     history = tokens(64 * BLOCK)
     short = Checkpoints.of(prefix_hashes(history[: 16 * BLOCK], BLOCK, 16 * BLOCK))
     long = Checkpoints.of(prefix_hashes(history, BLOCK, len(history)))
-    index.add("short", scope, indexed_hashes(codec_blob(short), 1, 16 * BLOCK, BLOCK))
-    index.add("long", scope, indexed_hashes(codec_blob(long), 1, len(history), BLOCK))
+    short_keys = indexed_hashes(codec_blob(short), 1, 16 * BLOCK, BLOCK)
+    long_keys = indexed_hashes(codec_blob(long), 1, len(history), BLOCK)
+    index.add("short", scope, short_keys)
+    index.add("long", scope, long_keys)
     prompt = probes(history + tokens(40, seed=3))
     hits = list(index.hits(scope, prompt))
     assert [(hit.blocks, hit.lease_ids) for hit in hits[:2]] == [(64, ("long",)), (32, ("long",))]
     assert hits[2].lease_ids == ("long", "short")  # 16 blocks: both share them
     assert list(index.hits(Scope("other", "m", BLOCK), prompt)) == []
     assert list(index.hits(Scope("acme", "m", 32), prompt)) == []
-    index.remove("long")
+    index.remove("long", long_keys)
     assert [hit.blocks for hit in index.hits(scope, prompt)] == [16, 8, 4, 2, 1]
-    index.remove("short")
+    index.remove("short", short_keys)
     assert len(index) == 0 and index.entries() == 0
 
 
@@ -108,10 +110,12 @@ def test_leases_sharing_a_prefix_keep_only_their_newest_under_it() -> None:
     index = PrefixIndex()
     scope = Scope("", "m", BLOCK)
     system = tokens(8 * BLOCK)
+    keys = []
     for i in range(1000):
         own = system + tokens(8 * BLOCK, seed=10 + i)
         kept = Checkpoints.of(prefix_hashes(own, BLOCK, len(own)))
-        index.add(f"lease-{i}", scope, indexed_hashes(codec_blob(kept), 1, len(own), BLOCK))
+        keys.append(indexed_hashes(codec_blob(kept), 1, len(own), BLOCK))
+        index.add(f"lease-{i}", Scope("", "m", BLOCK), keys[-1])
     # Blocks 0, 1, 3, 7 are the system prompt's (shared); block 15 is each lease's own.
     assert index.entries() == 4 * 8 + 1000
     newest = tuple(f"lease-{i}" for i in range(999, 991, -1))
@@ -121,8 +125,9 @@ def test_leases_sharing_a_prefix_keep_only_their_newest_under_it() -> None:
     ]  # fmt: skip
     own = system + tokens(8 * BLOCK, seed=10 + 500)
     assert next(index.hits(scope, probes(own))).lease_ids == ("lease-500",)
+    assert index.scope("lease-7") is index.scope("lease-8")  # one object per scope
     for i in range(1000):
-        index.remove(f"lease-{i}")
+        index.remove(f"lease-{i}", keys[i])
     assert len(index) == 0 and index.entries() == 0
     # A partial last block is not indexed: no prompt's full block hashes like it.
     partial = Checkpoints.of(prefix_hashes(tokens(20), BLOCK, 20))

@@ -234,10 +234,7 @@ class Leases:
         block_size = holder.spec.block_size
         scope = Scope(tenant_of(lease.conversation_id), holder.spec.model, block_size)
         held = _retained(lease)
-        indexed = indexed_hashes(
-            lease.checkpoints, lease.block_hash_stride, lease.token_count, block_size
-        )
-        for other_id in self.prefix_index.sharing_all(scope, indexed):
+        for other_id in self.prefix_index.sharing_all(scope, _indexed(lease, block_size)):
             other = await self._store.get_lease(other_id)
             if (
                 other is None
@@ -329,21 +326,21 @@ class Leases:
     def _index(self, lease: Lease) -> None:
         """Keeps the prefix index in step with the lease's state (its scope: its tenant, its
         holder's model and block size)."""
+        lease_id = lease.lease_id
         if lease.state not in LIVE_LEASE_STATES:
-            self.prefix_index.remove(lease.lease_id)
-            self.pins.forget(lease.lease_id)
+            scope = self.prefix_index.scope(lease_id)
+            if scope is not None:
+                self.prefix_index.remove(lease_id, _indexed(lease, scope.block_size))
+            self.pins.forget(lease_id)
             return
-        if lease.lease_id in self.prefix_index:
+        if lease_id in self.prefix_index:
             return
         holder = self._nodes.runtime.get(lease.node_id)
         if holder is None:
             return  # not routable: nothing to find it for
         spec = holder.spec
         scope = Scope(tenant_of(lease.conversation_id), spec.model, spec.block_size)
-        hashes = indexed_hashes(
-            lease.checkpoints, lease.block_hash_stride, lease.token_count, spec.block_size
-        )
-        self.prefix_index.add(lease.lease_id, scope, hashes)
+        self.prefix_index.add(lease_id, scope, _indexed(lease, spec.block_size))
 
     def _follow(self, key: DeadlineKey, when: float | None) -> None:
         """Sets a deadline to ``when`` (None: none), leaving an unchanged one as it is."""
@@ -593,6 +590,11 @@ class Leases:
         )
         if lease is None or lease.state not in LIVE_LEASE_STATES:
             await self._store.delete_conversation(conversation_id)
+
+
+def _indexed(lease: Lease, block_size: int) -> list[tuple[int, bytes]]:
+    """The (block, hash) pairs the prefix index keys the lease by at ``block_size``."""
+    return indexed_hashes(lease.checkpoints, lease.block_hash_stride, lease.token_count, block_size)
 
 
 def _retained(lease: Lease) -> Retained:

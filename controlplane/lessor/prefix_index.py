@@ -76,7 +76,7 @@ class PrefixIndex:
     ``KEEP_PER_KEY`` newest leases (the spares are for when the newest cannot be read). One
     system prompt under a million conversations is then 8 ids at each of its keys, not a
     million, and a look-up reads at most 8 leases a level. A key is the hash's first
-    ``KEY_BYTES`` bytes: a lease costs a few hundred bytes here at any context length, and a
+    ``KEY_BYTES`` bytes: a lease costs about 100 bytes a key here at any context length, and a
     collision (one in 2^64 a probe) costs nothing but a lease the reader's check against its
     checkpoints turns down."""
 
@@ -84,8 +84,11 @@ class PrefixIndex:
         # Per scope, each key's leases, newest last: one id alone (the common case, a key no
         # other lease shares) as a str, several in a list.
         self._leases: dict[Scope, dict[bytes, str | list[str]]] = {}
-        # What each indexed lease was keyed by (its keys concatenated), to remove it without
-        # a scan.
+        # One object per scope, shared by its leases (a lease's own would cost ~110 bytes).
+        self._scopes: dict[Scope, Scope] = {}
+        # Each indexed lease's scope and its last (longest) key, the key objects ``_leases``
+        # holds. Its other keys are not kept: ``remove`` is given its hashes again, which
+        # are the lease's own (its checkpoints never change).
         self._keys: dict[str, tuple[Scope, bytes]] = {}
 
     def __len__(self) -> int:
@@ -103,14 +106,20 @@ class PrefixIndex:
             for ids in keys.values()
         )
 
+    def scope(self, lease_id: str) -> Scope | None:
+        """The scope an indexed lease is found under; None when it is not indexed."""
+        found = self._keys.get(lease_id)
+        return found[0] if found is not None else None
+
     def add(self, lease_id: str, scope: Scope, hashes: Sequence[tuple[int, bytes]]) -> None:
         """Indexes a live lease (again: a no-op) under its ``indexed_hashes``."""
         if lease_id in self._keys:
             return
-        keys = [digest[:KEY_BYTES] for _, digest in hashes]
-        self._keys[lease_id] = (scope, b"".join(keys))
+        scope = self._scopes.setdefault(scope, scope)
         by_key = self._leases.setdefault(scope, {})
-        for key in keys:
+        key = b""
+        for _, digest in hashes:
+            key = digest[:KEY_BYTES]
             ids = by_key.get(key)
             if ids is None:
                 by_key[key] = lease_id
@@ -120,15 +129,17 @@ class PrefixIndex:
                 ids.append(lease_id)
                 if len(ids) > KEEP_PER_KEY:
                     del ids[0]
+        self._keys[lease_id] = (scope, key)
 
-    def remove(self, lease_id: str) -> None:
+    def remove(self, lease_id: str, hashes: Sequence[tuple[int, bytes]]) -> None:
+        """Forgets an indexed lease; ``hashes``: what it was added under."""
         found = self._keys.pop(lease_id, None)
         if found is None:
             return
-        scope, joined = found
+        scope = found[0]
         by_key = self._leases.get(scope, {})
-        for offset in range(0, len(joined), KEY_BYTES):
-            key = joined[offset : offset + KEY_BYTES]
+        for _, digest in hashes:
+            key = digest[:KEY_BYTES]
             ids = by_key.get(key)
             if ids == lease_id:
                 del by_key[key]
@@ -138,9 +149,11 @@ class PrefixIndex:
                     by_key[key] = ids[0]
         if not by_key:
             self._leases.pop(scope, None)
+            self._scopes.pop(scope, None)
 
     def clear(self) -> None:
         self._leases.clear()
+        self._scopes.clear()
         self._keys.clear()
 
     def sharing_all(self, scope: Scope, hashes: Sequence[tuple[int, bytes]]) -> list[str]:
@@ -156,7 +169,7 @@ class PrefixIndex:
             key = digest[:KEY_BYTES]
             ids = by_key.get(key)
             for lease_id in (ids,) if isinstance(ids, str) else ids or ():
-                if self._keys[lease_id][1][-KEY_BYTES:] == key:
+                if self._keys[lease_id][1] == key:
                     found.add(lease_id)
         return sorted(found)
 
