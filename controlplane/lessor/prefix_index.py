@@ -30,8 +30,14 @@ from kvbroker.controlplane.records import codec
 MAX_PROBES = 32
 # The leases a key keeps, newest: they all give a prompt the same prefix there.
 KEEP_PER_KEY = 8
-# The bytes of a probe hash a key keeps.
-KEY_BYTES = 8
+# The bytes of a probe hash a key keeps, as an int: below 2**60 a Python int is 32 bytes (an
+# 8-byte bytes object 48), and a registry holds millions of keys.
+KEY_BYTES = 7
+
+
+def key_of(digest: bytes) -> int:
+    """A probe hash's key: its first ``KEY_BYTES`` bytes."""
+    return int.from_bytes(digest[:KEY_BYTES])
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,20 +82,20 @@ class PrefixIndex:
     ``KEEP_PER_KEY`` newest leases (the spares are for when the newest cannot be read). One
     system prompt under a million conversations is then 8 ids at each of its keys, not a
     million, and a look-up reads at most 8 leases a level. A key is the hash's first
-    ``KEY_BYTES`` bytes: a lease costs about 100 bytes a key here at any context length, and a
-    collision (one in 2^64 a probe) costs nothing but a lease the reader's check against its
-    checkpoints turns down."""
+    ``KEY_BYTES`` bytes (``key_of``): a lease costs about 80 bytes a key here at any context
+    length, and a collision (one in 2^56 a probe) costs nothing but a lease the reader's check
+    against its checkpoints turns down."""
 
     def __init__(self) -> None:
         # Per scope, each key's leases, newest last: one id alone (the common case, a key no
         # other lease shares) as a str, several in a list.
-        self._leases: dict[Scope, dict[bytes, str | list[str]]] = {}
+        self._leases: dict[Scope, dict[int, str | list[str]]] = {}
         # One object per scope, shared by its leases (a lease's own would cost ~110 bytes).
         self._scopes: dict[Scope, Scope] = {}
         # Each indexed lease's scope and its last (longest) key, the key objects ``_leases``
         # holds. Its other keys are not kept: ``remove`` is given its hashes again, which
         # are the lease's own (its checkpoints never change).
-        self._keys: dict[str, tuple[Scope, bytes]] = {}
+        self._keys: dict[str, tuple[Scope, int]] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -117,9 +123,9 @@ class PrefixIndex:
             return
         scope = self._scopes.setdefault(scope, scope)
         by_key = self._leases.setdefault(scope, {})
-        key = b""
+        key = -1
         for _, digest in hashes:
-            key = digest[:KEY_BYTES]
+            key = key_of(digest)
             ids = by_key.get(key)
             if ids is None:
                 by_key[key] = lease_id
@@ -139,7 +145,7 @@ class PrefixIndex:
         scope = found[0]
         by_key = self._leases.get(scope, {})
         for _, digest in hashes:
-            key = digest[:KEY_BYTES]
+            key = key_of(digest)
             ids = by_key.get(key)
             if ids == lease_id:
                 del by_key[key]
@@ -166,7 +172,7 @@ class PrefixIndex:
             return []
         found: set[str] = set()
         for _, digest in hashes:
-            key = digest[:KEY_BYTES]
+            key = key_of(digest)
             ids = by_key.get(key)
             for lease_id in (ids,) if isinstance(ids, str) else ids or ():
                 if self._keys[lease_id][1] == key:
@@ -180,6 +186,6 @@ class PrefixIndex:
         if by_key is None:
             return
         for level in range(min(len(probes), MAX_PROBES) - 1, -1, -1):
-            ids = by_key.get(probes[level][:KEY_BYTES])
+            ids = by_key.get(key_of(probes[level]))
             if ids is not None:
                 yield Hit(1 << level, (ids,) if isinstance(ids, str) else tuple(reversed(ids)))
