@@ -1,5 +1,6 @@
 """The figures of `kvbroker bench registry`: one load level's latencies summarised, and
-registry.json with its latency plot.
+registry.json with its latency plot and its memory plot (RSS against live leases, beside an
+earlier run's when one is given).
 
 Apart from the run (``kvbroker.bench.registry_load``) because none of it needs a registry or
 a load process: it only reduces and writes what they measured.
@@ -47,10 +48,27 @@ def summarise(
     )
 
 
-def write(report: dict[str, Any], output: Path) -> list[Path]:
+# The targets the memory plot draws: RSS at a million live leases, and a restart of 100k.
+TARGET_RSS_MIB = 1024
+TARGET_RESTART_S = 5.0
+
+
+def write(
+    report: dict[str, Any], output: Path, baseline: dict[str, Any] | None = None
+) -> list[Path]:
+    """``baseline``: an earlier run's report, drawn beside this one's memory."""
     output.mkdir(parents=True, exist_ok=True)
     (output / "registry.json").write_text(json.dumps(report, indent=2))
     ready_plotting()
+    paths = [output / "registry.json"]
+    if report["load"]:
+        paths.append(_latency_plot(report, output))
+    if len(report["memory"]) > 1:
+        paths.append(_memory_plot(report, baseline, output))
+    return paths
+
+
+def _latency_plot(report: dict[str, Any], output: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -65,8 +83,29 @@ def write(report: dict[str, Any], output: Path) -> list[Path]:
     ax.set_title("Registry latency vs load (10k live leases, gRPC on loopback)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    path = save_figure(fig, output / "registry_latency.png")
-    return [output / "registry.json", path]
+    return save_figure(fig, output / "registry_latency.png")
+
+
+def _memory_plot(report: dict[str, Any], baseline: dict[str, Any] | None, output: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    runs = [("this run", report)] + ([("baseline", baseline)] if baseline else [])
+    for name, run in runs:
+        points = run["memory"]
+        restart = run.get("restart") or {}
+        label = name
+        if restart:
+            label += f" (restart of {restart['leases']:,}: {restart['recovery_s']:.1f} s)"
+        ax.plot([p["live_leases"] for p in points], [p["rss_mib"] for p in points], "o-",
+                label=label)  # fmt: skip
+    ax.axhline(TARGET_RSS_MIB, color="grey", linestyle="--", label="target at 1M leases")
+    ax.set_xlabel("live leases")
+    ax.set_ylabel("registry RSS (MiB)")
+    ax.set_title(f"Registry memory (restart target {TARGET_RESTART_S:.0f} s at 100k)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, output / "registry_memory.png")
 
 
 def write_replicas(report: dict[str, Any], output: Path) -> list[Path]:

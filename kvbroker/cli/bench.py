@@ -5,6 +5,7 @@ their defaults from TraceConfig."""
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -184,6 +185,10 @@ def bench_registry(
     load: Annotated[
         bool, typer.Option(help="Run the latency levels (--no-load: memory and restart only).")
     ] = True,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(help="An earlier run's registry.json, drawn beside this run's memory."),
+    ] = None,
 ) -> None:
     """Registry latency and throughput over gRPC, RSS per lease, and restart recovery."""
     _plots_or_fail()
@@ -202,6 +207,7 @@ def bench_registry(
     from kvbroker.bench.registry_report import write
 
     console = Console()
+    earlier = json.loads(baseline.read_text()) if baseline is not None else None
 
     async def bench() -> dict[str, Any]:
         progress = partial(say, console)
@@ -257,7 +263,7 @@ def bench_registry(
             f"restart: {restart['recovered']:,} of {restart['leases']:,} leases back in "
             f"{restart['recovery_s']:.2f} s (process start {restart['startup_s']:.2f} s)"
         )
-    paths = write(result, output)
+    paths = write(result, output, earlier)
     console.print(Text(f"written: {', '.join(str(p) for p in paths)}"))
 
 
