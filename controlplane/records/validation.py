@@ -234,13 +234,10 @@ class Validation:
         if len(block_hashes) > limit:
             raise InvalidArgument(f"{len(block_hashes)} block hashes exceed the limit of {limit}")
         blocks = self.handle(handle, "handle")
-        hash_bytes = 0
-        for digest in block_hashes:
-            if len(digest) > MAX_BLOCK_HASH_BYTES:
-                raise InvalidArgument(
-                    f"a block hash of {len(digest)} bytes exceeds {MAX_BLOCK_HASH_BYTES}"
-                )
-            hash_bytes += len(digest) + 2
+        longest = max(map(len, block_hashes), default=0)
+        if longest > MAX_BLOCK_HASH_BYTES:
+            raise InvalidArgument(f"a block hash of {longest} bytes exceeds {MAX_BLOCK_HASH_BYTES}")
+        hash_bytes = sum(map(len, block_hashes)) + 2 * len(block_hashes)
         if token_count == 0:
             raise InvalidArgument("token_count must be positive")
         self.record_bytes(handle.ByteSize() + hash_bytes + self._lease_overhead, "the lease")
