@@ -46,8 +46,11 @@ async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Pa
     assert restart["recovery_s"] > restart["startup_s"] > 0
 
     paths = write(report, tmp_path)
+    assert [path.name for path in paths] == [
+        "registry.json", "registry_latency.png", "registry_memory.png"
+    ]  # fmt: skip
     assert json.loads(paths[0].read_text())["load"] == report["load"]
-    assert paths[1].stat().st_size > 10_000  # the plot
+    assert all(path.stat().st_size > 10_000 for path in paths[1:])  # the plots
 
 
 @pytest.mark.etcd
@@ -71,3 +74,24 @@ async def test_dry_run_hints_over_replicas_are_answered_where_asked(
     paths = write_replicas(report, tmp_path)
     assert json.loads(paths[0].read_text()) == report
     assert paths[1].stat().st_size > 10_000  # the plot
+
+
+async def test_without_load_the_bench_measures_memory_and_restart_only(tmp_path: Path) -> None:
+    """--no-load: no latency levels, and the memory plot drawn beside an earlier run's."""
+    report = await run_registry_bench(
+        live_leases=200,
+        memory_points=(400,),
+        restart_leases=200,
+        nodes=2,
+        progress=lambda message: None,
+        load=False,
+    )
+    assert report["idle"] == {} and report["load"] == []
+    assert [point["live_leases"] for point in report["memory"]] == [200, 400]
+    assert report["restart"]["leases"] == report["restart"]["recovered"] == 200
+    alone = write(report, tmp_path / "alone")
+    earlier = {**report, "memory": [{**p, "rss_mib": 2 * p["rss_mib"]} for p in report["memory"]]}
+    beside = write(report, tmp_path / "beside", baseline=earlier)
+    assert [path.name for path in beside] == ["registry.json", "registry_memory.png"]
+    # The baseline's curve and legend entry make the picture larger than the run's alone.
+    assert beside[1].stat().st_size > alone[1].stat().st_size
