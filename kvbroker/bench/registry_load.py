@@ -240,7 +240,7 @@ async def _replay(stub: Any, fleet: Fleet) -> None:
                 node_id=node.node_id, incarnation=node.incarnation, events=events,
                 full_snapshot=True,
             ),
-            timeout=120,
+            timeout=600,  # a guard against a hang: a busy machine replays slowly
         )  # fmt: skip
 
     await asyncio.gather(*(one(node) for node in fleet.decodes))
