@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from kvbroker.bench.cpu import cpu_seconds
+from kvbroker.bench.cpu import cpu_seconds, rss_mib
 from kvbroker.bench.fleet_engines import BLOCK_SIZE, MODEL, Engines, SimDecode, Tally, node_spec
 from kvbroker.bench.fleet_report import FleetPoint, point_of
 from kvbroker.bench.fleet_trace import FleetTrace, TraceParams, Turn
@@ -154,7 +154,7 @@ class FleetRun:
             seconds = self.config.saturation_s
             progress(f"{nodes} nodes: hints alone, as fast as answered, for {seconds:.0f} s")
             saturated = await self._saturate(hints, seconds)
-            rss = [_rss_mib(r.pid) for r in self.replicas]
+            rss = [rss_mib(r.pid) for r in self.replicas]
         finally:
             if beats is not None:
                 beats.cancel()
@@ -445,13 +445,6 @@ async def _bounded(calls: list[Any], limit: int = 32) -> None:
             await call
 
     await asyncio.gather(*(one(call) for call in calls))
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def run_fleet(config: FleetConfig, progress: Callable[[str], None]) -> list[FleetPoint]:

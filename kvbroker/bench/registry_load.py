@@ -30,10 +30,9 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from kvbroker.bench.cpu import cpu_seconds
+from kvbroker.bench.cpu import cpu_seconds, rss_mib
 from kvbroker.bench.registry_report import LoadResult, summarise
 from kvbroker.bench.registry_workers import (
     BLOCK_SIZE,
@@ -115,10 +114,7 @@ class MeasuredRegistry:
         return lambda: (cpu_seconds(self.process.pid) - cpu) / (time.perf_counter() - started)
 
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        return rss_mib(self.process.pid)
 
     async def kill(self) -> None:
         self.process.kill()
