@@ -12,54 +12,34 @@ import contextlib
 import itertools
 import json
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import Announces, ChildProcess, http_ok
 from kvbroker.common.rules.handles import prefill_params
-from kvbroker.engine_ext.testmodel import corpus
-from kvbroker.stack import KVBROKER, Stack, StackConfig, router_command
+from kvbroker.stack import KVBROKER, Stack, router_command
 from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, registry_pb2
+from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
-MODEL = "kvbroker-tiny-qwen3"
-LINES = corpus(lines=400, seed=7)
-
-
-def user_message(turn: int, lines: int = 14) -> str:
-    return " ".join(LINES[(turn * lines) % len(LINES) :][:lines])
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(
-        workdir=tmp_path_factory.mktemp("stack"),
-        # Turns read (the D->P path this module checks); test_e2e_paths covers the others.
-        registry_flags=(
-            "--revoke-grace",
-            "0.5",
-            "--claim-timeout",
-            "5",
-            "--max-local-prefill-tokens",
-            "0",
-        ),
-    )
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture(
+    # Turns read (the D->P path this module checks); test_e2e_paths covers the others.
+    registry_flags=(
+        "--revoke-grace",
+        "0.5",
+        "--claim-timeout",
+        "5",
+        "--max-local-prefill-tokens",
+        "0",
+    ),
+)
 
 
 async def metric(client: httpx.AsyncClient, base_url: str, name: str) -> float:

@@ -24,14 +24,11 @@ from anthropic.types import MessageParam, ToolParam
 from openai.types.responses import FunctionToolParam, ResponseInputParam
 
 from kvbroker.engine_ext.testmodel import corpus
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
 from kvbroker.testing.turns import retained_after
+from tests.e2e_stack import e2e_marks, stack_fixture
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 MODEL = "kvbroker-tiny-qwen3"
 LINES = corpus(lines=200, seed=11)
@@ -51,10 +48,7 @@ def user_message(turn: int) -> str:
     return " ".join(LINES[turn * 5 : turn * 5 + 5])
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    async with Stack(StackConfig(workdir=tmp_path_factory.mktemp("stack"))) as running:
-        yield running
+stack = stack_fixture()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -20,23 +20,18 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from kvbroker.engine_ext.testmodel import default_cache_dir
-from kvbroker.stack import SERVED_MODEL, Stack, StackConfig
+from kvbroker.stack import SERVED_MODEL, Stack
 from kvbroker.testing.turns import retained_after
+from tests.e2e_stack import e2e_marks, stack_fixture
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 # What Claude Code says when an answer stops at its output-token bound (the random model's
@@ -65,11 +60,7 @@ def claude_code() -> Path:
     return binary
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"), max_model_len=16384)
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture(max_model_len=16384)
 
 
 @dataclass(frozen=True)

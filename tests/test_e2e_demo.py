@@ -7,28 +7,19 @@ DECODE_LOCAL, and the sub-agent a miss for the router whose prefill read its par
 from __future__ import annotations
 
 import io
-from collections.abc import AsyncIterator
 
 import httpx
-import pytest
-import pytest_asyncio
 from rich.console import Console
 
 from kvbroker.demo import play, shown_path
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
+from tests.e2e_stack import e2e_marks, stack_fixture
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    # The demo's stack: `kvbroker demo` runs StackConfig's defaults.
-    async with Stack(StackConfig(workdir=tmp_path_factory.mktemp("stack"))) as running:
-        yield running
+# The demo's stack: `kvbroker demo` runs StackConfig's defaults.
+stack = stack_fixture()
 
 
 async def test_the_demo_takes_every_path_and_forks(stack: Stack, http: httpx.AsyncClient) -> None:

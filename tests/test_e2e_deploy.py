@@ -15,18 +15,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import pytest
 import pytest_asyncio
 
 from kvbroker.engine_ext.testmodel import corpus
 from kvbroker.stack import router_routing
 from kvbroker.testing.manifests import DEPLOY, LocalCluster, make_secrets, render, workloads
+from tests.e2e_stack import e2e_marks
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(1200),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks(timeout_s=1200)
 
 MODEL = "kvbroker-tiny-qwen3"
 LINES = corpus(lines=400, seed=11)

@@ -13,35 +13,26 @@ READ (the decode node computes the turn itself).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
-import pytest
-import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.router.config import RouterConfig
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
 from kvbroker.testing.turns import ask, checked_turn, current_lease, retained_after
 from kvbroker.v1 import lease_pb2
-from tests.test_e2e import metric, user_message
+from tests.e2e_stack import e2e_marks, stack_fixture, user_message
+from tests.test_e2e import metric
 
 # The stack's router runs at its default hint deadline.
 HINT_TIMEOUT_S = RouterConfig.hint_timeout_s
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(1200),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks(timeout_s=1200)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    async with Stack(StackConfig(workdir=tmp_path_factory.mktemp("stack"))) as running:
-        yield running
+stack = stack_fixture()
 
 
 def opening(seed: int, lines: int = 20) -> list[dict[str, str]]:

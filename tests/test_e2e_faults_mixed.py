@@ -16,34 +16,23 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator
 
 import httpx
-import pytest
-import pytest_asyncio
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules import routing
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
 from kvbroker.testing.turns import Answer, ask, checked_turn, current_lease
 from kvbroker.v1 import node_pb2, registry_pb2
-from tests.test_e2e import user_message
+from tests.e2e_stack import e2e_marks, stack_fixture, user_message
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 RETAINING, KEEPS_NOTHING = "decode-0", "decode-1"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"), extra_decodes=(False,))
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture(extra_decodes=(False,))
 
 
 async def listed_nodes(stack: Stack) -> dict[str, node_pb2.Node]:

@@ -7,30 +7,19 @@ router's deadline and the client got a 503)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import pytest
-import pytest_asyncio
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
 from kvbroker.testing.turns import checked_turn
 from kvbroker.v1 import node_pb2, registry_pb2
-from tests.test_e2e import user_message
+from tests.e2e_stack import e2e_marks, stack_fixture, user_message
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"), reuse=False)
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture(reuse=False)
 
 
 async def test_the_decode_node_registers_as_not_retaining(stack: Stack) -> None:

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import pytest
 import pytest_asyncio
 
 from kvbroker.bench.turns import prefill_totals
@@ -41,27 +40,19 @@ from kvbroker.common.process.supervisor import ChildProcess
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.engine_metrics import Totals
 from kvbroker.common.rules.sessionless import is_sessionless
-from kvbroker.stack import Stack, StackConfig, router_command, router_routing
+from kvbroker.stack import Stack, router_command, router_routing
 from kvbroker.testing.turns import current_lease, retained_after
 from kvbroker.v1 import lease_pb2
-from tests.test_e2e import MODEL, user_message
+from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 LIVE = (lease_pb2.LEASE_STATE_ACTIVE, lease_pb2.LEASE_STATE_CLAIMED)
 # The stack's block size (StackConfig's default): the granularity of a verified prefix.
 BLOCK = 32
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"), retain_sessionless=True)
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture(retain_sessionless=True)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

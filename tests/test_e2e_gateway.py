@@ -9,32 +9,23 @@ and every answer is token-identical with the same turn sent without a session id
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import pytest
-import pytest_asyncio
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.gateway.config import PlacementConfig
 from kvbroker.gateway.server import start_placement
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
 from kvbroker.testing.envoy import Envoy, SubsetPicker
 from kvbroker.testing.pd_proxies import running_proxy
+from tests.e2e_stack import e2e_marks, stack_fixture
 from tests.test_e2e_fleets import conversation
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    async with Stack(StackConfig(workdir=tmp_path_factory.mktemp("stack"))) as running:
-        yield running
+stack = stack_fixture()
 
 
 async def test_through_envoy_and_the_picker_follow_ups_read_on_the_pinned_node(

@@ -38,13 +38,10 @@ from kvbroker.testing.manifests import (
     render,
     workloads,
 )
+from tests.e2e_stack import e2e_marks
 from tests.test_wheel import built_wheel, outside, steps
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 
 class ImageCluster(LocalCluster):

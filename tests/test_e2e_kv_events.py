@@ -26,7 +26,6 @@ from typing import Any
 
 import httpx
 import msgspec
-import pytest
 import pytest_asyncio
 import zmq
 import zmq.asyncio
@@ -39,16 +38,13 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash
 
 from kvbroker.common.process.tasks import poll_until
-from kvbroker.stack import EngineSpec, Stack, StackConfig
+from kvbroker.stack import EngineSpec, Stack
 from kvbroker.testing.turns import current_lease, retained_after
 from kvbroker.v1 import lease_pb2
-from tests.test_e2e import MODEL, metric, user_message
+from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
+from tests.test_e2e import metric
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(600),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks(timeout_s=600)
 
 # Each engine's whole KV cache, in blocks: small enough that one long prompt has to evict what
 # earlier turns left cached.
@@ -146,21 +142,16 @@ class EventFeed:
         return self.session_blocks(session, since)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(
-        workdir=tmp_path_factory.mktemp("kv-events"),
-        kv_events=True,
-        prefill_prefix_caching=True,
-        # P reads from D what it lacks however little (here an answer block and D's unfinished
-        # one) rather than recomputing anything under vLLM's default of 64 tokens.
-        recompute_threshold=16,
-        block_size=BLOCK_SIZE,
-        max_model_len=(BLOCKS - 1) * BLOCK_SIZE,  # vLLM keeps one block aside
-        engine_args=("--num-gpu-blocks-override", str(BLOCKS)),
-    )
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture(
+    kv_events=True,
+    prefill_prefix_caching=True,
+    # P reads from D what it lacks however little (here an answer block and D's unfinished
+    # one) rather than recomputing anything under vLLM's default of 64 tokens.
+    recompute_threshold=16,
+    block_size=BLOCK_SIZE,
+    max_model_len=(BLOCKS - 1) * BLOCK_SIZE,  # vLLM keeps one block aside
+    engine_args=("--num-gpu-blocks-override", str(BLOCKS)),
+)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

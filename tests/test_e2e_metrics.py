@@ -5,35 +5,23 @@ kvbroker code. D shows its retention and the reads it served; P the handles it d
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
-import pytest
-import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.rules.handles import prefill_params
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
 from kvbroker.testing.turns import retained_after
 from tests.conftest import eventually
-from tests.test_e2e import MODEL, chat, current_lease, reads_by_prefill, user_message
+from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
+from tests.test_e2e import chat, current_lease, reads_by_prefill
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(
-        workdir=tmp_path_factory.mktemp("stack"),
-        # Every follow-up turn reads from D, so D serves reads.
-        registry_flags=("--max-local-prefill-tokens", "0"),
-    )
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture(
+    # Every follow-up turn reads from D, so D serves reads.
+    registry_flags=("--max-local-prefill-tokens", "0"),
+)
 
 
 async def series(http: httpx.AsyncClient, base_url: str) -> dict[tuple[str, str], float]:

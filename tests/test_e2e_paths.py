@@ -11,36 +11,26 @@ their path.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import pytest
-import pytest_asyncio
 from rich.console import Console
 
 from kvbroker.bench.multiturn import ARMS, FIXED_PATHS, MultiturnConfig, run_multiturn, summarise
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.tasks import poll_until
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
 from kvbroker.testing.turns import current_lease as newest_lease
 from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from tests.conftest import run_cli
-from tests.test_e2e import MODEL, current_lease, metric, reads_by_prefill, user_message
+from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
+from tests.test_e2e import current_lease, metric, reads_by_prefill
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(workdir=tmp_path_factory.mktemp("stack"))
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture()
 
 
 async def turn(

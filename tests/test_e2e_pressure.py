@@ -12,23 +12,17 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import AsyncIterator
 
 import httpx
-import pytest
-import pytest_asyncio
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.stack import Stack, StackConfig
+from kvbroker.stack import Stack
 from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, registry_pb2
-from tests.test_e2e import chat, metric, user_message
+from tests.e2e_stack import e2e_marks, stack_fixture, user_message
+from tests.test_e2e import chat, metric
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 IDLE_TTL_S = 45
 # ~1,450 prompt tokens: 12 blocks a conversation, so five fill most of the 70 blocks.
@@ -36,24 +30,19 @@ LINES = 60
 CONVERSATIONS = 7
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    config = StackConfig(
-        workdir=tmp_path_factory.mktemp("pressure"),
-        # The cache is sized in blocks of vLLM's CPU default, 128 tokens (12 a conversation).
-        block_size=128,
-        engine_args=("--num-gpu-blocks-override", "70"),
-        registry_flags=(
-            "--lease-ttl",
-            str(IDLE_TTL_S),
-            "--no-learn-idle-ttl",
-            "--max-local-prefill-tokens",
-            "0",  # turns read, as this module measures
-        ),
-        connector_extra={"kvbroker_retention_max_fraction": 1.0},
-    )
-    async with Stack(config) as running:
-        yield running
+stack = stack_fixture(
+    # The cache is sized in blocks of vLLM's CPU default, 128 tokens (12 a conversation).
+    block_size=128,
+    engine_args=("--num-gpu-blocks-override", "70"),
+    registry_flags=(
+        "--lease-ttl",
+        str(IDLE_TTL_S),
+        "--no-learn-idle-ttl",
+        "--max-local-prefill-tokens",
+        "0",  # turns read, as this module measures
+    ),
+    connector_extra={"kvbroker_retention_max_fraction": 1.0},
+)
 
 
 def opening(index: int) -> list[dict[str, str]]:

@@ -12,7 +12,8 @@ import pytest
 
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.turns import retained_after
-from tests.test_e2e import chat, reads_by_prefill, user_message
+from tests.e2e_stack import user_message
+from tests.test_e2e import chat, reads_by_prefill
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
