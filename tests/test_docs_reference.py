@@ -5,6 +5,7 @@ a description (read by the same generator the site is built with), and the site 
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -78,3 +79,27 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr
     for page in ("reference/cli", "reference/settings", "reference/grpc", "reference/metrics"):
         assert (tmp_path / page / "index.html").is_file()
+
+
+# A test named on a page: its module and its function (a parameter set in brackets left off).
+NAMED_TEST = re.compile(r"(tests/\w+\.py)::(\w+)")
+
+
+def test_every_test_a_page_names_exists() -> None:
+    """A page that lists tests (the development page's slowest tests, among others) names
+    only tests the suite has: a test renamed or removed must be renamed there too."""
+    named = {
+        (module, name)
+        for page in (ROOT / "docs").rglob("*.md")
+        for module, name in NAMED_TEST.findall(page.read_text())
+    }
+    assert ("tests/test_drain.py", "test_drain_waits_for_the_read_in_flight_and_loses_no_turn") in (
+        named
+    )
+    missing = [
+        f"{module}::{name}"
+        for module, name in sorted(named)
+        if not (ROOT / module).is_file()
+        or not re.search(rf"^(async )?def {name}\(", (ROOT / module).read_text(), re.M)
+    ]
+    assert missing == []
