@@ -81,10 +81,14 @@ def engine_config(
     prefix_caching: bool,
     extra: dict[str, object],
     async_scheduling: bool = False,
+    tokenizer: bool = False,
 ) -> VllmConfig:
     """A small engine on the test model with kvbroker's connector, as the stack configures it;
-    one batch in flight, as on CPU, unless ``async_scheduling`` (vLLM's default on CUDA)."""
-    model = ModelConfig(model=str(make_model()), dtype="float32", seed=0, skip_tokenizer_init=True)
+    one batch in flight, as on CPU, unless ``async_scheduling`` (vLLM's default on CUDA); with
+    its tokenizer only if ``tokenizer`` (an engine behind vLLM's OpenAI server)."""
+    model = ModelConfig(
+        model=str(make_model()), dtype="float32", seed=0, skip_tokenizer_init=not tokenizer
+    )
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
