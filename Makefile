@@ -144,7 +144,8 @@ COMPAT_VLLM := 0.33 0.34
 COMPAT_UV := uv==0.13.8
 COMPAT_REQUIREMENTS := nixl==1.5.1 -e . pytest pytest-asyncio pytest-timeout
 COMPAT_TESTS := tests/test_vllm_surface.py tests/test_vllm_compat.py tests/test_vllm_handles.py \
-	tests/test_connector_scheduler.py tests/test_retained_tail.py tests/test_connector_metrics.py
+	tests/test_connector_scheduler.py tests/test_retained_tail.py tests/test_connector_metrics.py \
+	tests/test_engine_core_idle.py tests/test_vllm_stream_handle.py
 
 .venv-compat-%/.installed: pyproject.toml scripts/install_vllm_compat.py
 	$(PYTHON) -m venv .venv-compat-$*
