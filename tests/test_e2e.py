@@ -25,7 +25,10 @@ from kvbroker.common.rules.handles import prefill_params
 from kvbroker.stack import KVBROKER, Stack, router_command
 from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, registry_pb2
-from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
+from tests.e2e_stack import MODEL, e2e_marks, stack_fixture
+
+# Re-exported: tests/test_e2e_fleets.py takes it from here.
+from tests.e2e_stack import user_message as user_message  # noqa: PLC0414
 
 pytestmark = e2e_marks()
 
