@@ -22,13 +22,10 @@ from kvbroker.common.rules.tenants import Tenant, session_key, sign_session
 from kvbroker.stack import Stack, StackConfig
 from kvbroker.testing.turns import current_lease, retained_after
 from kvbroker.testing.vllm_router import running_vllm_router
+from tests.e2e_stack import e2e_marks
 from tests.test_e2e_fleets import ACCEPTED, chat, lines_with, opening, text
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(900),
-    pytest.mark.asyncio(loop_scope="module"),
-]
+pytestmark = e2e_marks()
 
 KEYS = {"acme": "acme-secret-api-key", "globex": "globex-secret-api-key"}
 A, B = Tenant("acme"), Tenant("globex")
