@@ -197,8 +197,8 @@ class FleetRun:
         async def beat(spec: node_pb2.NodeSpec) -> None:
             try:
                 await self._heartbeat(stub, spec)
-            except grpc.aio.AioRpcError:
-                self.tally.heartbeat_errors += 1
+            except grpc.aio.AioRpcError as error:
+                self.tally.heartbeat_errors[error.code().name] += 1
 
         start = time.perf_counter()
         try:
@@ -210,8 +210,9 @@ class FleetRun:
                     beats.add(task)
                     task.add_done_callback(beats.discard)
         finally:
-            for task in beats:
-                task.cancel()
+            # The heartbeats in flight are answered, not cancelled: a cancelled call ends as
+            # an error with CANCELLED, which would count the bench's own stop as failures.
+            await asyncio.gather(*beats, return_exceptions=True)
 
     async def _populate(self, stub: Any) -> None:
         """The conversations already some turns in: retained on the decode nodes in turn

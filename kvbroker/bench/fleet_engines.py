@@ -37,7 +37,9 @@ class Tally:
     fork_hits: int = 0  # sub-agents' first turns that found the parent's KV by content
     refused_events: int = 0
     errors: int = 0
-    heartbeat_errors: int = 0
+    # Heartbeats that failed, by gRPC status code: why matters (a deadline is the replay's
+    # queue; NOT_FOUND or FAILED_PRECONDITION a node the registry no longer knows).
+    heartbeat_errors: Counter[str] = field(default_factory=Counter)
     heartbeat_max_s: float = 0.0  # the longest a heartbeat took to be answered
     sidecar_retries: int = 0  # registrations and replays sent again (``_again_if_away``)
 

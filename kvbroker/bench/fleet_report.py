@@ -55,7 +55,7 @@ class FleetPoint:
     forks: int
     fork_hits: int  # sub-agents that found the parent's KV by content (MatchPrefix)
     refused_events: int
-    heartbeat_errors: int
+    heartbeat_errors: dict[str, int]  # by gRPC status code
     heartbeat_max_s: float  # the longest a heartbeat took to be answered, replay included
     sidecar_retries: int  # registrations and replays no replica served, sent again
     register_s: float
@@ -109,7 +109,7 @@ def point_of(
         forks=tally.forks,
         fork_hits=tally.fork_hits,
         refused_events=tally.refused_events,
-        heartbeat_errors=tally.heartbeat_errors,
+        heartbeat_errors=dict(tally.heartbeat_errors),
         heartbeat_max_s=tally.heartbeat_max_s,
         sidecar_retries=tally.sidecar_retries,
         register_s=register_s,
@@ -141,10 +141,19 @@ def print_table(points: list[FleetPoint], console: Console) -> None:
             f"{p.nodes:,} nodes: engines held {p.held_rate:.1%} of later turns' KV, the hint "
             f"reused {p.reused_of_held:.1%} of it; sub-agents found their parent's KV "
             f"{p.fork_hits}/{p.forks}; etcd {p.etcd_cores:.2f} cores, the load "
-            f"{p.loadgen_cores:.2f}; {p.heartbeat_errors} heartbeats failed, the slowest took "
-            f"{p.heartbeat_max_s:.1f} s; registering took {p.register_s:.1f} s, the replay "
-            f"{p.populate_s:.1f} s ({p.sidecar_retries} calls sent again)"
+            f"{p.loadgen_cores:.2f}; {_failures(p.heartbeat_errors)} heartbeats failed, the "
+            f"slowest took {p.heartbeat_max_s:.1f} s; registering took {p.register_s:.1f} s, "
+            f"the replay {p.populate_s:.1f} s ({p.sidecar_retries} calls sent again)"
         )
+
+
+def _failures(by_code: dict[str, int]) -> str:
+    """``0``, or the count with its status codes: ``4 (UNAVAILABLE 3, DEADLINE_EXCEEDED 1)``."""
+    total = sum(by_code.values())
+    if not total:
+        return "0"
+    codes = ", ".join(f"{code} {count}" for code, count in sorted(by_code.items()))
+    return f"{total} ({codes})"
 
 
 def write(points: list[FleetPoint], config: FleetConfig, output: Path) -> list[Path]:
