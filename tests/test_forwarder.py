@@ -6,13 +6,14 @@ leader knows (its heartbeat pace) and relays the leader's typed errors."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from dataclasses import dataclass, field, replace
 
 import grpc
 import pytest
 
-from kvbroker.common.client.grpc_client import RegistryCallError
+from kvbroker.common.client.grpc_client import RegistryCallError, RegistryEndpoint, open_channel
 from kvbroker.common.rules.costs import Costs
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.api.forwarder import Forwarder
@@ -25,7 +26,7 @@ from kvbroker.controlplane.records.model import Conversation, CostProfile, Engin
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.testing.factories import block_hashes, handle, node_spec
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 
 # A pace unlike the defaults, so that a follower passing on its own would show.
@@ -173,3 +174,40 @@ def wire(answer: NodeAnswer | LeaseAnswer | Conversation | None) -> object:
         return convert.lease_message(answer)
     assert answer is not None
     return convert.conversation_message(answer)
+
+
+class _Stalled(registry_pb2_grpc.RegistryServiceServicer):
+    """A leader whose heartbeat never answers: the call is in flight when its channel closes."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    async def Heartbeat(
+        self, request: registry_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.HeartbeatResponse:
+        self.entered.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_call_cut_off_by_a_change_of_leader_fails_as_no_leader() -> None:
+    """A follower closes its channel to the leader when the leader it follows changes; grpc.aio
+    then ends the calls in flight on it with a bare ``CancelledError``. That is a failed call
+    (NO_LEADER, retried by the caller), never the server's CANCELLED."""
+    leader = _Stalled()
+    server = grpc.aio.server()
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(leader, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        channel = open_channel(RegistryEndpoint.parse(f"127.0.0.1:{port}"))
+        follower = Forwarder(Following(registry_pb2_grpc.RegistryServiceStub(channel)), 5.0)
+        call = asyncio.create_task(follower.heartbeat("decode-0", "x", True, NodeLoad()))
+        await asyncio.wait_for(leader.entered.wait(), 10)
+
+        await channel.close()
+
+        with pytest.raises(NoLeader):
+            await asyncio.wait_for(call, 10)
+    finally:
+        await server.stop(None)

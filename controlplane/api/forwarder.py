@@ -15,12 +15,14 @@ answered the last hint.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
 
 from kvbroker.common.client.grpc_client import from_grpc_error
+from kvbroker.common.process.tasks import own_cancellation
 from kvbroker.common.rules.clock import to_duration
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.api.interface import Leadership
@@ -87,6 +89,17 @@ class Forwarder:
                 raise _LeaderAway(f"leader: {error.details()}") from error
             self._outcomes.labels("relayed_error").inc()
             raise failure from error
+        except asyncio.CancelledError as error:
+            # A change of leader closes the channel under the calls in flight, and grpc.aio
+            # ends them with a bare CancelledError: a failed call, which would otherwise reach
+            # the caller as the server's CANCELLED, not one to retry.
+            if own_cancellation():
+                raise
+            self._outcomes.labels("leader_changed").inc()
+            why = "the leader changed while the call was forwarded"
+            if hint:
+                raise _LeaderAway(why) from error
+            raise NoLeader(f"{why}; retry shortly") from error
         self._outcomes.labels("ok").inc()
         return response
 
