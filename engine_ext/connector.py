@@ -16,7 +16,8 @@ blocks are freed even if the control plane disappears. Retained KV is a cache: w
 scheduler cannot admit or grow a request for lack of free blocks, or retention holds more than
 its budget, the lowest-value conversations are reclaimed through the registry at once
 (``engine_ext.pressure``). Requests without a conversation id are not retained. Frees are
-reported back with their cause.
+reported back with their cause. An engine core asked to stop frees everything it retains at
+once, so that it can exit (``_depart``).
 
 Prefill side: a remote handle is used only when its lease is live at its epoch (asked through
 the sidecar), only up to the first block whose hash differs from this prompt's, and only when
@@ -69,14 +70,8 @@ from kvbroker.engine_ext.pressure import (
     choose_reclaims,
     end_cause_of_free,
 )
-from kvbroker.engine_ext.retained_tail import (
-    RetainedTail,
-    RetainedTails,
-    TailPlan,
-    tail_copies,
-    tail_match,
-)
 from kvbroker.engine_ext.settings import KvBrokerSettings
+from kvbroker.engine_ext.tail_reuse import TailReuse
 from kvbroker.engine_ext.vllm_compat import (
     BlockPool,
     KVCacheBlocks,
@@ -90,11 +85,8 @@ from kvbroker.engine_ext.vllm_compat import (
     Request,
     SchedulerOutput,
     VllmConfig,
-    block_copies,
-    copy_kv_blocks,
     free_blocks,
     local_hit_blocks_in_use,
-    set_block_copies,
 )
 from kvbroker.v1 import lease_pb2, registry_pb2
 
@@ -130,21 +122,9 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         self._scheduled_nothing = False
         self._idle = IdlePause(self.settings.idle_wait_s, self.settings.idle_step_sleep_s)
         self._block_pool: BlockPool | None = None
-        self._num_blocks = kv_cache_config.num_blocks
-        # Decode side: the retained tail of each conversation's last turn; the tail reuse
-        # planned for a request between the scheduler's question and its allocation; this
-        # step's block copies.
-        self._tails = RetainedTails()
-        self._tail_plans: dict[str, TailPlan] = {}
-        self._block_copies: list[tuple[int, int]] = []
-        # Worker side: the KV cache tensors the copies are made in.
-        self._kv_caches: dict[str, torch.Tensor] = {}
-        # Both roles decide alike, from the same configuration.
-        self._tail_reuse = self.settings.retained_tail_reuse
-        unsupported = vllm_compat.tail_reuse_unsupported(vllm_config, kv_cache_config)
-        if self._tail_reuse and unsupported:
-            self._tail_reuse = False
-            log.info("kvbroker: retained-tail copies are off: %s", unsupported)
+        # Decode side: since the engine core was asked to stop, nothing is retained.
+        self._departing = False
+        self._tail = TailReuse(self.settings.retained_tail_reuse, vllm_config, kv_cache_config)
         self._retains = vllm_compat.retains_kv(vllm_config)
         # What /metrics shows of this engine (engine_ext.connector_metrics).
         self._metrics = MetricsRecorder()
@@ -245,31 +225,19 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
             return None, False  # vLLM 0.32: "not known yet"; it asks again next step
         matched, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if matched == 0 and params and params.get(handles.DECODE_LOCAL_KEY):
-            return self._match_tail(request, num_computed_tokens), False
+            tail = self._tail.match(request, num_computed_tokens, _session(request), self._copyable)
+            return tail, False
         return matched, load_async
 
-    def _match_tail(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens past the prefix-cache hit that the conversation's retained tail holds KV for
-        (``engine_ext.retained_tail``): loaded by a block copy in this step, not recomputed."""
-        self._tail_plans.pop(request.request_id, None)
-        session = _session(request)
-        tail = self._tails.get(session) if session else None
-        retained = self._retained.get(tail.request_id) if tail is not None else None
-        if tail is None or retained is None:
-            return 0
-        if retained.deadline <= time.perf_counter() or retained.reclaim_asked_at is not None:
-            return 0  # its free is due or being asked for: not a source to copy from
-        count = tail_match(
-            request.all_token_ids,
-            request.block_hashes,
-            vllm_compat.token_identity(request),
-            num_computed_tokens,
-            tail,
-            self._block_size,
+    def _copyable(self, request_id: str) -> bool:
+        """Whether a retained tail's request is a source to copy from: not if its free is due
+        or being asked for (``engine_ext.retained_tail``)."""
+        retained = self._retained.get(request_id)
+        return (
+            retained is not None
+            and retained.deadline > time.perf_counter()
+            and retained.reclaim_asked_at is None
         )
-        if count > 0:
-            self._tail_plans[request.request_id] = TailPlan(tail, num_computed_tokens, count)
-        return count
 
     # ------------------------------------------------------------ decode side
 
@@ -281,10 +249,7 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         read = issued_read(self._sched, request)  # its blocks and runs (engine_ext.fragmentation)
         if read is not None:
             self._metrics.read(read)
-        plan = self._tail_plans.pop(request.request_id, None)
-        if plan is not None and num_external_tokens > 0:
-            plan = TailPlan(plan.tail, plan.start, num_external_tokens)
-            self._block_copies += tail_copies(plan, blocks.get_block_ids()[0], self._block_size)
+        self._tail.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
         self._unadmitted.pop(request.request_id, None)
         self._starved.discard(request.request_id)
         params = request.kv_transfer_params
@@ -338,7 +303,7 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         self._pending_checks.pop(request_id, None)
         self._pending_matches.pop(request_id, None)
         end_pin(self.link, request.kv_transfer_params)  # its read, if any, is over
-        self._tail_plans.pop(request_id, None)
+        self._tail.finished(request_id)
         self._unadmitted.pop(request_id, None)
         self._starved.discard(request_id)
         tracked = request_id in self._tracked
@@ -363,8 +328,9 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
             return False, None
         assert out is not None
         session = _session(request)
-        if not session or self.link is None:
-            # Nothing can ask for this KV again: let the worker free it at the next step.
+        if not session or self.link is None or self._departing:
+            # Nothing can ask for this KV again (or the engine is stopping): let the worker
+            # free it at the next step.
             vllm_compat.free_at(self._sched, request_id, time.perf_counter())
             return delay_free, None
         num_tokens = int(out["remote_num_tokens"])
@@ -379,8 +345,7 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
             last_active=now,
             ttl_s=self.settings.hard_cap_s,
         )
-        if self._tail_reuse:
-            self._keep_tail(session, request, num_tokens, block_ids[0])
+        self._tail.keep(session, request, num_tokens, block_ids[0])
         checkpoints = Checkpoints.of(
             prefix_hashes(request.all_token_ids, self._block_size, num_tokens)
         )
@@ -396,31 +361,31 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         )
         return delay_free, out
 
-    def _keep_tail(
-        self, session: str, request: Request, kv_tokens: int, block_ids: list[int]
-    ) -> None:
-        """The conversation's next DECODE_LOCAL turn may take this request's unfinished last
-        block instead of recomputing it; a later turn's request replaces it."""
-        tail = RetainedTail(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids,
-            kv_tokens=min(kv_tokens, request.num_computed_tokens),
-            block_ids=tuple(block_ids),
-            block_hashes=request.block_hashes,
-            identity=vllm_compat.token_identity(request),
-        )
-        self._tails.keep(session, tail)
-
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         self._apply_deadlines()
+        if self._departing or self._idle.stopping():
+            self._depart(time.perf_counter())
         self._reclaim(time.perf_counter())
         meta = super().build_connector_meta(scheduler_output)
-        set_block_copies(meta, self._block_copies)
-        self._block_copies = []
+        self._tail.hand_over(meta)
         self._scheduled_nothing = scheduler_output.total_num_scheduled_tokens == 0
-        if self._scheduled_nothing:
+        if self._scheduled_nothing and not self._departing:
             self._idle.pause()
         return meta
+
+    def _depart(self, now: float) -> None:
+        """The engine core was asked to stop, and it exits only once no finished request
+        holds blocks: retention ends now. Each retained request's hard cap becomes now, so the
+        worker frees its blocks at this step, and its free is reported to the registry as any
+        other (``update_connector_output``): the lease ends RELEASED, cause ENGINE (the engine
+        freed the blocks on its own), unless the registry had ended it already."""
+        if not self._departing:
+            self._departing = True
+            log.info("kvbroker: the engine is stopping; freeing %d retained", len(self._retained))
+        for retained in self._retained.values():
+            if retained.hard_cap > now:
+                retained.hard_cap = retained.deadline = now
+                vllm_compat.free_at(self._sched, retained.request_id, now)
 
     def _apply_deadlines(self) -> None:
         """The lease's deadlines become the worker's deadlines, never past the hard cap."""
@@ -457,6 +422,8 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         shortfall, self._shortfall_blocks = self._shortfall_blocks, 0
         if self.link is None or not self._retained or not self.settings.pressure_release:
             return
+        if self._departing:  # everything retained is being freed already
+            return
         chosen = choose_reclaims(
             self._retained.values(),
             now,
@@ -480,7 +447,7 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
         super().update_connector_output(connector_output)
         now = time.perf_counter()
         for request_id in connector_output.finished_sending or ():
-            self._tails.forget(request_id)
+            self._tail.freed(request_id)
             retained = self._retained.pop(request_id, None)
             if retained is not None and self.link is not None:
                 cause = end_cause_of_free(retained, now)
@@ -505,14 +472,11 @@ class NixlConnector(ConnectorMetricsClasses, NixlPullConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
-        if self._tail_reuse:
-            self._kv_caches = kv_caches
+        self._tail.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """A step's retained-tail copies land before its forward pass reads them."""
-        pairs = block_copies(self._get_connector_metadata())
-        if pairs:
-            copy_kv_blocks(self._kv_caches, self._num_blocks, pairs)
+        self._tail.copy(self._get_connector_metadata())
         super().start_load_kv(forward_context, **kwargs)
 
     def shutdown(self) -> None:

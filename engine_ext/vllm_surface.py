@@ -225,6 +225,8 @@ SURFACE: tuple[Name, ...] = (
     Name("vllm.v1.core.sched.scheduler", "Scheduler.get_request_counts", Kind.CALLABLE),
     Name("vllm.v1.core.sched.scheduler", "Scheduler.schedule", Kind.CALLABLE),
     Name("vllm.v1.engine.core", "EngineCoreProc.input_queue", Kind.INSTANCE),
+    # ... and whether it was asked to stop (vllm_compat.EngineLoop.stopping).
+    Name("vllm.v1.engine.core", "EngineCoreProc.is_running", Kind.CALLABLE),
     # The OpenAI server reads the conversation id from this header into Request.session_id.
     Name("vllm.entrypoints.generate.base.serving", "SESSION_ID_HEADER"),
     # vllm_compat.app_vllm_config: the engine's config on the API server's app state.

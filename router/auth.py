@@ -16,6 +16,7 @@ only: any of them can close, keep alive or probe any conversation.
 from __future__ import annotations
 
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbroker.common.rules.tenants import OPEN, ApiKeys, KeyRefusal, KeyRefused, Tenant
@@ -23,7 +24,7 @@ from kvbroker.router.errors import ApiError, ErrorCode, ErrorShape, ErrorType
 from kvbroker.router.metrics import RouterMetrics
 from kvbroker.router.requests import error_shape
 
-__all__ = ["OPEN", "SCOPE_KEY", "ApiKeys", "Authenticate", "Tenant"]
+__all__ = ["OPEN", "SCOPE_KEY", "ApiKeys", "Authenticate", "Tenant", "tenant_of"]
 
 # The paths open without a key: a load balancer's health check and Prometheus.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -75,3 +76,11 @@ class Authenticate:
                     return
             scope[SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The request's tenant, named by ``Authenticate`` (a KeyError, so a 500, if the request
+    did not pass through it: never served as anyone's)."""
+    tenant = request.scope[SCOPE_KEY]
+    assert isinstance(tenant, Tenant)
+    return tenant

@@ -36,6 +36,13 @@ class RouterConfig:
     # sessionless turn reads it back by content. Off: such a turn is plain P/D, retained for
     # nothing.
     retain_sessionless: bool = True
+    # Answer dry-run hints (the placement endpoint's) from this router's own copy of the
+    # leader's hint state, watched from the registry (``router.local_hints``), while the copy
+    # is at most ``hint_staleness_s`` behind; else, and for every turn's hint, ask the registry.
+    local_hints: bool = False
+    # With ``local_hints``: how far behind the leader the copy may be and still answer (as a
+    # registry follower's ``--hint-staleness``); further behind, the router asks the registry.
+    hint_staleness_s: float = 1.0
 
     def __post_init__(self) -> None:
         for setting in fields(self):

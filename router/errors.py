@@ -19,6 +19,9 @@ from typing import Any
 import structlog
 from starlette.responses import JSONResponse
 
+from kvbroker.common.client.grpc_client import RegistryCallError
+from kvbroker.v1 import registry_pb2
+
 log = structlog.get_logger("kvbroker.router")
 
 
@@ -212,3 +215,18 @@ def upstream_failed(message: str, code: ErrorCode) -> ApiError:
     that is not one)."""
     status = 504 if code is ErrorCode.UPSTREAM_TIMEOUT else 502
     return ApiError(status, message, ErrorType.UPSTREAM, code)
+
+
+def registry_refusal(error: RegistryCallError) -> ApiError:
+    """The client's answer when the registry refuses a hint: 400 for a bad argument (the
+    client's to fix: retrying it never helps), 503 otherwise (no ready node, or the registry
+    unreachable: worth a retry)."""
+    if error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT:
+        return invalid_request(error.message, ErrorCode.INVALID_VALUE)
+    code = (
+        ErrorCode.NO_READY_NODE
+        if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
+        else ErrorCode.REGISTRY_UNAVAILABLE
+    )
+    message = error.message or error.code().name
+    return ApiError(503, message, ErrorType.UNAVAILABLE, code)

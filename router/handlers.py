@@ -1,8 +1,8 @@
 """The router's HTTP face: the endpoints over one ``Router`` (the turn routes of every API it
 serves, with their legs and streaming: chat completions, completions, Anthropic's Messages and
-OpenAI's Responses; Messages' token count; models, health, metrics, the session routes), each
-guarded so that a bug answers a typed 500 in the route's API's error shape and keeps the
-connection.
+OpenAI's Responses; Messages' token count; models, health, metrics), with the placement route
+(``router.placement``) and the session routes (``router.sessions``), each guarded so that a
+bug answers a typed 500 in the route's API's error shape and keeps the connection.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import grpc
 import httpx
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,10 +32,9 @@ from kvbroker.common.rules.handles import (
     decided_params,
     decode_local_params,
 )
-from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.sessionless import new_session_id
-from kvbroker.router import placement
-from kvbroker.router.auth import SCOPE_KEY, Authenticate, Tenant
+from kvbroker.router import placement, sessions
+from kvbroker.router.auth import Authenticate, Tenant, tenant_of
 from kvbroker.router.errors import (
     UPSTREAM_ANSWER,
     ApiError,
@@ -44,8 +42,8 @@ from kvbroker.router.errors import (
     ErrorShape,
     ErrorType,
     internal_error,
-    invalid_request,
     log_answer,
+    registry_refusal,
     upstream_failed,
 )
 from kvbroker.router.proxy import (
@@ -72,9 +70,8 @@ from kvbroker.router.requests import (
     parse_object,
     parse_turn,
     read_body,
-    session_id,
 )
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker.v1 import node_pb2
 
 log = structlog.get_logger("kvbroker.router")
 
@@ -146,7 +143,7 @@ class Handlers:
         """A turn of ``api``: planned, then its legs to the engines' own endpoint of the same
         API, each with ``kv_transfer_params``."""
         started = time.perf_counter()
-        tenant = _tenant(request)
+        tenant = tenant_of(request)
         turn = _scoped(
             tenant, parse_turn(await self._body(request), request.headers, api, tenant.id_limit)
         )
@@ -374,87 +371,6 @@ class Handlers:
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def keepalive(self, request: Request) -> Response:
-        """An agent busy in a long tool call keeps its conversation's KV retained."""
-        tenant = _tenant(request)
-        session = session_id(request.path_params["session_id"], limit=tenant.id_limit)
-        raw = await self._body(request)
-        payload = parse_object(raw) if raw else {}
-        renew = registry_pb2.RenewLeaseRequest(conversation_id=tenant.conversation(session))
-        ttl = payload.get("ttl_seconds")
-        if ttl is not None:
-            if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
-                raise invalid_request(
-                    "ttl_seconds must be a positive number", ErrorCode.INVALID_VALUE, "ttl_seconds"
-                )
-            try:
-                renew.time_to_live.FromNanoseconds(int(ttl * 1e9))
-            except (ValueError, OverflowError):
-                raise invalid_request(
-                    "ttl_seconds is out of range", ErrorCode.INVALID_VALUE, "ttl_seconds"
-                ) from None
-        return await self._lease_call(self.router.stub.RenewLease(renew, timeout=2), session)
-
-    async def placement(self, request: Request) -> Response:
-        """Where the conversation's next turn should go, as the affinity headers other
-        routers honour (``router/placement.py``); the headers are also the response's own."""
-        tenant = _tenant(request)
-        query = request.query_params
-        session = session_id(query.get("session_id", ""), limit=tenant.id_limit)
-        tokens = query.get("prompt_tokens", "0")
-        # ASCII digits only ("²" is a digit to str.isdigit, and int() refuses it), and few
-        # enough that int() reads them at all.
-        if (
-            not (tokens.isascii() and tokens.isdecimal() and len(tokens) <= 10)
-            or int(tokens) >= 1 << 32
-        ):
-            raise invalid_request(
-                "prompt_tokens must be a whole number of tokens",
-                ErrorCode.INVALID_VALUE,
-                "prompt_tokens",
-            )
-        asked = registry_pb2.GetRoutingHintRequest(
-            conversation_id=tenant.conversation(session),
-            model=query.get("model", ""),
-            dry_run=True,
-            prompt_tokens=int(tokens),
-        )
-        try:
-            hint = await self.router.hints.hint(asked)
-        except RegistryCallError as error:
-            raise registry_refusal(error) from error
-        body = placement.answer(session, hint)
-        return JSONResponse(body, headers=body["headers"])
-
-    async def close_session(self, request: Request) -> Response:
-        """Explicit close: D frees the conversation's blocks at once."""
-        tenant = _tenant(request)
-        session = session_id(request.path_params["session_id"], limit=tenant.id_limit)
-        revoke = registry_pb2.RevokeLeaseRequest(
-            conversation_id=tenant.conversation(session), reason="session closed by client"
-        )
-        return await self._lease_call(self.router.stub.RevokeLease(revoke, timeout=2), session)
-
-    @staticmethod
-    async def _lease_call(call: Any, session: str) -> Response:
-        try:
-            lease = (await call).lease
-        except grpc.aio.AioRpcError as error:
-            status, code = _LEASE_CALL_ERRORS.get(
-                error.code(), (503, ErrorCode.REGISTRY_UNAVAILABLE)
-            )
-            message = error.details() or error.code().name
-            raise ApiError(status, message, ErrorType.SESSION, code) from error
-        return JSONResponse(
-            {
-                "session_id": session,
-                "lease_id": lease.lease_id,
-                "epoch": lease.epoch,
-                "state": label(lease_pb2.LeaseState, lease.state),
-                "ttl_seconds": lease.time_to_live.ToNanoseconds() / 1e9,
-            }
-        )
-
 
 # Messages' token count, on the router and on every engine.
 COUNT_TOKENS_PATH = MESSAGES.path + "/count_tokens"
@@ -465,29 +381,6 @@ def _model_not_found(message: str) -> ApiError:
     return ApiError(404, message, ErrorType.INVALID_REQUEST, ErrorCode.MODEL_NOT_FOUND, "model")
 
 
-def registry_refusal(error: RegistryCallError) -> ApiError:
-    """The client's answer when the registry refuses a hint: 400 for a bad argument (the
-    client's to fix: retrying it never helps), 503 otherwise (no ready node, or the registry
-    unreachable: worth a retry)."""
-    if error.reason == registry_pb2.ERROR_REASON_INVALID_ARGUMENT:
-        return invalid_request(error.message, ErrorCode.INVALID_VALUE)
-    code = (
-        ErrorCode.NO_READY_NODE
-        if error.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
-        else ErrorCode.REGISTRY_UNAVAILABLE
-    )
-    message = error.message or error.code().name
-    return ApiError(503, message, ErrorType.UNAVAILABLE, code)
-
-
-def _tenant(request: Request) -> Tenant:
-    """The request's tenant, named by ``Authenticate`` (a KeyError, so a 500, if the request
-    did not pass through it: never served as anyone's)."""
-    tenant = request.scope[SCOPE_KEY]
-    assert isinstance(tenant, Tenant)
-    return tenant
-
-
 def _scoped(tenant: Tenant, turn: Turn) -> Turn:
     """The turn with its session id scoped to ``tenant``, as the registry and both legs see it
     (each leg carries the turn's conversation, ``Turn.prefill_leg`` and ``Turn.decode_leg``,
@@ -496,13 +389,6 @@ def _scoped(tenant: Tenant, turn: Turn) -> Turn:
     if conversation == turn.conversation:
         return turn
     return dataclasses.replace(turn, conversation=conversation)
-
-
-_LEASE_CALL_ERRORS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, ErrorCode.INVALID_VALUE),
-    grpc.StatusCode.NOT_FOUND: (404, ErrorCode.SESSION_NOT_FOUND),
-    grpc.StatusCode.FAILED_PRECONDITION: (409, ErrorCode.SESSION_CONFLICT),
-}
 
 
 def build_app(router: Router) -> Starlette:
@@ -525,19 +411,23 @@ def build_app(router: Router) -> Starlette:
             Route("/v1/models", _guarded(handlers.models), methods=["GET"]),
             Route("/health", _guarded(handlers.health), methods=["GET"]),
             Route("/metrics", _guarded(handlers.prometheus), methods=["GET"]),
-            Route("/v1/placement", _guarded(handlers.placement), methods=["GET"]),
+            Route(
+                "/v1/placement",
+                _guarded(functools.partial(placement.endpoint, router)),
+                methods=["GET"],
+            ),
             # A session id is the client's: whatever the completion routes take (``/`` too,
             # percent-encoded or not), so ``path``, not one segment. The greedy match leaves
             # the last ``/keepalive`` to the route: session "a/keepalive" is
             # /v1/sessions/a/keepalive/keepalive.
             Route(
                 "/v1/sessions/{session_id:path}/keepalive",
-                _guarded(handlers.keepalive),
+                _guarded(functools.partial(sessions.keepalive, router)),
                 methods=["POST"],
             ),
             Route(
                 "/v1/sessions/{session_id:path}",
-                _guarded(handlers.close_session),
+                _guarded(functools.partial(sessions.close, router)),
                 methods=["DELETE"],
             ),
         ],

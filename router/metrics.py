@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -56,5 +56,19 @@ class RouterMetrics:
             "kvbroker_router_overhead_seconds",
             "Router time before the prefill leg starts (parsing and the routing hint).",
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2),
+            registry=self.registry,
+        )
+        self.local_hints = Counter(
+            "kvbroker_router_local_hints",
+            "With --local-hints, dry-run hints by who answered: the router's copy (local), "
+            "the registry as the hint was not one a copy answers (forwarded), or the registry "
+            "as the copy was too far behind (stale).",
+            ["answer"],
+            registry=self.registry,
+        )
+        self.hint_state_behind = Gauge(
+            "kvbroker_router_hint_state_behind_seconds",
+            "With --local-hints, how far behind the leader the router's copy of its hint "
+            "state was at the last dry-run hint (+Inf: no copy).",
             registry=self.registry,
         )

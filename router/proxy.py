@@ -53,6 +53,7 @@ from kvbroker.router.errors import (
     in_shape,
     upstream_failed,
 )
+from kvbroker.router.local_hints import HintSource, LocalHints
 from kvbroker.router.metrics import RouterMetrics
 from kvbroker.router.requests import Turn, encode
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -146,6 +147,11 @@ class Router:
         self.prompt_size = PromptSize()
         self._refresher: asyncio.Task[None] | None = None
         self._refreshing: asyncio.Future[None] | None = None
+        self.local_hints = (
+            LocalHints(self.config.hint_staleness_s, self.metrics)
+            if self.config.local_hints
+            else None
+        )
 
     async def start(self) -> None:
         """Opens the clients on the serving event loop (grpc.aio binds to the loop)."""
@@ -163,10 +169,14 @@ class Router:
             self.config.prefill_timeout_s, connect=self.config.connect_timeout_s
         )
         self._refresher = asyncio.create_task(self._refresh_nodes())
+        if self.local_hints is not None:
+            self.local_hints.start(self.stub)
 
     async def close(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        if self.local_hints is not None:
+            await self.local_hints.close()
         await self.http.aclose()
         await self._channel.close()
 
@@ -239,10 +249,25 @@ class Router:
                 "registry_refused_credential",
                 code=error.code().name,
                 error=why,
-                fix="give the router a credential the registry accepts (--registry-token, "
-                "or a client certificate); meanwhile turns are served plain P/D, without reuse",
+                fix="give the router a credential the registry accepts (--token or --token-file, "
+                "or --tls-client-cert and --tls-client-key); meanwhile turns are served plain "
+                "P/D, without reuse",
             )
         self._refused[call] = why
+
+    async def dry_run_hint(
+        self, request: registry_pb2.GetRoutingHintRequest
+    ) -> tuple[registry_pb2.RoutingHint, HintSource]:
+        """A hint that claims nothing (``request.dry_run``): from this router's copy of the
+        leader's state when it keeps a current one (``RouterConfig.local_hints``), else the
+        registry's. Raises ``RegistryCallError`` (the registry's refusal) and
+        ``routing.NoReadyNode`` (the copy's)."""
+        source = HintSource.FORWARDED
+        if self.local_hints is not None:
+            hint, source = self.local_hints.answer(request)
+            if hint is not None:
+                return hint, source
+        return await self.hints.hint(request), source
 
     def can_route_alone(self) -> bool:
         """Whether the last node list has a ready prefill and decode node (of any model): what

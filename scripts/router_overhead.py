@@ -23,9 +23,9 @@ from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.handlers import build_app
 from kvbroker.router.proxy import Router
-from kvbroker.testing.engine import FakeEngine, serving
-from kvbroker.testing.factories import Heartbeats, node_spec
 from kvbroker.v1 import node_pb2
+from kvbroker_tools.harness.engine import FakeEngine, serving
+from kvbroker_tools.harness.factories import Heartbeats, node_spec
 
 REQUESTS = 500
 BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}

@@ -45,6 +45,10 @@ _SESSION_LOST = frozenset(
     {registry_pb2.ERROR_REASON_SESSION_LOST, registry_pb2.ERROR_REASON_NODE_NOT_REGISTERED}
 )
 
+# How long a heartbeat waits for its probe of the engine, as a share of the heartbeat interval
+# (the registry's session TTL is longer than an interval: a heartbeat this late is on time).
+FRESH_LOAD_WAIT = 0.25
+
 
 def _node_in_use(error: grpc.aio.AioRpcError) -> bool:
     """The registry refused the registration: another incarnation's session of this node id
@@ -321,18 +325,23 @@ class Agent:
         raise SessionLostError("the registry closed the command stream")
 
     async def _heartbeats(self, stub: RegistryServiceStub) -> None:
-        """Heartbeats carry the latest probe's word and the engine's work since the last
-        heartbeat; they never wait on a probe, so a slow engine cannot make its node miss
-        heartbeats and lose its session. Work a failed heartbeat carried is not sent again: it
-        only refines estimates, and the next intervals' work does as well."""
+        """Each heartbeat carries a probe of the engine begun as it is sent, and the engine's
+        work since the last heartbeat. The registry counts the turns it sends a node from one
+        heartbeat to the next on top of the load that heartbeat reports, so a load read an
+        interval earlier would hide the turns that began in between. A heartbeat waits for
+        its probe ``FRESH_LOAD_WAIT`` of an interval at most, and then carries the last known
+        load: a slow engine cannot make its node miss heartbeats and lose its session. Work a
+        failed heartbeat carried is not sent again: it only refines estimates, and the next
+        intervals' work does as well."""
         while True:
+            load = await self._probe.fresh_load(self._heartbeat_interval_s * FRESH_LOAD_WAIT)
             try:
                 await stub.Heartbeat(
                     registry_pb2.HeartbeatRequest(
                         node_id=self.config.node_id,
                         incarnation=self.incarnation,
                         engine_ready=self.engine_ready,
-                        load=self._probe.load,
+                        load=load,
                         work=self._probe.take_work(),
                     ),
                     timeout=RPC_TIMEOUT_S,
@@ -347,9 +356,12 @@ class Agent:
     # ------------------------------------------------------------ the engine's HTTP server
 
     async def _probes(self) -> None:
+        """Probes the engine between sessions (its readiness is still this sidecar's to
+        say); during one, each heartbeat probes it."""
         while True:
             await asyncio.sleep(self._heartbeat_interval_s)
-            await self._probe.probe()
+            if not self.connected.is_set():
+                await self._probe.probe()
 
     @property
     def engine_ready(self) -> bool:

@@ -1,9 +1,12 @@
 """What the engine's HTTP server says, apart from the registry session that reports it: its
 /health (readiness), its /metrics (load, and the work done between probes) and its
-/v1/models (the served model). The probe keeps the last answers for heartbeats to read, so
-that they never wait on the engine."""
+/v1/models (the served model). The probe keeps the last answers; a heartbeat asks for a fresh
+one and waits a bounded while for it, so that it never waits long on the engine."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import httpx
 import structlog
@@ -33,6 +36,8 @@ class EngineProbe:
         self._ignored_figures: tuple[str, ...] = ()
         # The engine's work between probes, until a heartbeat carries it.
         self._work = WorkMeter()
+        # The probe in flight, if one is.
+        self._probing: asyncio.Task[None] | None = None
 
     def attach(self, info: sidecar_pb2.EngineInfo, another_process: bool) -> None:
         """The engine (re)attached; another process's metrics began again."""
@@ -54,7 +59,21 @@ class EngineProbe:
 
     async def probe(self) -> None:
         """vLLM's /health for readiness (``Readiness`` decides) and /metrics for load and the
-        work done since the last probe."""
+        work done since the last probe. One probe at a time: a call while one is in flight
+        waits for that one."""
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.create_task(self._probe_once())
+        await asyncio.shield(self._probing)
+
+    async def fresh_load(self, within_s: float) -> node_pb2.NodeLoad:
+        """The engine's load as a probe begun now reads it, when the engine answers within
+        ``within_s``; else the last known one, while that probe goes on: a slow engine holds a
+        heartbeat back by ``within_s`` at most."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.probe(), within_s)
+        return self._load
+
+    async def _probe_once(self) -> None:
         self._load = await self._read()
         self._metrics.engine_ready.set(1 if self.ready else 0)
 

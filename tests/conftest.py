@@ -1,6 +1,6 @@
 """The layer of every test module, and fixtures that start real registry servers on loopback
 and talk to them over gRPC. The harness itself (fake engine, message builders, kvbroker's
-servers as processes) is kvbroker.testing, which the benchmarks use too."""
+servers as processes) is kvbroker_tools.harness, which the benchmarks use too."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from kvbroker.common.process.local_etcd import LocalEtcd
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
-from kvbroker.stack import KVBROKER
-from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import registry_pb2_grpc
+from kvbroker_tools.harness.processes import RegistryProcess
+from kvbroker_tools.stack import KVBROKER
 
 # Short times so expiry tests finish in about a second.
 FAST = RegistryConfig(
@@ -53,6 +53,7 @@ LAYERS = {
     "test_calibration": "integration",
     "test_checkpoints": "unit",
     "test_codec": "unit",
+    "test_lease_rows": "unit",
     "test_connector_metrics": "unit",
     "test_connector_scheduler": "unit",
     "test_cost_correction": "unit",
@@ -61,6 +62,7 @@ LAYERS = {
     "test_docs_reference": "unit",
     "test_drain_unit": "unit",
     "test_engine_load": "unit",
+    "test_engine_probe": "integration",
     "test_engine_rules": "unit",
     "test_engine_work": "unit",
     "test_fleet_bench": "integration",
@@ -108,6 +110,8 @@ LAYERS = {
     "test_identity": "integration",
     "test_leader_resilience": "integration",
     "test_replica_hints": "integration",
+    "test_router_hints": "integration",
+    "test_router_hints_identity": "integration",
     "test_long_context": "integration",
     "test_reclaim": "integration",
     "test_registry_bench": "integration",

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from kvbroker.engine_ext.testmodel import corpus
-from kvbroker.stack import Stack, StackConfig
+from kvbroker_tools.stack import Stack, StackConfig
+from kvbroker_tools.testmodel import corpus
 
 MODEL = StackConfig.served_model
 LINES = corpus(lines=400, seed=7)

@@ -14,14 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbroker.bench.agentic import DECODE_GAUGES, _sample_decode
-from kvbroker.bench.agentic_config import (
+from kvbroker.common.process.tasks import poll_until
+from kvbroker_tools.bench.agentic import DECODE_GAUGES, _sample_decode
+from kvbroker_tools.bench.agentic_config import (
     FIXED_TTL_CONNECTOR,
     FORKS_STACK,
     AgenticConfig,
     compress,
 )
-from kvbroker.bench.agentic_forks import (
+from kvbroker_tools.bench.agentic_forks import (
     ROLLOUTS,
     SUB_AGENTS,
     ForkGroup,
@@ -30,11 +31,10 @@ from kvbroker.bench.agentic_forks import (
     summarise_group,
     write_forks,
 )
-from kvbroker.bench.agentic_report import AgenticRecord, ArmResult, settings, summarise, write
-from kvbroker.bench.retention import Conversation, Gap
-from kvbroker.bench.stats import quantile
-from kvbroker.cli.bench import bench_agentic
-from kvbroker.common.process.tasks import poll_until
+from kvbroker_tools.bench.agentic_report import AgenticRecord, ArmResult, settings, summarise, write
+from kvbroker_tools.bench.retention import Conversation, Gap
+from kvbroker_tools.bench.stats import quantile
+from kvbroker_tools.cli.bench import bench_agentic
 
 
 def test_compress_scales_caps_gaps_and_cuts_turns() -> None:

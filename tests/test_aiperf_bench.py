@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.bench.aiperf import (
+from kvbroker_tools.bench.aiperf import (
     ARMS,
     AiperfConfig,
     Counters,

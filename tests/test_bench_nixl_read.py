@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbroker.bench.nixl_layout import (
+from kvbroker.common.rules.costs import DEFAULT_COSTS, GPU_COSTS, KvDevice, default_costs
+from kvbroker.common.rules.fragmentation import paired_runs, runs
+from kvbroker_tools.bench.nixl_layout import (
     ReadConfig,
     chunk_ids,
     desc_ids,
@@ -22,9 +24,7 @@ from kvbroker.bench.nixl_layout import (
     run_ids,
     strided_descs,
 )
-from kvbroker.common.rules.costs import DEFAULT_COSTS, GPU_COSTS, KvDevice, default_costs
-from kvbroker.common.rules.fragmentation import paired_runs, runs
-from kvbroker.stack import KVBROKER
+from kvbroker_tools.stack import KVBROKER
 
 TINY = ("--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--block-size", "16")
 
@@ -74,7 +74,7 @@ def test_one_agent_reads_from_itself_in_loopback_with_reads_shaped_by_runs(
     nixl): one agent, both caches registered with it, every cell checked byte for byte."""
     ran = subprocess.run(
         [
-            sys.executable, "-m", "kvbroker.bench.nixl_read", "--loopback", "--device", "cpu",
+            sys.executable, "-m", "kvbroker_tools.bench.nixl_read", "--loopback", "--device", "cpu",
             "--tokens", "32,64", *TINY, "--warmup", "0", "--repeats", "2",
             "--forms", "scattered,adjacent,contiguous", "--shapes", "128:3,64:1",
             "--output", str(tmp_path),

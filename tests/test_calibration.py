@@ -9,10 +9,10 @@ import pytest
 
 from kvbroker.calibration import Probe, fit_prefill, read_cost_us_per_block
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.testing.engine import FakeEngine
-from kvbroker.testing.factories import Heartbeats, node_spec
-from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import registry_pb2
+from kvbroker_tools.harness.engine import FakeEngine
+from kvbroker_tools.harness.factories import Heartbeats, node_spec
+from kvbroker_tools.harness.processes import RegistryProcess
 from tests.conftest import run_cli
 
 

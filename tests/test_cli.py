@@ -17,10 +17,10 @@ from kvbroker.common.process.credentials import load_api_keys, load_session_keys
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.labels import by_lower_label
 from kvbroker.common.rules.tenants import Tenant
-from kvbroker.stack import Stack, StackConfig
-from kvbroker.testing.factories import Heartbeats, grant, node_spec
-from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import node_pb2, registry_pb2
+from kvbroker_tools.harness.factories import Heartbeats, grant, node_spec
+from kvbroker_tools.harness.processes import RegistryProcess
+from kvbroker_tools.stack import Stack, StackConfig
 from tests.conftest import CliResult, run_cli, spawn_registry
 
 

@@ -38,8 +38,8 @@ from kvbroker.controlplane.records.model import (
     NodeLoad,
 )
 from kvbroker.controlplane.storage.state_cache import RecordKind, decode
-from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2
+from kvbroker_tools.harness.factories import node_spec
 
 ids = st.text(min_size=1, max_size=24)
 texts = st.text(max_size=40)

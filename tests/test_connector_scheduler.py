@@ -40,9 +40,9 @@ from kvbroker.common.rules import handles
 from kvbroker.engine_ext import vllm_compat
 from kvbroker.engine_ext.connector import NixlConnector
 from kvbroker.engine_ext.prefix import prefix_hashes
-from kvbroker.engine_ext.testmodel import make_model
 from kvbroker.engine_ext.vllm_compat import KVCacheConfig, KVConnectorOutput
 from kvbroker.v1 import lease_pb2, registry_pb2, sidecar_pb2
+from kvbroker_tools.testmodel import make_model
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 200

@@ -18,6 +18,7 @@ from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import Correction
 from kvbroker.controlplane.records.model import EngineWork, NodeLoad
+from kvbroker.controlplane.records.requests import Heartbeat
 from kvbroker.controlplane.sessions.cost_correction import (
     MAX_FACTOR,
     MIN_FACTOR,
@@ -146,7 +147,9 @@ async def test_the_registry_scales_a_node_s_costs_and_a_calibration_resets_them(
     # 4 requests of 400 tokens at the defaults: 4 * (25 + 180) = 820 ms predicted.
     slow = prefills(4, 400, 1.64)
     for _ in range(3):
-        await h.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), slow)
+        await h.registry.heartbeat(
+            Heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), slow)
+        )
     factor = 2 ** (1 - (1 - WEIGHT) ** 3)
     assert runtime.costs.prefill_us_per_token == pytest.approx(
         DEFAULT_COSTS.prefill_us_per_token * factor
@@ -165,7 +168,7 @@ async def test_the_registry_scales_a_node_s_costs_and_a_calibration_resets_them(
     assert view.cost_correction == Correction(prefill=1.0, read=1.0)
     assert runtime.costs == Costs.of(profile)
     # Against the new profile: 4 * (5 + 80) = 340 ms predicted, 1.64 s observed: clamped to 4.
-    await h.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), slow)
+    await h.registry.heartbeat(Heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), slow))
     assert runtime.costs.prefill_fixed_ms == pytest.approx(5.0 * MAX_FACTOR**WEIGHT)
 
 
@@ -175,5 +178,5 @@ async def test_work_that_cannot_be_is_refused_and_moves_nothing() -> None:
     spec = h.prefill
     bad = prefills(4, 400, float("nan"))
     with pytest.raises(InvalidArgument, match="not a finite non-negative"):
-        await h.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), bad)
+        await h.registry.heartbeat(Heartbeat(spec.node_id, spec.incarnation, True, NodeLoad(), bad))
     assert h.registry.nodes.runtime[spec.node_id].correction == Correction()

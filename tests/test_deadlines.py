@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from kvbroker.controlplane.deadlines import DeadlineQueue
-from kvbroker.testing.factories import ManualClock
+from kvbroker_tools.harness.factories import ManualClock
 from tests.conftest import eventually
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from kvbroker.demo import LOCAL_LIMIT, STEPS, show_turns, shown_path, why
+from kvbroker_tools.demo import LOCAL_LIMIT, STEPS, show_turns, shown_path, why
 
 
 def _turn(

@@ -25,9 +25,8 @@ from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import ChildProcess, http_ok
 from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints
-from kvbroker.stack import router_command
-from kvbroker.testing.engine import FakeEngine
-from kvbroker.testing.manifests import (
+from kvbroker_tools.harness.engine import FakeEngine
+from kvbroker_tools.harness.manifests import (
     DEPLOY,
     OVERLAYS,
     Container,
@@ -38,7 +37,8 @@ from kvbroker.testing.manifests import (
     secret_data,
     workloads,
 )
-from kvbroker.testing.processes import RegistryProcess, sidecar_process
+from kvbroker_tools.harness.processes import RegistryProcess, sidecar_process
+from kvbroker_tools.stack import router_command
 
 TARGETS = {"base": DEPLOY / "base", **{name: DEPLOY / "overlays" / name for name in OVERLAYS}}
 DASHBOARD = DEPLOY.parent / "grafana" / "kvbroker.json"

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from kvbroker.bench.failover import Fleet, SoakConfig, fleet_for_tests
-from kvbroker.bench.failover_engine import SimEngine
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.rules.handles import LEASE_ID_KEY
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.bench.failover import Fleet, SoakConfig, fleet_for_tests
+from kvbroker_tools.bench.failover_engine import SimEngine
 from tests.conftest import eventually, run_cli
 
 pytestmark = pytest.mark.etcd

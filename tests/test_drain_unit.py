@@ -11,8 +11,9 @@ from kvbroker.common.rules.clock import from_duration
 from kvbroker.controlplane.api.identity import Principal, Role, authorize
 from kvbroker.controlplane.errors import PermissionDenied
 from kvbroker.controlplane.records.model import NodeLoad
-from kvbroker.testing.factories import node_spec
+from kvbroker.controlplane.records.requests import Heartbeat
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.harness.factories import node_spec
 from tests.test_registry_unit import CONFIG, Harness
 
 ACTIVE = lease_pb2.LEASE_STATE_ACTIVE
@@ -42,7 +43,9 @@ class DrainHarness(Harness):
         registry = self.registry
         await registry._on_deadlines(registry._deadlines.pop_due(10_000))
         load = NodeLoad(running_requests=running)
-        await registry.heartbeat(self.decode.node_id, self.decode.incarnation, True, load)
+        await registry.heartbeat(
+            Heartbeat(self.decode.node_id, self.decode.incarnation, True, load)
+        )
         await self.heartbeat(self.prefill, self.other)
 
     async def drained(self) -> bool:
@@ -83,7 +86,7 @@ async def test_a_drain_ends_unclaimed_leases_lets_claimed_reads_finish_and_route
     await h.tick(1.0, running=1)  # the read's turn decoding there
     assert not await h.drained()
     h.clock.t += 0.1
-    await h.registry.heartbeat(h.decode.node_id, h.decode.incarnation, True, NodeLoad())
+    await h.registry.heartbeat(Heartbeat(h.decode.node_id, h.decode.incarnation, True, NodeLoad()))
     assert await h.drained()
     listed = await h.registry.list_leases(node_id=h.decode.node_id)
     assert listed == ([], "")
@@ -101,7 +104,7 @@ async def test_drained_needs_a_heartbeat_after_the_last_lease_ended() -> None:
     await h.registry.release_lease(lease.lease_id, h.decode.node_id, h.decode.incarnation, "")
     assert not await h.drained()  # the last heartbeat came before the release
     h.clock.t += CONFIG.drain_quiet_s / 2
-    await h.registry.heartbeat(h.decode.node_id, h.decode.incarnation, True, NodeLoad())
+    await h.registry.heartbeat(Heartbeat(h.decode.node_id, h.decode.incarnation, True, NodeLoad()))
     assert not await h.drained()
     await h.tick(CONFIG.drain_quiet_s)
     assert await h.drained()

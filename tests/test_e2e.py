@@ -22,9 +22,9 @@ from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, r
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import Announces, ChildProcess, http_ok
 from kvbroker.common.rules.handles import prefill_params
-from kvbroker.stack import KVBROKER, Stack, router_command
-from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker_tools.harness.turns import retained_after
+from kvbroker_tools.stack import KVBROKER, Stack, router_command
 from tests.e2e_stack import MODEL, e2e_marks, stack_fixture
 
 # Re-exported: tests/test_e2e_fleets.py takes it from here.

@@ -23,9 +23,9 @@ import pytest_asyncio
 from anthropic.types import MessageParam, ToolParam
 from openai.types.responses import FunctionToolParam, ResponseInputParam
 
-from kvbroker.engine_ext.testmodel import corpus
-from kvbroker.stack import Stack
-from kvbroker.testing.turns import retained_after
+from kvbroker_tools.harness.turns import retained_after
+from kvbroker_tools.stack import Stack
+from kvbroker_tools.testmodel import corpus
 from tests.e2e_stack import e2e_marks, stack_fixture
 
 pytestmark = e2e_marks()

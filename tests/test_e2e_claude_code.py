@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from kvbroker.engine_ext.testmodel import default_cache_dir
-from kvbroker.stack import SERVED_MODEL, Stack
-from kvbroker.testing.turns import retained_after
+from kvbroker_tools.harness.turns import retained_after
+from kvbroker_tools.stack import SERVED_MODEL, Stack
+from kvbroker_tools.testmodel import default_cache_dir
 from tests.e2e_stack import e2e_marks, stack_fixture
 
 pytestmark = e2e_marks()

@@ -1,5 +1,5 @@
 """`kvbroker demo`'s session with reuse on, played on real vLLM CPU servers through the router
-as the demo plays it (``kvbroker.demo.play``): it takes every path, each chosen by the planner
+as the demo plays it (``kvbroker_tools.demo.play``): it takes every path, each chosen by the planner
 and never asked for, and forks: turn 1 RECOMPUTE (nothing retained), a tool result DECODE_LOCAL,
 the pasted test log over the decode node's local limit READ (P read from D), a short question
 DECODE_LOCAL, and the sub-agent a miss for the router whose prefill read its parent's KV."""
@@ -11,8 +11,8 @@ import io
 import httpx
 from rich.console import Console
 
-from kvbroker.demo import play, shown_path
-from kvbroker.stack import Stack
+from kvbroker_tools.demo import play, shown_path
+from kvbroker_tools.stack import Stack
 from tests.e2e_stack import e2e_marks, stack_fixture
 
 pytestmark = e2e_marks()

@@ -2,7 +2,7 @@
 container of every pod started from its own command line and environment (the etcd
 StatefulSet, three registry replicas on it, the test-model init container, a sidecar and a
 vLLM CPU server per engine pod, the router), with only what a cluster provides mapped to
-loopback (kvbroker.testing.manifests), the Secrets from make-secrets.sh, and each container
+loopback (kvbroker_tools.harness.manifests), the Secrets from make-secrets.sh, and each container
 ready when its own probe passes. A two-turn conversation through the router reuses the first
 turn's KV on the second, read by P from D over NIXL.
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest_asyncio
 
-from kvbroker.engine_ext.testmodel import corpus
-from kvbroker.stack import router_routing
-from kvbroker.testing.manifests import DEPLOY, LocalCluster, make_secrets, render, workloads
+from kvbroker_tools.harness.manifests import DEPLOY, LocalCluster, make_secrets, render, workloads
+from kvbroker_tools.stack import router_routing
+from kvbroker_tools.testmodel import corpus
 from tests.e2e_stack import e2e_marks
 
 pytestmark = e2e_marks(timeout_s=1200)

@@ -32,8 +32,9 @@ import pytest
 
 from kvbroker.common.rules.placement import DYNAMO_DECODE_PIN, DYNAMO_PREFILL_PIN
 from kvbroker.controlplane.server import RunningRegistry
-from kvbroker.stack import make_test_model
-from kvbroker.testing.dynamo import (
+from kvbroker.v1 import node_pb2, registry_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.dynamo import (
     DynamoFleet,
     DynamoWorker,
     Role,
@@ -41,11 +42,10 @@ from kvbroker.testing.dynamo import (
     dynamo_python,
     served_by,
 )
-from kvbroker.testing.envoy import Envoy
-from kvbroker.testing.factories import Heartbeats, grant, node_spec
-from kvbroker.testing.processes import PlacementProcess
-from kvbroker.v1 import node_pb2, registry_pb2
-from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.envoy import Envoy
+from kvbroker_tools.harness.factories import Heartbeats, grant, node_spec
+from kvbroker_tools.harness.processes import PlacementProcess
+from kvbroker_tools.stack import make_test_model
 from tests.conftest import eventually
 
 SESSION = "x-session-id"

@@ -1,7 +1,7 @@
 """The fault matrix, end to end on real vLLM CPU servers with reuse on: every turn of a
 conversation that meets a fault is still served, token-identical with reuse off, a 2xx with
 the right decision headers, and no hint of it cut short waiting for a retention report
-(``kvbroker.testing.turns``).
+(``kvbroker_tools.harness.turns``).
 
 The faults: a first turn too short to read back followed by a long one; a client that goes
 away mid-stream and sends its next turn; a registry (memory store) restarted between two
@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.router.config import RouterConfig
-from kvbroker.stack import Stack
-from kvbroker.testing.turns import ask, checked_turn, current_lease, retained_after
 from kvbroker.v1 import lease_pb2
+from kvbroker_tools.harness.turns import ask, checked_turn, current_lease, retained_after
+from kvbroker_tools.stack import Stack
 from tests.e2e_stack import e2e_marks, stack_fixture, user_message
 from tests.test_e2e import metric
 

@@ -1,7 +1,7 @@
 """The fault matrix's mixed fleet, end to end on real vLLM CPU servers: one decode engine
 retains, the other does not (a rollout of reuse, or an A/B of it). Every turn is served with
 the registry's exact word, token-identical with reuse off, with no hint cut short waiting
-for a retention report (``kvbroker.testing.turns``).
+for a retention report (``kvbroker_tools.harness.turns``).
 
 The rule a mixed fleet is promised (``routing.choose``): a conversation's turn goes to a
 retaining decode node whenever one is as free as any other, so what it retains is reused; it
@@ -22,9 +22,9 @@ import httpx
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules import routing
-from kvbroker.stack import Stack
-from kvbroker.testing.turns import Answer, ask, checked_turn, current_lease
 from kvbroker.v1 import node_pb2, registry_pb2
+from kvbroker_tools.harness.turns import Answer, ask, checked_turn, current_lease
+from kvbroker_tools.stack import Stack
 from tests.e2e_stack import e2e_marks, stack_fixture, user_message
 
 pytestmark = e2e_marks()
@@ -143,10 +143,13 @@ async def test_a_conversation_leaves_the_node_that_keeps_nothing(
 
 
 async def heartbeats_show(stack: Stack, running_on_retaining: int) -> None:
-    """Waits until the retaining node's heartbeat reports ``running_on_retaining`` requests and
-    both decode nodes have heartbeated since (which also clears the turns the registry counted
-    as sent to them since their previous heartbeat): the registry places the next turn by the
-    load as it is now."""
+    """Waits until the retaining node's heartbeat reports ``running_on_retaining`` requests,
+    the node that keeps nothing's reports none, and both decode nodes have heartbeated since
+    (which also clears the turns the registry counted as sent to them since their previous
+    heartbeat): the registry places the next turn by the load as it is now. A heartbeat carries
+    the sidecar's latest probe of the engine, up to an interval older than the heartbeat: one
+    sent after ``since`` can still show the previous test's last turn running on the node that
+    keeps nothing, which would tie the two nodes."""
     since = time.time()
 
     def heartbeat_after(node: node_pb2.Node) -> bool:
@@ -159,6 +162,11 @@ async def heartbeats_show(stack: Stack, running_on_retaining: int) -> None:
             heartbeat_after(retaining)
             and heartbeat_after(keeps_nothing)
             and retaining.load.running_requests == running_on_retaining
+            and keeps_nothing.load.running_requests + keeps_nothing.load.waiting_requests == 0
         )
 
-    await poll_until(shown, 60, f"{RETAINING}'s heartbeat showing {running_on_retaining} running")
+    await poll_until(
+        shown,
+        60,
+        f"{RETAINING}'s heartbeat showing {running_on_retaining} running, {KEEPS_NOTHING}'s none",
+    )

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.stack import Stack
-from kvbroker.testing.turns import checked_turn
 from kvbroker.v1 import node_pb2, registry_pb2
+from kvbroker_tools.harness.turns import checked_turn
+from kvbroker_tools.stack import Stack
 from tests.e2e_stack import e2e_marks, stack_fixture, user_message
 
 pytestmark = e2e_marks()

@@ -1,6 +1,6 @@
 """Reuse behind the routers fleets already run, end to end on real vLLM CPU servers, with
 kvbroker's router out of the path: vLLM's example P/D proxy, llm-d's decode-side sidecar and
-coordinator (``kvbroker.testing.pd_proxies``), and the real ``vllm-router`` from the package
+coordinator (``kvbroker_tools.harness.pd_proxies``), and the real ``vllm-router`` from the package
 index. The engines resolve their own handles (``engine_ext/session_reuse.py``).
 
 Each conversation's turns are token-identical with reuse off (the same turn without a session
@@ -20,16 +20,16 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from kvbroker.bench.turns import prefill_totals
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.engine_metrics import Totals
 from kvbroker.common.rules.handles import prefill_params
-from kvbroker.stack import Stack, StackConfig
-from kvbroker.testing.pd_proxies import ProxyKind, running_proxy
-from kvbroker.testing.turns import current_lease, retained_after
-from kvbroker.testing.vllm_router import running_vllm_router
 from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker_tools.bench.turns import prefill_totals
+from kvbroker_tools.harness.pd_proxies import ProxyKind, running_proxy
+from kvbroker_tools.harness.turns import current_lease, retained_after
+from kvbroker_tools.harness.vllm_router import running_vllm_router
+from kvbroker_tools.stack import Stack, StackConfig
 from tests.conftest import eventually
 from tests.test_e2e import user_message
 

@@ -34,15 +34,15 @@ from typing import Any
 import httpx
 import pytest_asyncio
 
-from kvbroker.bench.turns import prefill_totals
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import ChildProcess
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.engine_metrics import Totals
 from kvbroker.common.rules.sessionless import is_sessionless
-from kvbroker.stack import Stack, router_command, router_routing
-from kvbroker.testing.turns import current_lease, retained_after
 from kvbroker.v1 import lease_pb2
+from kvbroker_tools.bench.turns import prefill_totals
+from kvbroker_tools.harness.turns import current_lease, retained_after
+from kvbroker_tools.stack import Stack, router_command, router_routing
 from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
 
 pytestmark = e2e_marks()

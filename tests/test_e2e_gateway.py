@@ -1,7 +1,7 @@
 """The placement hop end to end on real vLLM CPU servers, laid out as llm-d runs without
 Kubernetes (``docs/discovery.md``): Envoy with kvbroker's ext_proc, then a picker that honours
-the subset hint (``kvbroker.testing.envoy.SubsetPicker``), then ORIGINAL_DST to the decode
-pod's routing sidecar (the ``llmd`` stand-in of ``kvbroker.testing.pd_proxies``, which runs
+the subset hint (``kvbroker_tools.harness.envoy.SubsetPicker``), then ORIGINAL_DST to the decode
+pod's routing sidecar (the ``llmd`` stand-in of ``kvbroker_tools.harness.pd_proxies``, which runs
 the prefill leg and then decodes, cloning the client's headers), kvbroker's router out of the
 path. Multi-turn conversations: turn 1 is a MISS and is not steered; from turn 2 the hop pins
 the decode node holding the KV, the prefill engine reads it (its log says so, once per turn),
@@ -16,9 +16,9 @@ import httpx
 from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.gateway.config import PlacementConfig
 from kvbroker.gateway.server import start_placement
-from kvbroker.stack import Stack
-from kvbroker.testing.envoy import Envoy, SubsetPicker
-from kvbroker.testing.pd_proxies import running_proxy
+from kvbroker_tools.harness.envoy import Envoy, SubsetPicker
+from kvbroker_tools.harness.pd_proxies import running_proxy
+from kvbroker_tools.stack import Stack
 from tests.e2e_stack import e2e_marks, stack_fixture
 from tests.test_e2e_fleets import conversation
 

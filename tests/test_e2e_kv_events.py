@@ -38,9 +38,9 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash
 
 from kvbroker.common.process.tasks import poll_until
-from kvbroker.stack import EngineSpec, Stack
-from kvbroker.testing.turns import current_lease, retained_after
 from kvbroker.v1 import lease_pb2
+from kvbroker_tools.harness.turns import current_lease, retained_after
+from kvbroker_tools.stack import EngineSpec, Stack
 from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
 from tests.test_e2e import metric
 

@@ -9,8 +9,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker.common.rules.handles import prefill_params
-from kvbroker.stack import Stack
-from kvbroker.testing.turns import retained_after
+from kvbroker_tools.harness.turns import retained_after
+from kvbroker_tools.stack import Stack
 from tests.conftest import eventually
 from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
 from tests.test_e2e import chat, current_lease, reads_by_prefill

@@ -16,13 +16,19 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from kvbroker.bench.multiturn import ARMS, FIXED_PATHS, MultiturnConfig, run_multiturn, summarise
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.tasks import poll_until
-from kvbroker.stack import Stack
-from kvbroker.testing.turns import current_lease as newest_lease
-from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.bench.multiturn import (
+    ARMS,
+    FIXED_PATHS,
+    MultiturnConfig,
+    run_multiturn,
+    summarise,
+)
+from kvbroker_tools.harness.turns import current_lease as newest_lease
+from kvbroker_tools.harness.turns import retained_after
+from kvbroker_tools.stack import Stack
 from tests.conftest import run_cli
 from tests.e2e_stack import MODEL, e2e_marks, stack_fixture, user_message
 from tests.test_e2e import current_lease, metric, reads_by_prefill

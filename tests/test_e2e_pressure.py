@@ -16,9 +16,9 @@ import time
 import httpx
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
-from kvbroker.stack import Stack
-from kvbroker.testing.turns import retained_after
 from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker_tools.harness.turns import retained_after
+from kvbroker_tools.stack import Stack
 from tests.e2e_stack import e2e_marks, stack_fixture, user_message
 from tests.test_e2e import chat, metric
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbroker.stack import Stack, StackConfig
-from kvbroker.testing.turns import retained_after
+from kvbroker_tools.harness.turns import retained_after
+from kvbroker_tools.stack import Stack, StackConfig
 from tests.e2e_stack import user_message
 from tests.test_e2e import chat, reads_by_prefill
 

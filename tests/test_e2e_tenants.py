@@ -19,9 +19,9 @@ import pytest_asyncio
 
 from kvbroker.common.process.credentials import token_digest
 from kvbroker.common.rules.tenants import Tenant, session_key, sign_session
-from kvbroker.stack import Stack, StackConfig
-from kvbroker.testing.turns import current_lease, retained_after
-from kvbroker.testing.vllm_router import running_vllm_router
+from kvbroker_tools.harness.turns import current_lease, retained_after
+from kvbroker_tools.harness.vllm_router import running_vllm_router
+from kvbroker_tools.stack import Stack, StackConfig
 from tests.e2e_stack import e2e_marks
 from tests.test_e2e_fleets import ACCEPTED, chat, lines_with, opening, text
 

@@ -16,7 +16,7 @@ from kvbroker.controlplane.replication.election import Election, Term
 from kvbroker.controlplane.storage.etcd_store import EtcdConnection, EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.storage.state_cache import StateCache
 from kvbroker.controlplane.storage.store import Deposed
-from kvbroker.testing.factories import node_spec
+from kvbroker_tools.harness.factories import node_spec
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.etcd

@@ -12,12 +12,22 @@ engine core's input thread fills, not merely a timer). The control plane is down
 sidecar listens), so retention runs on the engine's own hard cap, as it does when the
 registry is unreachable.
 
-The worker writes one line per step to a file named by ``KVBROKER_TEST_STEP_LOG`` (the test
-reads it without sending the engine anything, which would end its wait).
+A retaining engine core must also stop at once when asked to: vLLM's engine core steps on while
+a finished request holds blocks, so it never left its loop and was killed at the end of its
+grace (5 s) at every shutdown. Here the decode engine's sidecar and registry are real (the
+sidecar probes a ``FakeEngine`` for the engine's health); once a turn is retained under a live
+lease, the engine core is shut down as vLLM's client does (SIGTERM, then a kill after a
+timeout): it frees what it retains and leaves its loop at once, exits by itself, and the
+registry hears that the lease ended.
+
+The worker writes one line per step to a file named by ``KVBROKER_TEST_STEP_LOG``, and one
+when the engine core shuts it down (the test reads it without sending the engine anything,
+which would end its wait).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import os
@@ -38,8 +48,14 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.rules import handles
+from kvbroker.common.rules.routing import LIVE_LEASE_STATES
 from kvbroker.engine_ext.vllm_compat import KVConnectorOutput, SchedulerOutput
+from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker_tools.harness.engine import FakeEngine
+from kvbroker_tools.harness.processes import sidecar_process
+from tests.conftest import eventually, spawn_registry
 from tests.test_connector_scheduler import BLOCK_SIZE, engine_config, prompt
 
 STEP_LOG = "KVBROKER_TEST_STEP_LOG"
@@ -47,6 +63,13 @@ WAIT_S = 1.0  # kvbroker_idle_wait_s: long enough to tell a wait from a spin
 NUM_BLOCKS = 2048  # the test model's whole context (16k tokens), as vLLM checks at start
 HEAD_SIZE = 8
 TURNS = 3
+NO_SIDECAR = "unix:/nonexistent/kvbroker-test-sidecar.sock"
+# How long vLLM's client lets an engine core stop before it kills it (vllm.v1.utils.shutdown).
+GRACE_S = 5.0
+# The test's own limit, longer: the process's teardown after its loop (vLLM's, with or without
+# a connector) took 4.5 s on the shared 2-core machine, and is not what is measured here.
+STOP_LIMIT_S = 30.0
+TEARDOWN = "teardown"
 
 
 class FakeWorker(WorkerBase):
@@ -87,6 +110,11 @@ class FakeWorker(WorkerBase):
     def check_health(self) -> None:
         return None
 
+    def shutdown(self) -> None:
+        """The engine core left its loop and tears down (its executor first)."""
+        with self._log.open("a") as log:
+            log.write(f"{time.monotonic()} {TEARDOWN}\n")
+
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)
 
@@ -118,14 +146,18 @@ class Step:
     scheduled_tokens: int
 
 
-def steps(log: Path) -> list[Step]:
+def logged(log: Path) -> list[tuple[float, str]]:
     lines = log.read_text().splitlines() if log.exists() else []
-    return [Step(float(at), int(tokens)) for at, tokens in (line.split() for line in lines)]
+    return [(float(at), what) for at, what in (line.split() for line in lines)]
 
 
-def decode_engine_config(tokenizer: bool = False) -> VllmConfig:
+def steps(log: Path) -> list[Step]:
+    return [Step(at, int(tokens)) for at, tokens in logged(log) if tokens != TEARDOWN]
+
+
+def decode_engine_config(tokenizer: bool = False, sidecar: str = NO_SIDECAR) -> VllmConfig:
     """A decode engine as the stack runs one, with kvbroker's connector and this module's
-    worker; its sidecar address names no listener."""
+    worker; by default its sidecar address names no listener."""
     config = engine_config(
         "kv_consumer",
         prefix_caching=True,
@@ -134,24 +166,29 @@ def decode_engine_config(tokenizer: bool = False) -> VllmConfig:
             "bidirectional_kv_xfer": True,
             "kvbroker_idle_wait_s": WAIT_S,
             "kvbroker_idle_step_sleep_s": 0,
-            "kvbroker_sidecar": "unix:/nonexistent/kvbroker-test-sidecar.sock",
+            "kvbroker_sidecar": sidecar,
         },
     )
     config.parallel_config.worker_cls = f"{__name__}.FakeWorker"
     return config
 
 
+def engine_core(config: VllmConfig) -> Any:
+    """vLLM's client, with the engine core in a process of its own."""
+    return EngineCoreClient.make_client(
+        multiprocess_mode=True,
+        asyncio_mode=False,
+        vllm_config=config,
+        executor_class=UniProcExecutor,
+        log_stats=False,
+    )
+
+
 @pytest.fixture
 def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Path]]:
     log = tmp_path / "steps.log"
     monkeypatch.setenv(STEP_LOG, str(log))
-    client = EngineCoreClient.make_client(
-        multiprocess_mode=True,
-        asyncio_mode=False,
-        vllm_config=decode_engine_config(),
-        executor_class=UniProcExecutor,
-        log_stats=False,
-    )
+    client = engine_core(decode_engine_config())
     try:
         yield client, log
     finally:
@@ -225,3 +262,67 @@ def wait_for_steps(
             return matching[:count]
         time.sleep(0.01)  # a poll of the log, not a wait for time to pass
     raise TimeoutError(f"{count} steps (scheduling={scheduling}) not logged in {timeout_s} s")
+
+
+async def test_a_retaining_engine_core_frees_its_leases_and_exits_at_once_when_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "steps.log"
+    monkeypatch.setenv(STEP_LOG, str(log))
+    # A fresh engine-core process, as vLLM 0.32 starts it on CPU: vLLM 0.33+ would fork this
+    # one, whose gRPC state (its channel to the registry) does not survive a fork.
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    socket = tmp_path / "sidecar.sock"
+    registry = await spawn_registry()
+    try:
+        async with FakeEngine("decode-0") as probed:
+            sidecar = sidecar_process(registry.address, probed.url, "decode-0", socket)
+            await sidecar.start()
+            try:
+                config = decode_engine_config(sidecar=f"unix:{socket}")
+                client = await asyncio.to_thread(engine_core, config)
+                try:
+                    async with open_channel(RegistryEndpoint.parse(registry.address)) as channel:
+                        await stop_while_retaining(client, registry_stub(channel), log)
+                finally:
+                    client.shutdown()  # a no-op once it has run
+            finally:
+                await sidecar.stop()
+    finally:
+        await registry.stop()
+
+
+async def listed_leases(stub: Any, request: registry_pb2.ListLeasesRequest) -> list[Any]:
+    return list((await stub.ListLeases(request, timeout=5)).leases)
+
+
+async def stop_while_retaining(client: Any, stub: Any, log: Path) -> None:
+    client.add_request(turn_request("turn-0", prompt(40)))
+    params = await asyncio.to_thread(finished, client, "turn-0")
+    assert handles.handle_from_params(params).remote_request_id == "turn-0"
+    listed = registry_pb2.ListLeasesRequest(node_id="decode-0")
+    leases = await eventually(lambda: listed_leases(stub, listed), what="the retained turn's lease")
+    [lease] = leases
+    assert lease.handle.remote_request_id == "turn-0"
+    [process] = client.resources.engine_manager.processes
+
+    started = time.monotonic()
+    await asyncio.to_thread(client.shutdown, STOP_LIMIT_S)
+    # It left its loop well within vLLM's grace (before, never: the retained turn held its
+    # blocks for the hard cap, 480 s), and exited by itself (a kill says -9).
+    teardowns = [at for at, what in logged(log) if what == TEARDOWN]
+    assert teardowns, f"the engine core never left its loop in {STOP_LIMIT_S} s"
+    assert teardowns[0] - started < GRACE_S / 5, teardowns[0] - started
+    assert process.exitcode == 0, process.exitcode
+
+    # The engine freed the blocks and said so before it exited: the lease ends, released by
+    # its holder, not left live (offered to prefill nodes) until the sidecar goes too.
+    async def lease_end() -> lease_pb2.Lease | None:
+        request = registry_pb2.GetLeaseRequest(lease_id=lease.lease_id)
+        found = (await stub.GetLease(request, timeout=5)).lease
+        return None if found.state in LIVE_LEASE_STATES else found
+
+    ended = await eventually(lease_end, what="the lease's end")
+    assert ended is not None  # eventually returns only what is truthy
+    assert ended.state == lease_pb2.LEASE_STATE_RELEASED, ended
+    assert ended.end_cause == lease_pb2.LEASE_END_CAUSE_ENGINE, ended

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -22,20 +21,15 @@ from kvbroker.common.client.grpc_client import (
 )
 from kvbroker.common.client.hint_batcher import HintBatcher
 from kvbroker.common.process.tasks import poll_until
-from kvbroker.controlplane.api.interface import HintFeed
-from kvbroker.controlplane.api.service import RegistryServicer
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.controlplane.placement.hints import cached_hint
-from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.server import RunningRegistry
-from kvbroker.controlplane.storage.cached_store import MemoryStore
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.proxy import Router
-from kvbroker.testing.factories import Heartbeats, grant, hint, node_spec, register
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.factories import Heartbeats, grant, hint, node_spec, register
 from tests.conftest import eventually
+from tests.registry_doubles import Following, serve
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL
 
@@ -139,52 +133,17 @@ async def test_a_transport_failure_has_no_reason() -> None:
     assert error.value.reason == registry_pb2.ERROR_REASON_UNSPECIFIED
 
 
-@dataclass
-class Follower:
-    """A replica that leads nothing: it forwards to the leader's stub, if any, and answers
-    hints from an (empty) cache while it cannot reach one."""
-
-    leader: RegistryServiceStub | None
-    metrics: RegistryMetrics = field(default_factory=RegistryMetrics)
-    registry: Registry | None = None
-
-    def leader_stub(self) -> RegistryServiceStub | None:
-        return self.leader
-
-    # No copy of the leader's state: every hint is the leader's (or, without one, the cache's).
-    address = "follower"
-
-    @property
-    def leader_address(self) -> str | None:
-        return "leader"
-
-    def local_hint(self, conversation_id: str, model: str) -> registry_pb2.RoutingHint | None:
-        return None
-
-    def hint_feed(self) -> HintFeed | None:
-        return None
-
-    async def cached_hint(
-        self, conversation_id: str, model: str, why: str
-    ) -> registry_pb2.RoutingHint:
-        return await cached_hint(MemoryStore(), conversation_id, model, why, 0)
-
-
 @pytest.fixture
 async def follower(
     registry_server: RunningRegistry, stub: RegistryServiceStub
-) -> AsyncIterator[tuple[Follower, str]]:
-    replica = Follower(stub)
-    server = grpc.aio.server()
-    registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(replica), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield replica, f"127.0.0.1:{port}"
-    await server.stop(0)
+) -> AsyncIterator[tuple[Following, str]]:
+    replica = Following(stub)
+    async with serve(replica) as address:
+        yield replica, address
 
 
 async def test_a_follower_relays_the_leader_s_reason_and_gives_its_own(
-    follower: tuple[Follower, str], stub: RegistryServiceStub
+    follower: tuple[Following, str], stub: RegistryServiceStub
 ) -> None:
     replica, address = follower
     async with open_channel(RegistryEndpoint.parse(address)) as channel:
@@ -211,7 +170,7 @@ async def test_a_follower_relays_the_leader_s_reason_and_gives_its_own(
 
 
 async def test_the_router_falls_back_only_when_no_leader_answers(
-    follower: tuple[Follower, str], stub: RegistryServiceStub
+    follower: tuple[Following, str], stub: RegistryServiceStub
 ) -> None:
     replica, address = follower
     # One hint per plan (no waiting for a ready node) and a generous hint deadline: the

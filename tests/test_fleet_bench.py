@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvbroker.bench.fleet import FleetConfig, run_fleet
-from kvbroker.bench.fleet_engines import BLOCK_SIZE
-from kvbroker.bench.fleet_report import print_table, write
-from kvbroker.bench.fleet_trace import FleetTrace, TraceParams
 from kvbroker.common.rules.checkpoints import probe_blocks
+from kvbroker_tools.bench.fleet import run_fleet
+from kvbroker_tools.bench.fleet_config import FleetConfig
+from kvbroker_tools.bench.fleet_engines import BLOCK_SIZE
+from kvbroker_tools.bench.fleet_report import print_table, write
+from kvbroker_tools.bench.fleet_trace import FleetTrace, TraceParams
 
 
 def test_the_trace_grows_contexts_forks_sub_agents_and_replaces_ended_conversations() -> None:

@@ -14,13 +14,13 @@ from vllm import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from kvbroker.bench.read_shapes import shape_totals, summarise_shapes, turn_shapes
 from kvbroker.common.client.engine_link import LeaseAnswer
 from kvbroker.common.rules.fragmentation import ReadShape, paired_runs, read_shape, runs
 from kvbroker.engine_ext.connector import NixlConnector
 from kvbroker.engine_ext.connector_metrics import KvBrokerStats, read_blocks_key, read_runs_key
 from kvbroker.engine_ext.fragmentation import D_TO_P, P_TO_D, direction_of, paired_ids
 from kvbroker.engine_ext.vllm_compat import VllmConfig
+from kvbroker_tools.bench.read_shapes import shape_totals, summarise_shapes, turn_shapes
 from tests.test_connector_metrics import build_prom
 from tests.test_connector_scheduler import (  # noqa: F401 - fixtures
     BLOCK_SIZE,

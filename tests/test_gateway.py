@@ -39,12 +39,12 @@ from kvbroker.gateway.envoy_v3.envoy.config.core.v3 import base_pb2
 from kvbroker.gateway.envoy_v3.envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from kvbroker.gateway.ext_proc import HintBudget, PlacementProcessor, session_of
 from kvbroker.gateway.server import RunningPlacement, start_placement
-from kvbroker.stack import KVBROKER
-from kvbroker.testing.engine import FakeEngine
-from kvbroker.testing.envoy import TEST_SELECTION_HEADER, Envoy, SubsetPicker
-from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.engine import FakeEngine
+from kvbroker_tools.harness.envoy import TEST_SELECTION_HEADER, Envoy, SubsetPicker
+from kvbroker_tools.harness.factories import Heartbeats, grant, node_spec
+from kvbroker_tools.stack import KVBROKER
 
 # The prefill node's endpoint (from its URL: it registers no gateway endpoint).
 PREFILL = "127.0.0.1:6700"

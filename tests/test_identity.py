@@ -32,6 +32,7 @@ from kvbroker.common.process.supervisor import Announces, ChildProcess
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.controlplane.api.identity import (
     Credentials,
+    HintStateViews,
     Principal,
     Role,
     authorize,
@@ -39,12 +40,12 @@ from kvbroker.controlplane.api.identity import (
 )
 from kvbroker.controlplane.errors import PermissionDenied
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, TlsFiles, start_registry
-from kvbroker.stack import KVBROKER, router_command, router_routing, sidecar_command
-from kvbroker.testing.engine import FakeEngine
-from kvbroker.testing.factories import Heartbeats, grant, node_spec
-from kvbroker.testing.processes import RegistryProcess
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, sidecar_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.engine import FakeEngine
+from kvbroker_tools.harness.factories import Heartbeats, grant, node_spec
+from kvbroker_tools.harness.processes import RegistryProcess
+from kvbroker_tools.stack import KVBROKER, router_command, router_routing, sidecar_command
 from tests.conftest import CliResult, eventually, run_cli
 
 DENIED = registry_pb2.ERROR_REASON_PERMISSION_DENIED
@@ -80,8 +81,17 @@ def test_a_node_acts_only_as_itself() -> None:
 
 def test_a_router_routes_and_manages_sessions_but_is_no_node() -> None:
     router = Principal(Role.ROUTER)
-    for method in ("GetRoutingHint", "BatchGetRoutingHints", "ListNodes", "RevokeLease"):
+    for method in (
+        "GetRoutingHint",
+        "BatchGetRoutingHints",
+        "ListNodes",
+        "RevokeLease",
+        "WatchHintState",
+    ):
         authorize(router, method, None)
+    # The hint state is a router's copy, or a replica's: never a node's (it routes nothing).
+    with pytest.raises(PermissionDenied):
+        authorize(Principal(Role.NODE, "decode-0"), "WatchHintState", None)
     for method in ("Heartbeat", "ReportRetention", "DrainNode", "ReleaseLease"):
         with pytest.raises(PermissionDenied):
             authorize(router, method, registry_pb2.HeartbeatRequest(node_id="decode-0"))
@@ -92,6 +102,53 @@ def test_incarnations_are_seen_by_their_node_and_operators_only() -> None:
     assert sees_incarnation(Principal(Role.NODE, "decode-0"), "decode-0")
     assert not sees_incarnation(Principal(Role.NODE, "decode-1"), "decode-0")
     assert not sees_incarnation(Principal(Role.ROUTER), "decode-0")
+
+
+def hint_state(*incarnations: tuple[str, str]) -> registry_pb2.WatchHintStateResponse:
+    """A feed message holding, per (node id, incarnation), the node's record and a lease."""
+    message = registry_pb2.WatchHintStateResponse()
+    for node_id, incarnation in incarnations:
+        node = node_pb2.Node(spec=node_pb2.NodeSpec(node_id=node_id, incarnation=incarnation))
+        lease = lease_pb2.Lease(lease_id=f"l-{node_id}", node_id=node_id)
+        lease.node_incarnation = incarnation
+        message.records.add(
+            kind=registry_pb2.HINT_RECORD_KIND_NODE, record=node.SerializeToString()
+        )
+        message.records.add(
+            kind=registry_pb2.HINT_RECORD_KIND_LEASE, record=lease.SerializeToString()
+        )
+    return message
+
+
+def shown_incarnations(message: registry_pb2.WatchHintStateResponse) -> list[str]:
+    shown = []
+    for record in message.records:
+        if record.kind == registry_pb2.HINT_RECORD_KIND_NODE:
+            shown.append(node_pb2.Node.FromString(record.record).spec.incarnation)
+        else:
+            shown.append(lease_pb2.Lease.FromString(record.record).node_incarnation)
+    return shown
+
+
+def test_every_router_shares_one_stripped_copy_of_a_feed_message() -> None:
+    views = HintStateViews(keep=2)
+    first, second = hint_state(("d0", "inc-0"), ("d1", "inc-1")), hint_state(("d0", "inc-2"))
+    router, other_router = Principal(Role.ROUTER), Principal(Role.ROUTER)
+    shown = views.for_principal(router, first)
+    assert shown_incarnations(shown) == ["", "", "", ""]
+    assert views.for_principal(other_router, first) is shown
+    assert shown_incarnations(first) == ["inc-0", "inc-0", "inc-1", "inc-1"]  # untouched
+    # Operators and replicas get the message itself.
+    assert views.for_principal(Principal(Role.ADMIN), first) is first
+    assert views.for_principal(Principal(Role.REPLICA), first) is first
+    # A node's view is its own: it sees its incarnation and no other node's.
+    node = Principal(Role.NODE, "d1", node_pb2.NODE_ROLE_DECODE)
+    assert shown_incarnations(views.for_principal(node, first)) == ["", "", "inc-1", "inc-1"]
+    # Past ``keep`` newer views a message is stripped again: another copy, the same bytes.
+    views.for_principal(router, second)
+    views.for_principal(node, second)
+    again = views.for_principal(router, first)
+    assert again is not shown and again == shown
 
 
 def test_principals_and_credential_files_are_checked(tmp_path: Path) -> None:

@@ -5,10 +5,15 @@ other. The tree says the layering (``controlplane/__init__.py``); this test keep
 - Registry: ``REGISTRY_LAYERS``, lowest first. A module may import its own layer's package and
   any lower layer; two packages of one layer (replication and api) do not import each other.
 - Common: rules (pure) < process helpers < client helpers, and common imports no part.
+- vLLM: only the engine extension's ``vllm_compat`` package imports it (``VLLM_TOUCHERS``);
+  the rest of the extension reaches vLLM through that package's names.
 - Parts: the registry, the sidecar, the router, the engine extension and the gateway hop
   import only themselves,
-  ``kvbroker.common`` and the generated ``kvbroker.v1``. The operator's tools (CLI, benchmarks,
-  the one-machine stack, test helpers) import a part only through its ``PUBLIC`` modules.
+  ``kvbroker.common`` and the generated ``kvbroker.v1``. The operator's command line and the
+  tools (``kvbroker_tools``: benchmarks, the one-machine stack, the test harness) import a part
+  only through its ``PUBLIC`` modules.
+- Tools: the product (``kvbroker``) never imports ``kvbroker_tools``, which ships apart;
+  inside the tools, ``TOOLS_LAYERS`` lowest first, and no import circle anywhere.
 """
 
 from __future__ import annotations
@@ -29,8 +34,19 @@ PART_DIRS = {
     "gateway": ROOT / "gateway",
     "common": ROOT / "kvbroker" / "common",
 }
-TOOLS = ("cli", "bench", "testing", "stack", "demo", "calibration")
+TOOLS_DIR = ROOT / "tools" / "kvbroker_tools"
+# The product's own tools (the operator's command line), and the tools' package as one.
+TOOLS = ("cli", "calibration", "kvbroker_tools")
 PARTS = ("controlplane", "sidecar", "router", "engine_ext", "gateway")
+# kvbroker_tools' layers, lowest first: a module imports its own layer and lower ones only.
+TOOLS_LAYERS: list[tuple[str, ...]] = [
+    ("testmodel", "stack"),  # the generated model; the whole stack on one machine
+    ("chat",),  # one streamed turn through a stack's router
+    ("harness",),  # stand-ins and fixtures the tests and the benchmarks share
+    ("bench",),
+    ("demo",),
+    ("cli",),  # the commands kvbroker finds by entry point
+]
 
 # The registry's layers, lowest first; a name is a top-level module or a sub-package.
 REGISTRY_LAYERS: list[tuple[str, ...]] = [
@@ -59,7 +75,7 @@ PUBLIC = {
         "api.identity",  # Principal, for `registry token`
     },
     "sidecar": {"config", "server"},
-    "router": {"config", "server", "auth"},
+    "router": {"config", "server", "auth", "local_hints", "metrics"},
     "engine_ext": set(),
     "gateway": {
         "config",
@@ -89,6 +105,8 @@ def _sources() -> dict[str, Path]:
         relative = path.relative_to(ROOT / "kvbroker").parts
         if relative[0] not in {"v1", *PART_DIRS}:
             modules[_module_of(path, ROOT / "kvbroker", "kvbroker")] = path
+    for path in TOOLS_DIR.rglob("*.py"):
+        modules[_module_of(path, TOOLS_DIR, "kvbroker_tools")] = path
     return modules
 
 
@@ -108,6 +126,29 @@ def _imports(path: Path) -> Iterator[str]:
             yield from inner or [module]
 
 
+def _third_party(path: Path) -> Iterator[str]:
+    """The top-level packages outside kvbroker a file imports, lazy imports included."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module.split(".")[0]
+
+
+# The package whose modules are the only ones that import vLLM.
+VLLM_TOUCHERS = "kvbroker.engine_ext.vllm_compat"
+
+
+def vllm_violations(imports: dict[str, list[str]]) -> list[str]:
+    return [
+        f"{module} imports vllm: only {VLLM_TOUCHERS} does"
+        for module, imported in sorted(imports.items())
+        if "vllm" in imported
+        and module != VLLM_TOUCHERS
+        and not module.startswith(VLLM_TOUCHERS + ".")
+    ]
+
+
 def _edges() -> Iterator[tuple[str, str]]:
     for module, path in sorted(SOURCES.items()):
         for imported in _imports(path):
@@ -115,7 +156,10 @@ def _edges() -> Iterator[tuple[str, str]]:
 
 
 def _part(module: str) -> str:
-    """``kvbroker.router.proxy``: ``router``; ``kvbroker`` itself: ``""``."""
+    """``kvbroker.router.proxy``: ``router``; ``kvbroker`` itself: ``""``; any module of the
+    tools: ``kvbroker_tools``."""
+    if module.partition(".")[0] == "kvbroker_tools":
+        return "kvbroker_tools"
     return [*module.split("."), ""][1]
 
 
@@ -178,6 +222,65 @@ def part_violations(edges: list[tuple[str, str]]) -> list[str]:
     return found
 
 
+def _tools_layer(module: str) -> tuple[int, str]:
+    top = [*module.split("."), ""][1]
+    for index, names in enumerate(TOOLS_LAYERS):
+        if top in names:
+            return index, top
+    raise AssertionError(f"{module} is in no layer: add it to TOOLS_LAYERS")
+
+
+def tools_violations(edges: list[tuple[str, str]]) -> list[str]:
+    found = []
+    for importer, imported in edges:
+        source, target = _part(importer), _part(imported)
+        if target == "kvbroker_tools" and source != "kvbroker_tools":
+            found.append(f"{importer} imports {imported}: the product never imports the tools")
+        if source == target == "kvbroker_tools" and importer != "kvbroker_tools":
+            (low, low_name), (high, high_name) = _tools_layer(importer), _tools_layer(imported)
+            if high > low:
+                found.append(f"{importer} ({low_name}) imports {imported} ({high_name})")
+    return found
+
+
+def circles(edges: list[tuple[str, str]]) -> list[list[str]]:
+    """The import circles: each set of modules that import each other, directly or not
+    (Tarjan's strongly connected components, without recursion)."""
+    graph: dict[str, list[str]] = {}
+    for importer, imported in edges:
+        graph.setdefault(importer, []).append(imported)
+        graph.setdefault(imported, [])
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+    for root, targets in graph.items():
+        if root in order:
+            continue
+        work = [(root, iter(targets))]
+        order[root] = low[root] = len(order)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == order[node]:
+                    component = stack[stack.index(node) :]
+                    del stack[stack.index(node) :]
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in order:
+                order[child] = low[child] = len(order)
+                stack.append(child)
+                work.append((child, iter(graph[child])))
+            elif child in stack:
+                low[node] = min(low[node], order[child])
+    return found
+
+
 EDGES = list(_edges())
 
 
@@ -199,6 +302,30 @@ def test_parts_import_only_themselves_and_tools_only_public_modules() -> None:
     assert part_violations(EDGES) == []
 
 
+def test_the_product_never_imports_the_tools_and_the_tools_import_downwards() -> None:
+    assert tools_violations(EDGES) == []
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """Imports only under TYPE_CHECKING count too: a circle there is one in the design."""
+    assert circles(EDGES) == []
+
+
+def test_a_circle_is_found() -> None:
+    edges = [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d"), ("d", "e"), ("e", "d")]
+    assert sorted(circles(edges)) == [["a", "b", "c"], ["d", "e"]]
+    assert circles([("a", "b"), ("b", "c"), ("a", "c")]) == []
+
+
+def test_only_the_vllm_compat_package_imports_vllm() -> None:
+    imports = {module: list(_third_party(path)) for module, path in SOURCES.items()}
+    touchers = [module for module, imported in imports.items() if "vllm" in imported]
+    assert VLLM_TOUCHERS in touchers and f"{VLLM_TOUCHERS}.metrics" in touchers
+    assert vllm_violations(imports) == []
+    assert vllm_violations({"kvbroker.engine_ext.connector": ["vllm"]}) != []
+    assert vllm_violations({"kvbroker.engine_ext.vllm_compatible": ["vllm"]}) != []
+
+
 @pytest.mark.parametrize(
     ("edge", "check"),
     [
@@ -208,10 +335,20 @@ def test_parts_import_only_themselves_and_tools_only_public_modules() -> None:
         (("kvbroker.common.rules.ids", "kvbroker.controlplane.config"), "c"),
         (("kvbroker.router.proxy", "kvbroker.sidecar.config"), "p"),
         (("kvbroker.cli.node", "kvbroker.controlplane.registry"), "p"),
+        (("kvbroker_tools.bench.fleet", "kvbroker.controlplane.registry"), "p"),
+        (("kvbroker.cli.main", "kvbroker_tools.cli.bench"), "t"),
+        (("kvbroker.common.rules.engine_metrics", "kvbroker_tools.testmodel"), "t"),
+        (("kvbroker_tools.harness.turns", "kvbroker_tools.bench.turns"), "t"),
+        (("kvbroker_tools.stack", "kvbroker_tools.harness.processes"), "t"),
     ],
 )
 def test_each_rule_refuses_an_import_against_it(edge: tuple[str, str], check: str) -> None:
-    rule = {"r": registry_violations, "c": common_violations, "p": part_violations}[check]
+    rule = {
+        "r": registry_violations,
+        "c": common_violations,
+        "p": part_violations,
+        "t": tools_violations,
+    }[check]
     assert len(rule([edge])) == 1
 
 

@@ -19,12 +19,13 @@ from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.lease_ids import TERM_SHIFT
+from kvbroker.controlplane.records.requests import LeaseGrant
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.replication.replica import Replica, ReplicaOptions
 from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.storage.store import WriteLimits
-from kvbroker.testing.factories import block_hashes, handle, node_spec, replayed
 from kvbroker.v1 import lease_pb2, node_pb2
+from kvbroker_tools.harness.factories import block_hashes, handle, node_spec, replayed
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.etcd
@@ -68,12 +69,14 @@ async def _stays_leader_through_a_refused_record(store: EtcdStore, blocks: int) 
             # Block ids make the record large (prefix hashes are thinned to checkpoints).
             tokens = blocks * decode.block_size
             return await registry.grant_lease(
-                conversation,
-                decode.node_id,
-                decode.incarnation,
-                handle(request, tokens, decode),
-                block_hashes(tokens),
-                tokens,
+                LeaseGrant(
+                    conversation,
+                    decode.node_id,
+                    decode.incarnation,
+                    handle(request, tokens, decode),
+                    block_hashes(tokens),
+                    tokens,
+                )
             )
 
         first = await grant("c", "r1", 4)
@@ -153,12 +156,14 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
     async def grant(registry: Registry, spec: node_pb2.NodeSpec, request: str) -> LeaseAnswer:
         tokens = 4 * spec.block_size
         return await registry.grant_lease(
-            "c",
-            spec.node_id,
-            spec.incarnation,
-            handle(request, tokens, spec),
-            block_hashes(tokens),
-            tokens,
+            LeaseGrant(
+                "c",
+                spec.node_id,
+                spec.incarnation,
+                handle(request, tokens, spec),
+                block_hashes(tokens),
+                tokens,
+            )
         )
 
     async def replay(registry: Registry, spec: node_pb2.NodeSpec, lease: LeaseAnswer) -> int:

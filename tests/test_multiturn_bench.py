@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvbroker.bench.multiturn import (
+from kvbroker_tools.bench.multiturn import (
     ARMS,
     FIXED_PATHS,
     MultiturnConfig,
@@ -24,9 +24,9 @@ from kvbroker.bench.multiturn import (
     verdict,
     write,
 )
-from kvbroker.bench.routers import arms_of
-from kvbroker.bench.turns import TurnRecord
-from kvbroker.cli.bench import bench_multiturn
+from kvbroker_tools.bench.routers import arms_of
+from kvbroker_tools.bench.turns import TurnRecord
+from kvbroker_tools.cli.bench import bench_multiturn
 
 
 def record(

@@ -16,10 +16,10 @@ from kvbroker.controlplane.server import RunningRegistry
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.handlers import build_app
 from kvbroker.router.proxy import Router
-from kvbroker.testing.engine import serving
-from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.engine import serving
+from kvbroker_tools.harness.factories import Heartbeats, grant, node_spec
 
 
 @pytest.fixture

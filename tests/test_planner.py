@@ -17,9 +17,10 @@ from kvbroker.controlplane.placement import planner
 from kvbroker.controlplane.placement.planner import PlannerConfig, Prefill, Turn, TurnRequest
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.model import NodeLoad
+from kvbroker.controlplane.records.requests import Heartbeat
 from kvbroker.controlplane.registry import Registry
-from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.harness.factories import node_spec
 from tests.test_registry_unit import CONFIG, Harness
 
 CFG = PlannerConfig()
@@ -356,7 +357,12 @@ async def test_a_turn_that_just_finished_does_not_count_as_load() -> None:
     h = Harness()
     await h.fleet()
     await h.registry.heartbeat(
-        h.decode.node_id, h.decode.incarnation, True, NodeLoad(running_requests=1)
+        Heartbeat(
+            h.decode.node_id,
+            h.decode.incarnation,
+            True,
+            NodeLoad(running_requests=1),
+        )
     )
     await h.grant("conv-1", "req-1")  # that turn finished: its blocks are retained
     hint = await reused(h, TurnRequest(prompt_tokens=1600, new_tokens=1500), dry_run=True)
@@ -409,7 +415,7 @@ async def test_the_registry_remembers_which_prefill_node_computed_each_prompt() 
     assert again.prefill.node_id == first.prefill.node_id
     assert {e.prefill_node_id for e in again.estimates} >= {first.prefill.node_id}
     caching = h.prefill if first.prefill.node_id == h.prefill.node_id else other
-    await h.registry.heartbeat(caching.node_id, caching.incarnation, False, NodeLoad())
+    await h.registry.heartbeat(Heartbeat(caching.node_id, caching.incarnation, False, NodeLoad()))
     assert cached() is None  # not READY
     restarted = node_spec(caching.node_id, node_pb2.NODE_ROLE_PREFILL, port=5704)
     restarted.prefix_caching = True

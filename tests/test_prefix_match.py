@@ -5,6 +5,8 @@ without taking the lease from its conversation, whose next turn is still REUSE."
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvbroker.common.rules.checkpoints import Checkpoints, probe_blocks
@@ -12,13 +14,20 @@ from kvbroker.common.rules.clock import from_duration
 from kvbroker.common.rules.routing import pinned, read_refusal
 from kvbroker.common.rules.tenants import tenant_of
 from kvbroker.controlplane.api import convert
-from kvbroker.controlplane.lessor.prefix_index import PrefixIndex, Scope, indexed_hashes
+from kvbroker.controlplane.lessor.prefix_index import (
+    KEEP_PER_KEY,
+    KEY_BYTES,
+    PrefixIndex,
+    Scope,
+    indexed_hashes,
+)
 from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records.answers import LeaseAnswer
+from kvbroker.controlplane.records.requests import LeaseGrant
 from kvbroker.controlplane.registry import Registry
 from kvbroker.engine_ext.prefix import prefix_hashes
-from kvbroker.testing.factories import handle, replayed
 from kvbroker.v1 import lease_pb2, registry_pb2
+from kvbroker_tools.harness.factories import handle, replayed
 from tests.test_registry_unit import CONFIG, Harness
 
 BLOCK = 16
@@ -40,14 +49,16 @@ async def retain(h: Harness, conversation: str, request_id: str, kept: list[int]
     """D retained ``kept`` tokens for ``conversation``, with the hashes its engine reports."""
     checkpoints = Checkpoints.of(prefix_hashes(kept, BLOCK, len(kept)))
     return await h.registry.grant_lease(
-        conversation,
-        h.decode.node_id,
-        h.decode.incarnation,
-        handle(request_id, len(kept), h.decode),
-        checkpoints.hashes,
-        len(kept),
-        600,
-        checkpoints.stride,
+        LeaseGrant(
+            conversation,
+            h.decode.node_id,
+            h.decode.incarnation,
+            handle(request_id, len(kept), h.decode),
+            checkpoints.hashes,
+            len(kept),
+            600,
+            checkpoints.stride,
+        )
     )
 
 
@@ -252,7 +263,7 @@ async def test_only_a_claimed_or_pinned_lease_at_the_handle_s_epoch_may_be_read(
     message = convert.lease_message(await h.registry.get_lease(parent.lease_id))
     assert pinned(message) and read_refusal(message, parent.epoch) is None
     assert read_refusal(message, parent.epoch + 1) is not None
-    assert convert.match_of(convert.match_message(PrefixMatch(None, 0))).lease is None
+    assert not convert.match_message(PrefixMatch(None, 0)).HasField("lease")
 
 
 async def reclaim(h: Harness, request_id: str, sequence: int) -> None:
@@ -310,3 +321,86 @@ async def test_a_successor_indexes_what_it_restores_and_matches_once_the_holder_
         h.prefill.node_id, "acme/fork", h.prefill.model, BLOCK, probes_
     )
     assert after.lease is not None and after.lease.lease_id == parent.lease_id
+
+
+@pytest.mark.parametrize("reserved", [0, 20_000])
+def test_the_index_table_answers_as_a_dictionary_would_through_growth_and_removals(
+    reserved: int,
+) -> None:
+    """The open-addressing table against a plain model of the same rules: thousands of
+    leases in two scopes, many sharing keys (more than ``KEEP_PER_KEY``), keys equal across
+    scopes, half removed in random order (so runs are shifted back and rows reused), the table
+    grown several times, or sized up front and again half-full (``reserve``, as a replay does);
+    every look-up must find exactly the model's newest leases."""
+    rng = random.Random(7)
+    index = PrefixIndex()
+    index.reserve(reserved)
+    scopes = [Scope("a", "m", BLOCK), Scope("b", "m", BLOCK)]
+    shared = [rng.randbytes(16) for _ in range(40)]
+    model: dict[tuple[Scope, bytes], list[str]] = {}
+    added: dict[str, tuple[Scope, list[tuple[int, bytes]]]] = {}
+    for i in range(6000):
+        scope = scopes[i % 2]
+        hashes = [(0, rng.choice(shared)), (1, rng.choice(shared)), (3, rng.randbytes(16))]
+        lease_id = f"lease-{i}"
+        if i == 3000:
+            index.reserve(reserved)
+        index.add(lease_id, scope, hashes)
+        added[lease_id] = (scope, hashes)
+        for _, digest in hashes:
+            held = model.setdefault((scope, digest[:KEY_BYTES]), [])
+            held.append(lease_id)
+            del held[:-KEEP_PER_KEY]
+        if i % 3 == 0:
+            gone = rng.choice(sorted(added))
+            gone_scope, gone_hashes = added.pop(gone)
+            index.remove(gone, gone_hashes)
+            for _, digest in gone_hashes:
+                held = model[(gone_scope, digest[:KEY_BYTES])]
+                if gone in held:
+                    held.remove(gone)
+    assert len(index) == len(added)
+    assert index.entries() == sum(len(held) for held in model.values())
+    for (scope, key), held in model.items():
+        probe = key + bytes(16 - KEY_BYTES)
+        hits = list(index.hits(scope, [probe]))
+        assert [hit.lease_ids for hit in hits] == ([tuple(reversed(held))] if held else [])
+    for lease_id, (scope, hashes) in added.items():
+        assert index.scope(lease_id) == scope
+        assert lease_id in index.sharing_all(scope, hashes)
+    for lease_id, (_, hashes) in added.items():
+        index.remove(lease_id, hashes)
+    assert len(index) == 0 and index.entries() == 0
+
+
+async def test_a_snapshot_s_replay_sizes_the_index_once_and_indexes_every_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart's replay (a full snapshot into an empty registry) sizes the prefix index for
+    its leases before adding them, instead of doubling it as they come; what it indexes is
+    what the per-lease path would: each lease is matched by a fork of its conversation."""
+    h = Harness()
+    await h.fleet()
+    histories = [tokens(40 * BLOCK, seed=i) for i in range(600)]
+    held = [await retain(h, f"acme/c-{i}", f"req-{i}", kept) for i, kept in enumerate(histories)]
+    fresh = Harness()
+    await fresh.registry.register_node(h.decode)
+    await fresh.registry.register_node(h.prefill)
+
+    def no_growth(index: PrefixIndex) -> None:
+        raise AssertionError("the index grew during the replay")
+
+    monkeypatch.setattr(PrefixIndex, "_grow", no_growth)
+    events = [
+        replayed(convert.lease_message(lease), sequence) for sequence, lease in enumerate(held, 1)
+    ]
+    answer = await fresh.registry.report_retention(
+        h.decode.node_id, h.decode.incarnation, events, full_snapshot=True
+    )
+    assert len(answer.leases) == len(held) and not answer.refused
+    for i in (0, 299, 599):
+        match = await fresh.registry.match_prefix(
+            h.prefill.node_id, f"acme/fork-{i}", h.prefill.model, BLOCK,
+            probes(histories[i] + tokens(20, seed=900)),
+        )  # fmt: skip
+        assert match.lease is not None and match.lease.lease_id == held[i].lease_id

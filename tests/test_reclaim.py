@@ -10,9 +10,9 @@ import grpc
 
 from kvbroker.common.rules.clock import from_duration
 from kvbroker.controlplane.server import RunningRegistry
-from kvbroker.testing.factories import Heartbeats, hint, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.factories import Heartbeats, hint, node_spec
 from tests.test_retention_reports import report, retained
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL

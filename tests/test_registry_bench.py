@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.bench.registry_load import run_registry_bench, run_replica_hints
-from kvbroker.bench.registry_report import write, write_replicas
-from kvbroker.bench.registry_workers import HINT_RPC
 from kvbroker.common.process.local_etcd import LocalEtcd
+from kvbroker_tools.bench.registry_load import run_registry_bench, run_replica_hints
+from kvbroker_tools.bench.registry_report import write, write_replicas
+from kvbroker_tools.bench.registry_workers import HINT_RPC
 
 
 async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ from kvbroker.controlplane.errors import (
     status_metadata,
 )
 from kvbroker.controlplane.server import RunningRegistry
-from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
+from kvbroker_tools.harness.factories import node_spec
 from tests.conftest import spawn_registry
 
 LIST_NODES = registry_pb2.ListNodesRequest()

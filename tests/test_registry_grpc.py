@@ -12,7 +12,9 @@ from kvbroker.common.client.grpc_client import from_grpc_error
 from kvbroker.common.client.hint_batcher import HintBatcher
 from kvbroker.common.rules.clock import from_duration, from_timestamp
 from kvbroker.controlplane.server import RunningRegistry
-from kvbroker.testing.factories import (
+from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.factories import (
     Heartbeats,
     block_hashes,
     grant,
@@ -21,8 +23,6 @@ from kvbroker.testing.factories import (
     node_spec,
     register,
 )
-from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
-from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from tests.conftest import eventually
 
 DECODE = node_pb2.NODE_ROLE_DECODE

@@ -12,13 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbroker.bench.failover import registry_replica
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.local_etcd import LocalEtcd
 from kvbroker.common.process.supervisor import stop_all
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.controlplane.server import SERVICE_NAME
 from kvbroker.v1 import registry_pb2
+from kvbroker_tools.bench.failover import registry_replica
 
 pytestmark = pytest.mark.etcd
 

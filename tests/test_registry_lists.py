@@ -14,10 +14,10 @@ from kvbroker.common.client.engine_link import EngineLink
 from kvbroker.common.process.ports import free_port
 from kvbroker.common.process.supervisor import ChildProcess, stop_all
 from kvbroker.common.process.tasks import poll_until
-from kvbroker.stack import router_command, router_routing
-from kvbroker.testing.engine import FakeEngine
-from kvbroker.testing.processes import sidecar_process
 from kvbroker.v1 import sidecar_pb2
+from kvbroker_tools.harness.engine import FakeEngine
+from kvbroker_tools.harness.processes import sidecar_process
+from kvbroker_tools.stack import router_command, router_routing
 from tests.conftest import spawn_registry
 
 

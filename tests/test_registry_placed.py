@@ -11,9 +11,9 @@ import pytest
 
 from kvbroker.common.process.tasks import poll_until
 from kvbroker.common.rules.routing import can_transfer
-from kvbroker.testing.factories import Heartbeats, block_hashes, grant, handle, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.factories import Heartbeats, block_hashes, grant, handle, node_spec
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL
 READ = registry_pb2.TURN_PATH_READ

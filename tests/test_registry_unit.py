@@ -15,10 +15,11 @@ from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyN
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.lease_ids import TERM_SHIFT, next_epoch
 from kvbroker.controlplane.records.model import NodeLoad
+from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.storage.cached_store import MemoryStore
-from kvbroker.testing.factories import ManualClock, block_hashes, handle, node_spec, replayed
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.harness.factories import ManualClock, block_hashes, handle, node_spec, replayed
 
 CONFIG = RegistryConfig(
     default_lease_ttl_s=60.0,
@@ -33,10 +34,13 @@ CLAIMED = lease_pb2.LEASE_STATE_CLAIMED
 
 
 class Harness:
-    def __init__(self, store: MemoryStore | None = None) -> None:
+    """A registry on a manual clock and the memory store, with one decode and one prefill node
+    to register (``fleet``): the registry-unit tests' own, and the base of other modules'."""
+
+    def __init__(self, store: MemoryStore | None = None, config: RegistryConfig = CONFIG) -> None:
         self.clock = ManualClock()
         self.store = store or MemoryStore()
-        self.registry = Registry(self.store, CONFIG, clock=self.clock)
+        self.registry = Registry(self.store, config, clock=self.clock)
         self.decode = node_spec("decode-0")
         self.prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
 
@@ -52,7 +56,7 @@ class Harness:
         beating = (self.decode, self.prefill) if beating is None else beating
         end = self.clock.t + seconds
         while self.clock.t < end:
-            self.clock.t = min(self.clock.t + CONFIG.heartbeat_interval_s, end)
+            self.clock.t = min(self.clock.t + self.registry.config.heartbeat_interval_s, end)
             registry = self.registry
             await registry._on_deadlines(registry._deadlines.pop_due(10_000))
             await self.heartbeat(*beating)
@@ -61,18 +65,22 @@ class Harness:
         self, conversation: str, request_id: str, ttl: float | None = None
     ) -> LeaseAnswer:
         return await self.registry.grant_lease(
-            conversation,
-            self.decode.node_id,
-            self.decode.incarnation,
-            handle(request_id, 64, self.decode),
-            block_hashes(64),
-            64,
-            ttl,
+            LeaseGrant(
+                conversation,
+                self.decode.node_id,
+                self.decode.incarnation,
+                handle(request_id, 64, self.decode),
+                block_hashes(64),
+                64,
+                ttl,
+            )
         )
 
     async def heartbeat(self, *specs: node_pb2.NodeSpec) -> None:
         for spec in specs:
-            await self.registry.heartbeat(spec.node_id, spec.incarnation, True, NodeLoad())
+            await self.registry.heartbeat(
+                Heartbeat(spec.node_id, spec.incarnation, True, NodeLoad())
+            )
 
     async def next_command(self) -> registry_pb2.LeaseCommand:
         commands = self.registry.watch_commands(self.decode.node_id, self.decode.incarnation)
@@ -265,7 +273,14 @@ async def test_after_a_restart_a_new_grant_fences_an_older_replay() -> None:
 
     async def grant(registry: Registry, spec: node_pb2.NodeSpec, request: str) -> LeaseAnswer:
         return await registry.grant_lease(
-            "c", spec.node_id, spec.incarnation, handle(request, 64, spec), block_hashes(64), 64
+            LeaseGrant(
+                "c",
+                spec.node_id,
+                spec.incarnation,
+                handle(request, 64, spec),
+                block_hashes(64),
+                64,
+            )
         )
 
     old = await grant(await started(term=2), decodes[0], "req-1")

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -30,9 +31,9 @@ from kvbroker.common.process.ports import free_port
 from kvbroker.common.rules import routing
 from kvbroker.controlplane.replication.replica import Replica
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
-from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.factories import Heartbeats, grant, node_spec
 from tests.conftest import FAST, eventually
 
 pytestmark = pytest.mark.etcd
@@ -115,13 +116,24 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def replicas(etcd: LocalEtcd, staleness_s: float = 1.0) -> AsyncIterator[Pair]:
+async def replicas(
+    etcd: LocalEtcd,
+    staleness_s: float = 1.0,
+    token: str | None = None,
+    credentials_file: Path | None = None,
+) -> AsyncIterator[Pair]:
     """Two replicas in this process: the first leads, advertising the proxy; the second
-    follows through it."""
+    follows through it. With identity on, the stubs hold the shared (operator's) ``token``."""
     port = free_port()
     link = LinkProxy(port)
     await link.start()
-    common = ServerOptions(store=etcd.url, config=FAST, hint_staleness_s=staleness_s)
+    common = ServerOptions(
+        store=etcd.url,
+        config=FAST,
+        hint_staleness_s=staleness_s,
+        token=token,
+        credentials_file=credentials_file,
+    )
     leader = await start_registry(
         replace(common, listen=f"127.0.0.1:{port}", advertise=f"127.0.0.1:{link.port}")
     )
@@ -130,8 +142,8 @@ async def replicas(etcd: LocalEtcd, staleness_s: float = 1.0) -> AsyncIterator[P
         await eventually(lambda: leader.registry is not None, what="the first replica leading")
         follower = await start_registry(replace(common, listen="127.0.0.1:0"))
         async with (
-            open_channel(RegistryEndpoint.parse(leader.address)) as a,
-            open_channel(RegistryEndpoint.parse(follower.address)) as b,
+            open_channel(RegistryEndpoint.parse(leader.address, token=token)) as a,
+            open_channel(RegistryEndpoint.parse(follower.address, token=token)) as b,
         ):
             yield Pair(leader, follower, link, registry_stub(a), registry_stub(b))
     finally:
@@ -355,12 +367,34 @@ async def test_a_partitioned_follower_answers_degraded(etcd: LocalEtcd) -> None:
         await eventually(lambda: offered(pair, "conv-1", lease), what="a new copy")
 
 
-async def test_only_the_leader_serves_its_hint_state(etcd: LocalEtcd) -> None:
-    """A follower asked for the hint state refuses, UNAVAILABLE: it has none of its own."""
-    async with replicas(etcd) as pair:
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            async for _ in pair.to_follower.WatchHintState(
-                registry_pb2.WatchHintStateRequest(), timeout=5
-            ):
-                pass
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+async def test_a_follower_re_serves_its_copy(etcd: LocalEtcd) -> None:
+    """A follower asked for the hint state serves its copy of the leader's (so routers need
+    not all watch the leader): a snapshot holding the lease the leader granted, then the
+    leader's own messages, stamped with the leader's times; a grant at the leader reaches the
+    follower's watcher as a change."""
+    async with replicas(etcd) as pair, Heartbeats(pair.to_leader, PREFILL, DECODE):
+        first = await grant(pair.to_leader, DECODE, "conv-1", "req-1")
+        await eventually(lambda: offered(pair, "conv-1", first), what="the grant copied")
+        watch = pair.to_follower.WatchHintState(registry_pb2.WatchHintStateRequest(), timeout=30)
+        try:
+            snapshot: dict[str, bytes] = {}
+            async for message in watch:
+                snapshot |= {record.id: record.record for record in message.records}
+                if message.snapshot_complete:
+                    break
+            else:
+                raise AssertionError("the stream ended before its snapshot did")
+            assert lease_pb2.Lease.FromString(snapshot[first.lease_id]).epoch == first.epoch
+            second = await grant(pair.to_leader, DECODE, "conv-1", "req-2")
+            async for message in watch:
+                leases = [
+                    lease_pb2.Lease.FromString(record.record)
+                    for record in message.records
+                    if record.kind == registry_pb2.HINT_RECORD_KIND_LEASE and record.record
+                ]
+                if any(lease.lease_id == second.lease_id for lease in leases):
+                    break
+            else:
+                raise AssertionError("the stream ended before the grant reached it")
+        finally:
+            watch.cancel()

@@ -2,7 +2,7 @@
 
 Every part is real and in its own process (etcd, `kvbroker registry serve --store etcd://…`,
 `kvbroker sidecar run`, `kvbroker router run`); only the engines are simulated, through the
-real EngineLink (see kvbroker/bench/failover_engine.py).
+real EngineLink (see tools/kvbroker_tools/bench/failover_engine.py).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import grpc
 import httpx
 import pytest
 
-from kvbroker.bench.failover import SoakConfig, fleet_for_tests, registry_replica, run_soak
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.local_etcd import LocalEtcd
 from kvbroker.common.process.ports import free_port
 from kvbroker.controlplane.errors import StoreUnavailable
 from kvbroker.controlplane.records.model import Node
 from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints, EtcdStore
-from kvbroker.testing.factories import Heartbeats, grant, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.bench.failover import SoakConfig, fleet_for_tests, registry_replica, run_soak
+from kvbroker_tools.harness.factories import Heartbeats, grant, node_spec
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.etcd

@@ -15,25 +15,21 @@ from hypothesis import strategies as st
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument, RegistryError
 from kvbroker.controlplane.records.model import NodeLoad
-from kvbroker.controlplane.registry import Registry
-from kvbroker.controlplane.storage.cached_store import MemoryStore
-from kvbroker.testing.factories import ManualClock, block_hashes, handle, node_spec
+from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.harness.factories import block_hashes, handle, node_spec
+from tests import test_registry_unit as registry_unit
 
 CONFIG = RegistryConfig(learn_idle_ttl=False)
 U64_MAX = (1 << 64) - 1
 
 
-class Harness:
-    def __init__(self, config: RegistryConfig = CONFIG) -> None:
-        self.store = MemoryStore()
-        self.registry = Registry(self.store, config, clock=ManualClock())
-        self.decode = node_spec("decode-0")
-        self.prefill = node_spec("prefill-0", node_pb2.NODE_ROLE_PREFILL, port=5700)
+class Harness(registry_unit.Harness):
+    """The registry-unit harness, on this module's config, with retention reports and a
+    snapshot of everything a refused call must leave as it was."""
 
-    async def fleet(self) -> None:
-        for spec in (self.decode, self.prefill):
-            await self.registry.register_node(spec)
+    def __init__(self, config: RegistryConfig = CONFIG) -> None:
+        super().__init__(config=config)
 
     def retained(
         self, seq: int, conversation: str, request_id: str, **fields: Any
@@ -104,14 +100,23 @@ async def test_nan_and_out_of_range_loads_are_refused() -> None:
     await h.fleet()
     for usage in (math.nan, math.inf, -0.5, 1.5):
         load = NodeLoad(kv_cache_usage=usage)
-        await refused(h, h.registry.heartbeat(h.decode.node_id, h.decode.incarnation, True, load))
+        await refused(
+            h, h.registry.heartbeat(Heartbeat(h.decode.node_id, h.decode.incarnation, True, load))
+        )
 
 
 async def test_megabyte_free_text_is_refused() -> None:
     h = Harness()
     await h.fleet()
     lease = await h.registry.grant_lease(
-        "c", h.decode.node_id, h.decode.incarnation, handle("r", 64, h.decode), [], 64
+        LeaseGrant(
+            "c",
+            h.decode.node_id,
+            h.decode.incarnation,
+            handle("r", 64, h.decode),
+            [],
+            64,
+        )
     )
     big = "x" * (1 << 20)
     await refused(h, h.registry.revoke_lease(lease.lease_id, reason=big))
@@ -131,7 +136,14 @@ async def test_a_lease_over_the_record_bound_is_refused_by_bytes_not_count() -> 
     error = await refused(
         h,
         h.registry.grant_lease(
-            "c", h.decode.node_id, h.decode.incarnation, handle("r", 64, h.decode), hashes, 64
+            LeaseGrant(
+                "c",
+                h.decode.node_id,
+                h.decode.incarnation,
+                handle("r", 64, h.decode),
+                hashes,
+                64,
+            )
         ),
     )
     assert "the limit is 100000" in error.message
@@ -150,7 +162,14 @@ async def test_one_engine_request_cannot_back_two_live_leases() -> None:
     assert after[:3] == before[:3]  # only the applied sequence moved
     with pytest.raises(InvalidArgument):
         await h.registry.grant_lease(
-            "c3", h.decode.node_id, h.decode.incarnation, handle("r", 64, h.decode), [], 64
+            LeaseGrant(
+                "c3",
+                h.decode.node_id,
+                h.decode.incarnation,
+                handle("r", 64, h.decode),
+                [],
+                64,
+            )
         )
 
 
@@ -339,8 +358,10 @@ async def test_fuzz_heartbeat(
     h = Harness()
     await h.fleet()
     load = NodeLoad(kv_cache_usage=usage, running_requests=running)
-    await _called(h, h.registry.heartbeat(node_id, incarnation, ready, load))
-    await _called(h, h.registry.heartbeat(h.decode.node_id, h.decode.incarnation, ready, load))
+    await _called(h, h.registry.heartbeat(Heartbeat(node_id, incarnation, ready, load)))
+    await _called(
+        h, h.registry.heartbeat(Heartbeat(h.decode.node_id, h.decode.incarnation, ready, load))
+    )
 
 
 @FUZZ
@@ -364,7 +385,15 @@ async def test_fuzz_grant_lease(
     await _called(
         h,
         h.registry.grant_lease(
-            conversation, h.decode.node_id, h.decode.incarnation, kv, digests, tokens, ttl
+            LeaseGrant(
+                conversation,
+                h.decode.node_id,
+                h.decode.incarnation,
+                kv,
+                digests,
+                tokens,
+                ttl,
+            )
         ),
     )
 

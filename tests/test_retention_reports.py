@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.rules.clock import to_duration
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.server import ServerOptions, start_registry
-from kvbroker.testing.factories import block_hashes, handle, hint, node_spec, register
+from kvbroker.controlplane.lessor.retention import YIELD_EVERY
+from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.factories import block_hashes, handle, hint, node_spec, register
 from tests.conftest import FAST
 
 
@@ -199,3 +202,29 @@ async def test_listings_page_and_filter_without_repeats(stub: RegistryServiceStu
     superseded = await pages(conversation_id="c3-0", states=[lease_pb2.LEASE_STATE_REVOKED])
     assert [lease.handle.remote_request_id for lease in superseded] == ["r3"]
     assert await pages(conversation_id="c3-0", node_id="decode-1") == []
+
+
+async def test_a_long_replay_lets_the_server_take_other_calls_meanwhile(
+    registry_server: RunningRegistry, stub: RegistryServiceStub
+) -> None:
+    """A replay yields to the event loop as it goes (every ``YIELD_EVERY`` events). gRPC's
+    server accepts a call only while the loop runs, and its core cancels a call left
+    unaccepted for 30 s (``grpc.server_max_unrequested_time_in_server``): while one node's
+    replay held the loop, a fleet's other replays and heartbeats ended CANCELLED. Here the
+    test, on the server's loop, sees the replay part-applied, and a call it sends then is
+    answered before the replay is."""
+    spec = node_spec("decode-0")
+    await register(stub, spec)
+    events = [retained(i + 1, spec, f"c{i}", f"r{i}") for i in range(50 * YIELD_EVERY)]
+    replay = asyncio.create_task(report(stub, spec, *events, full_snapshot=True))
+    registry = registry_server.registry
+    assert registry is not None
+    applied = 0
+    while not replay.done() and not 0 < applied < len(events):
+        await asyncio.sleep(0)
+        applied = registry.store.live_lease_count(spec.node_id)
+    assert 0 < applied < len(events), "the replay ran to its end without yielding"
+    nodes = await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=5)
+    assert [node.spec.node_id for node in nodes.nodes] == [spec.node_id]
+    assert not replay.done(), "the call waited for the whole replay"
+    assert len((await replay).leases) == len(events)

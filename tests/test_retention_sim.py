@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbroker.bench.retention import (
+from kvbroker_tools.bench.retention import (
     Conversation,
     Gap,
     TraceConfig,

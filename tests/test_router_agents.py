@@ -1,5 +1,5 @@
 """The router serving the APIs agents speak, Anthropic's Messages and OpenAI's Responses, against
-a real registry and fake engines (``kvbroker.testing.engine``): the same planner, paths and
+a real registry and fake engines (``kvbroker_tools.harness.engine``): the same planner, paths and
 headers as chat completions, each leg to the engines' endpoint of the same API, answers
 without the decode engine's handle, and every refusal in the API's own error shape. The same
 against real vLLM engines and the real SDKs is tests/test_e2e_agents.py."""
@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from kvbroker.common.rules.handles import DECIDED_KEY, SESSION_KEY, decode_local_params
-from kvbroker.testing.factories import grant
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.factories import grant
 from tests import test_router
 from tests.test_router import KEYED, KEYS, MODEL, Fleet, assert_openai_error
 

@@ -8,6 +8,7 @@ once with its reason code."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -16,12 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
+import typer
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 from structlog.testing import capture_logs
+from typer.core import TyperGroup
 
+from kvbroker.cli import main
 from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.common.process.credentials import fresh_credential
 from kvbroker.common.process.ports import free_port
@@ -30,10 +34,10 @@ from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_r
 from kvbroker.router.config import RouterConfig
 from kvbroker.router.handlers import build_app
 from kvbroker.router.proxy import Router
-from kvbroker.testing.engine import FakeEngine, serving
-from kvbroker.testing.factories import Heartbeats, node_spec
 from kvbroker.v1 import node_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.engine import FakeEngine, serving
+from kvbroker_tools.harness.factories import Heartbeats, node_spec
 from tests.conftest import FAST, eventually
 
 MODEL = "tiny-qwen3"
@@ -258,6 +262,18 @@ async def test_a_refused_credential_is_a_configuration_error(
     assert "credential" in health.json()["registry"]
     refused = [entry for entry in logs if entry["event"] == "registry_refused_credential"]
     assert len(refused) == 1
+    # The fix it suggests names flags `kvbroker router run` has.
+    suggested = set(re.findall(r"--[a-z-]+", refused[0]["fix"]))
+    assert suggested, refused[0]
+    assert suggested <= router_run_flags()
+
+
+def router_run_flags() -> set[str]:
+    command = typer.main.get_command(main.app)
+    assert isinstance(command, TyperGroup)
+    router = command.commands["router"]
+    assert isinstance(router, TyperGroup)
+    return {flag for param in router.commands["run"].params for flag in param.opts}
 
 
 @pytest.mark.parametrize("end", [b"\n", b"\r\n"], ids=["lf", "crlf"])

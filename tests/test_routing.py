@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvbroker.common.rules import routing
-from kvbroker.testing.factories import node_spec
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.harness.factories import node_spec
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL
 DECODE = node_pb2.NODE_ROLE_DECODE

@@ -27,10 +27,6 @@ from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.config import SidecarConfig, check_local_listen
 from kvbroker.sidecar.server import start_sidecar
-from kvbroker.stack import sidecar_command
-from kvbroker.testing.engine import FakeEngine
-from kvbroker.testing.factories import Heartbeats, block_hashes, handle, hint, node_spec
-from kvbroker.testing.processes import RegistryProcess, sidecar_process
 from kvbroker.v1 import (
     lease_pb2,
     node_pb2,
@@ -40,6 +36,10 @@ from kvbroker.v1 import (
     sidecar_pb2_grpc,
 )
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.engine import FakeEngine
+from kvbroker_tools.harness.factories import Heartbeats, block_hashes, handle, hint, node_spec
+from kvbroker_tools.harness.processes import RegistryProcess, sidecar_process
+from kvbroker_tools.stack import sidecar_command
 from tests.conftest import FAST, eventually, run_cli, spawn_registry
 from tests.test_engine_work import vllm_metrics
 
@@ -167,6 +167,26 @@ async def test_retention_is_visible_and_deadlines_reach_the_engine(stack: Stack)
     # The engine frees the blocks and says so; nothing stays live.
     stack.link.released("req-1", "revoked", lease_pb2.LEASE_END_CAUSE_REVOKED)
     assert stack.link.retained_count() == 0
+
+
+async def test_a_link_closed_right_after_a_release_delivers_it_first(stack: Stack) -> None:
+    """An engine that frees its blocks on its way out (its engine core stopping) closes its
+    link at once: the release still reaches the registry, so the lease does not stay live."""
+    stack.link.retained(retained_blocks("decode-0", "conv-1", "req-1"))
+    [lease] = await eventually(lambda: live_leases(stack.stub))
+    stack.link.released("req-1", "freed by the engine", lease_pb2.LEASE_END_CAUSE_ENGINE)
+    await asyncio.to_thread(stack.link.close)
+    request = registry_pb2.GetLeaseRequest(lease_id=lease.lease_id)
+
+    async def ended_lease() -> lease_pb2.Lease | None:
+        # The sidecar reports what reached it on its own round, after the link has closed.
+        answer = (await stack.stub.GetLease(request, timeout=5)).lease
+        return answer if answer.state != lease_pb2.LEASE_STATE_ACTIVE else None
+
+    ended = await eventually(ended_lease, what="the release to reach the registry")
+    assert ended is not None
+    assert ended.state == lease_pb2.LEASE_STATE_RELEASED, ended
+    assert ended.end_cause == lease_pb2.LEASE_END_CAUSE_ENGINE
 
 
 async def test_registry_restart_loses_nothing(stack: Stack) -> None:

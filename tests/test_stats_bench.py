@@ -1,4 +1,4 @@
-"""The benchmarks' one quantile (``kvbroker.bench.stats``), pinned on small inputs: each
+"""The benchmarks' one quantile (``kvbroker_tools.bench.stats``), pinned on small inputs: each
 report's figures are what its own function gave before they were merged."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from kvbroker.bench.multiturn import Spread
-from kvbroker.bench.registry_report import summarise
-from kvbroker.bench.stats import Method, quantile
+from kvbroker_tools.bench.multiturn import Spread
+from kvbroker_tools.bench.registry_report import summarise
+from kvbroker_tools.bench.stats import Method, quantile
 
 # Quartiles of these differ in the last place between 4 parts and 100 (see the module).
 ULP_APART = [362.3787683441612, 633.6975831717522, 2867.559180369951, 4021.2120527825086]

@@ -26,8 +26,8 @@ from kvbroker.controlplane.replication.election import Election
 from kvbroker.controlplane.storage.cached_store import CachedStore, MemoryStore
 from kvbroker.controlplane.storage.etcd_store import ETCD_DEFAULT_LIMITS, EtcdEndpoints, EtcdStore
 from kvbroker.controlplane.storage.store import CommitTooLarge, Deposed, WriteLimits
-from kvbroker.testing.factories import block_hashes, node_spec
 from kvbroker.v1 import lease_pb2, node_pb2
+from kvbroker_tools.harness.factories import block_hashes, node_spec
 
 pytestmark = pytest.mark.etcd
 

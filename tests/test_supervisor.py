@@ -20,7 +20,7 @@ from kvbroker.common.process.supervisor import (
     ChildStartError,
     StartFailure,
 )
-from kvbroker.stack import EngineSpec, Stack, StackConfig
+from kvbroker_tools.stack import EngineSpec, Stack, StackConfig
 
 # Starts a grandchild in its own process group, logs to stderr, announces itself, then waits.
 SERVER = """

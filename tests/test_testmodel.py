@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvbroker.engine_ext.testmodel import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ModelSpec, make_model
+from kvbroker_tools.testmodel import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ModelSpec, make_model
 
 SMALL = ModelSpec(
     vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -12,9 +12,9 @@ import pytest
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.controlplane.server import RunningRegistry, ServerOptions, start_registry
-from kvbroker.testing.factories import grant, node_spec, register
 from kvbroker.v1 import node_pb2, registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker_tools.harness.factories import grant, node_spec, register
 from tests.conftest import FAST, eventually
 
 PREFILL = node_pb2.NODE_ROLE_PREFILL

@@ -62,6 +62,10 @@ class _EngineCore:
     def __init__(self, scheduler: _Scheduler) -> None:
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.scheduler = scheduler
+        self.shutdown_requested = False
+
+    def is_running(self) -> bool:
+        return not self.shutdown_requested
 
     def step(self) -> EngineLoop | None:
         return self.scheduler.schedule()
@@ -74,11 +78,15 @@ def test_an_idle_step_finds_the_engine_core_s_queue_and_scheduler_on_its_stack()
     assert loop is not None
     assert loop.input_queue is core.input_queue and loop.scheduler is scheduler
     assert loop.unfinished() == 3
+    assert not loop.stopping()
+    core.shutdown_requested = True  # vLLM's SIGTERM handler: shutdown_state leaves RUNNING
+    assert loop.stopping()
     assert _Scheduler().schedule() is None  # no engine core above: nothing to wait on
 
 
 def test_an_idle_wait_ends_when_a_request_is_queued_or_at_its_timeout() -> None:
-    loop = EngineLoop(queue.Queue(), _Scheduler())
+    scheduler = _Scheduler()
+    loop = EngineLoop(_EngineCore(scheduler), queue.Queue(), scheduler)
     started = time.monotonic()
     loop.wait_for_input(0.05)
     assert time.monotonic() - started >= 0.04

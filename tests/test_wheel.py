@@ -1,6 +1,8 @@
-"""The package a user installs: kvbroker's wheel, built from a copy of this tree the way the
-images build it (deploy/images/steps.sh: the build context, then ``pip wheel --no-deps``),
-holds every part and works outside the checkout.
+"""The packages a user installs: kvbroker's wheel and its tools' (kvbroker-tools), built from a
+copy of this tree the way the images build them (deploy/images/steps.sh: the build context,
+then ``pip wheel --no-deps``). kvbroker's holds every part, works outside the checkout and
+ships no tool (no benchmark, harness, stack, demo or test model); the tools' holds the tools
+and adds their commands to ``kvbroker``, which names where to get them while they are missing.
 
 The parts (controlplane/, sidecar/, router/, engine_ext/) reach the ``kvbroker`` import root
 only through directory links, so the wheel is compared file by file with what the links
@@ -8,24 +10,32 @@ lead to. Building writes into its tree (build/, *.egg-info), which is why it get
 test checks that the checkout is left as it was.
 
 The install is ``pip install --no-deps`` into a fresh venv whose dependencies come from this
-environment's site-packages through a .pth file: fast, and what it checks is the wheel's own
-files and entry point. Installing the dependencies from the index too (and without the
-plotting extra) is what tests/test_e2e_images.py does for the control plane's image.
+environment's site-packages through a .pth file, kvbroker's own installs there left out (so
+that only the wheels' entry points are found): fast, and what it checks is the wheels' own
+files and entry points. Installing the dependencies from the index too (and without the
+plots extra) is what tests/test_e2e_images.py does for the images.
 """
 
 from __future__ import annotations
 
+import configparser
 import os
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
+from kvbroker.cli.main import TOOL_COMMANDS, TOOL_COMMANDS_GROUP
+from kvbroker.cli.output import EXIT_REJECTED
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ROOT / "deploy" / "images" / "steps.sh"
+TOOLS = ROOT / "tools"
 # Each part, as a subpackage of kvbroker, and a module of it that its command imports.
 PARTS = {
     "controlplane": "kvbroker.controlplane.server",
@@ -34,25 +44,41 @@ PARTS = {
     # The connector itself imports vLLM; its settings are plain Python.
     "engine_ext": "kvbroker.engine_ext.settings",
 }
+# What only the tools hold: a module or package of one of these names in kvbroker's wheel is
+# a tool shipped with the product.
+TOOL_NAMES = {"bench", "testing", "harness", "stack", "demo", "testmodel", "kvbroker_tools"}
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def steps(*args: str | Path) -> None:
-    """One step of deploy/images/steps.sh, with this interpreter as its python."""
-    subprocess.run(
+    """One step of deploy/images/steps.sh, with this interpreter as its python. A failed step
+    fails the test with the end of its output, where pip puts its error (above it, pip may
+    print a warning per package for each index location that lacks it)."""
+    done = subprocess.run(
         ["sh", str(STEPS), *map(str, args)],
-        check=True,
+        check=False,
+        capture_output=True,
+        text=True,
         env={**os.environ, "PYTHON": sys.executable},
     )
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+        pytest.fail(f"steps.sh {args[0]} exited {done.returncode}; its last lines:\n{tail}")
 
 
-def built_wheel(workdir: Path) -> Path:
-    """kvbroker's wheel, built from a copy of this tree in ``workdir``."""
+class Wheels(NamedTuple):
+    product: Path
+    tools: Path
+
+
+def built_wheels(workdir: Path) -> Wheels:
+    """kvbroker's wheel and its tools', built from a copy of this tree in ``workdir``."""
     steps("context", ROOT, workdir / "src")
     steps("wheel", workdir / "src", workdir / "wheels")
-    (wheel,) = (workdir / "wheels").glob("kvbroker-*.whl")
-    return wheel
+    (product,) = (workdir / "wheels").glob("kvbroker-*.whl")
+    (tools,) = (workdir / "wheels").glob("kvbroker_tools-*.whl")
+    return Wheels(product, tools)
 
 
 def outside(*argv: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -73,26 +99,49 @@ def _checkout_state() -> str:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Wheels:
     before = _checkout_state()
-    built = built_wheel(tmp_path_factory.mktemp("wheel"))
-    assert _checkout_state() == before, "building the wheel wrote into the checkout"
+    built = built_wheels(tmp_path_factory.mktemp("wheel"))
+    assert _checkout_state() == before, "building the wheels wrote into the checkout"
     return built
 
 
-@pytest.fixture(scope="module")
-def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    prefix = tmp_path_factory.mktemp("venv")
+def _dependencies(into: Path) -> Path:
+    """This environment's site-packages as links in ``into``, less kvbroker's and its tools'
+    own installs (an editable install's metadata would add its entry points)."""
+    into.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(("kvbroker", "__editable__")):
+            (into / entry.name).symlink_to(entry)
+    return into
+
+
+def _venv(prefix: Path, *wheels: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(prefix)], check=True)
+    # Without PYTHONPATH: pip runs in the venv, where an install on that path (a checkout's
+    # tools) would pass for the wheel's.
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(prefix / "bin" / "python"), "install",
-         "--quiet", "--no-deps", str(wheel)],
+         "--quiet", "--no-deps", *map(str, wheels)],
         check=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )  # fmt: skip
     site = prefix / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-    # This environment's packages after the venv's own, so kvbroker is the wheel's.
-    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # This environment's packages after the venv's own.
+    (site / "dependencies.pth").write_text(f"{_dependencies(prefix / 'dependencies')}\n")
     return prefix
+
+
+@pytest.fixture(scope="module")
+def venv(wheels: Wheels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kvbroker's wheel alone."""
+    return _venv(tmp_path_factory.mktemp("venv"), wheels.product)
+
+
+@pytest.fixture(scope="module")
+def tools_venv(wheels: Wheels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kvbroker's wheel and its tools'."""
+    return _venv(tmp_path_factory.mktemp("tools-venv"), *wheels)
 
 
 def _sources(directory: Path) -> set[str]:
@@ -106,8 +155,18 @@ def _sources(directory: Path) -> set[str]:
     return found
 
 
-def test_the_wheel_holds_every_part_through_its_link(wheel: Path) -> None:
-    names = set(zipfile.ZipFile(wheel).namelist())
+def _entry_points(wheel: Path, group: str) -> set[str]:
+    """The names under ``group`` in the wheel's entry_points.txt."""
+    archive = zipfile.ZipFile(wheel)
+    listed = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    parser = configparser.ConfigParser(delimiters=("=",))
+    for name in listed:
+        parser.read_string(archive.read(name).decode())
+    return set(parser[group]) if parser.has_section(group) else set()
+
+
+def test_the_wheel_holds_every_part_through_its_link(wheels: Wheels) -> None:
+    names = set(zipfile.ZipFile(wheels.product).namelist())
     in_wheel = {n for n in names if n.startswith("kvbroker/")}
     assert in_wheel == _sources(ROOT / "kvbroker")
     for part in PARTS:
@@ -115,11 +174,38 @@ def test_the_wheel_holds_every_part_through_its_link(wheel: Path) -> None:
         assert f"kvbroker/{part}/__init__.py" in in_wheel
 
 
+def test_the_product_wheel_holds_no_tool(wheels: Wheels) -> None:
+    names = zipfile.ZipFile(wheels.product).namelist()
+    packages = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert packages == {"kvbroker"}
+    shipped = {Path(n).with_suffix("").name for n in names} | {
+        part for n in names for part in Path(n).parent.parts
+    }
+    assert shipped & TOOL_NAMES == set()
+    assert _entry_points(wheels.product, TOOL_COMMANDS_GROUP) == set()
+
+
+def test_the_tools_wheel_holds_the_tools_and_their_commands(wheels: Wheels) -> None:
+    names = set(zipfile.ZipFile(wheels.tools).namelist())
+    assert {n for n in names if not n.split("/")[0].endswith(".dist-info")} == _sources(
+        TOOLS / "kvbroker_tools"
+    )
+    assert _entry_points(wheels.tools, TOOL_COMMANDS_GROUP) == set(TOOL_COMMANDS)
+
+
+def test_the_product_names_the_commands_the_tools_register() -> None:
+    """kvbroker.cli.main lists the tools' commands for a product installed without them: the
+    list is the one tools/pyproject.toml registers."""
+    project = tomllib.loads((TOOLS / "pyproject.toml").read_text())["project"]
+    assert set(project["entry-points"][TOOL_COMMANDS_GROUP]) == set(TOOL_COMMANDS)
+
+
 def test_the_installed_command_runs_outside_the_checkout(venv: Path, tmp_path: Path) -> None:
     shown = outside(venv / "bin" / "kvbroker", "--help", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
-    for group in ("registry", "sidecar", "router", "node", "demo"):
+    for group in ("registry", "sidecar", "router", "node", "calibrate", *TOOL_COMMANDS):
         assert group in shown.stdout
+    assert "Not installed" in shown.stdout
 
 
 def test_each_part_imports_from_the_installed_wheel(venv: Path, tmp_path: Path) -> None:
@@ -134,8 +220,43 @@ def test_each_part_imports_from_the_installed_wheel(venv: Path, tmp_path: Path) 
         assert Path(path).resolve().is_relative_to(site), path
 
 
-def test_a_plot_without_the_bench_extra_names_it(venv: Path, tmp_path: Path) -> None:
-    """matplotlib is the bench extra: without it (hidden here; tests/test_e2e_images.py
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("bench", "retention", "--output", "out"),
+        ("bench", "--help"),
+        ("demo",),
+        ("up", "--reuse", "off", "--workdir", "out"),
+    ],
+)
+def test_a_tool_without_the_tools_says_how_to_get_them(
+    venv: Path, tmp_path: Path, argv: tuple[str, ...]
+) -> None:
+    ran = outside(venv / "bin" / "kvbroker", *argv, cwd=tmp_path)
+    assert ran.returncode == EXIT_REJECTED, ran.stderr
+    assert f"`kvbroker {argv[0]}` is one of kvbroker's tools" in ran.stderr
+    assert "pip install kvbroker-tools" in ran.stderr
+    assert "Traceback" not in ran.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tools_add_their_commands(tools_venv: Path, tmp_path: Path) -> None:
+    kvbroker = tools_venv / "bin" / "kvbroker"
+    shown = outside(kvbroker, "--help", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "Not installed" not in shown.stdout
+    benches = outside(kvbroker, "bench", "--help", cwd=tmp_path)
+    assert benches.returncode == 0, benches.stderr
+    for bench in ("multiturn", "retention", "registry", "failover", "fleet", "agentic"):
+        assert bench in benches.stdout
+    probe = "import kvbroker_tools.bench.retention as m; print(m.__file__)"
+    imported = outside(tools_venv / "bin" / "python", "-c", probe, cwd=tmp_path)
+    assert imported.returncode == 0, imported.stderr
+    assert Path(imported.stdout.strip()).resolve().is_relative_to(tools_venv.resolve())
+
+
+def test_a_plot_without_the_plots_extra_names_it(tools_venv: Path, tmp_path: Path) -> None:
+    """matplotlib is the tools' plots extra: without it (hidden here; tests/test_e2e_images.py
     installs without it), a benchmark that plots stops before it runs, saying what to
     install."""
     hidden = (
@@ -143,8 +264,8 @@ def test_a_plot_without_the_bench_extra_names_it(venv: Path, tmp_path: Path) -> 
         "from kvbroker.cli.main import app; app(prog_name='kvbroker')"
     )
     argv = ("bench", "retention", "--output", "out")
-    ran = outside(venv / "bin" / "python", "-c", hidden, *argv, cwd=tmp_path)
+    ran = outside(tools_venv / "bin" / "python", "-c", hidden, *argv, cwd=tmp_path)
     assert ran.returncode == 1, ran.stderr
-    assert "pip install 'kvbroker[bench]'" in ran.stderr
+    assert "pip install 'kvbroker-tools[plots]'" in ran.stderr
     assert "Traceback" not in ran.stderr
     assert not (tmp_path / "out").exists()

@@ -1,4 +1,5 @@
-"""The gRPC face of the registry: its calls as one interface (``interface``) that the leader's
-registry serves and a follower's ``forwarder`` sends to the leader; the conversion of records
-to and from protobuf (``convert``); the servicer that decodes requests, makes each call and
-maps errors to statuses (``service``); and the identity of the caller (``identity``)."""
+"""The gRPC face of the registry: who serves a call (``interface``: this replica's registry
+while it leads, else the leader); the servicer that decodes requests, serves each call on the
+leader or relays it whole from a follower, and maps errors to statuses (``service``); a
+follower's relay and its own hint path (``forwarder``); the conversion of records to and from
+protobuf, on the leader only (``convert``); and the identity of the caller (``identity``)."""

@@ -2,8 +2,9 @@
 
 Every caller is a ``Principal`` with a role. An operator (``admin``) may do anything; so may
 another registry replica forwarding a call it received (``replica``), because the replica
-that received it has already authorized it. A router (``router``) asks for hints, reads, and
-renews or revokes leases on its clients' behalf. A node (``node``, with its node id) speaks
+that received it has already authorized it. A router (``router``) asks for hints, reads, watches
+the hint state for its own copy (incarnations hidden), and renews or revokes leases on its
+clients' behalf. A node (``node``, with its node id) speaks
 only for itself: it registers, heartbeats, reports retention, watches commands and releases
 leases as that node id and no other, and reads what the lease check before a read needs.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +142,9 @@ _ROUTER_METHODS = frozenset(
         "GetConversation",
         "RenewLease",
         "RevokeLease",
+        # The hint state, for the copy ``router serve --local-hints`` answers from; streamed
+        # with incarnations hidden (``hint_state_for``), as its hints are.
+        "WatchHintState",
     }
 )
 # What a node may call, and where each request names the node it acts as (None: a read that
@@ -237,6 +242,68 @@ def _hide_in_hints(principal: Principal, response: Any) -> None:
 def _hide_in_leases(principal: Principal, response: Any) -> None:
     for lease in response.leases:
         _hide_in_lease(principal, lease)
+
+
+class HintStateViews:
+    """The hint-state messages as each watcher may see them (``hint_state_for``), stripped
+    once per message and view rather than once per watcher: the feed sends the same message
+    object to every watcher, and every router sees the same view of it (all incarnations
+    hidden), so a fleet's routers share one copy. Keeps the views of the ``keep`` newest
+    messages; a watcher further behind gets its own copy, the same bytes."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._keep = keep
+        # id(message) and the view -> (the message, held so its id is not reused; its view).
+        self._views: OrderedDict[
+            tuple[int, str],
+            tuple[registry_pb2.WatchHintStateResponse, registry_pb2.WatchHintStateResponse],
+        ] = OrderedDict()
+
+    def for_principal(
+        self, principal: Principal, message: registry_pb2.WatchHintStateResponse
+    ) -> registry_pb2.WatchHintStateResponse:
+        if principal.trusted:
+            return message
+        # What a principal may see differs only by the node it speaks for (``sees_incarnation``).
+        key = (id(message), principal.node_id if principal.role is Role.NODE else "")
+        held = self._views.get(key)
+        if held is not None:
+            self._views.move_to_end(key)
+            return held[1]
+        shown = hint_state_for(principal, message)
+        self._views[key] = (message, shown)
+        if len(self._views) > self._keep:
+            self._views.popitem(last=False)
+        return shown
+
+
+def hint_state_for(
+    principal: Principal, message: registry_pb2.WatchHintStateResponse
+) -> registry_pb2.WatchHintStateResponse:
+    """A hint-state message (``replication.hint_state``) as ``principal`` may see it: the
+    same message for an operator or a replica (a follower's copy needs the nodes' sessions
+    whole); for anyone else a copy with each node record's and lease record's incarnation
+    hidden by the rule of every answer (``sees_incarnation``). A copy, because the feed sends
+    one message to every watcher. A router's copy needs none: its hints are what the registry
+    answers it, incarnations hidden too."""
+    if principal.trusted:
+        return message
+    shown = registry_pb2.WatchHintStateResponse()
+    shown.CopyFrom(message)
+    for record in shown.records:
+        if not record.record:
+            continue  # a record gone
+        if record.kind == registry_pb2.HINT_RECORD_KIND_NODE:
+            node = node_pb2.Node.FromString(record.record)
+            if node.spec.incarnation and not sees_incarnation(principal, node.spec.node_id):
+                _hide_in_spec(principal, node.spec)
+                record.record = node.SerializeToString()
+        elif record.kind == registry_pb2.HINT_RECORD_KIND_LEASE:
+            lease = lease_pb2.Lease.FromString(record.record)
+            if lease.node_incarnation and not sees_incarnation(principal, lease.node_id):
+                _hide_in_lease(principal, lease)
+                record.record = lease.SerializeToString()
+    return shown
 
 
 # Where each answer carries incarnations of other nodes (an answer type not listed carries

@@ -1,12 +1,14 @@
 """The gRPC face of the registry: decode requests, make the call, map errors to statuses.
 
-With replicas, a call reaches whichever replica the client's channel picked. Each handler
-makes its one call on a ``RegistryApi`` (``api.interface``): the ``Registry`` while this
-replica leads, else a ``Forwarder``, which answers hints that write nothing from this
-replica's copy of the leader's state, relays the leader's answer to everything else and,
-while no leader can be reached, answers hints from its cache (DEGRADED) and everything else
-with UNAVAILABLE. A hint's trailing metadata names the replica whose answer it is
-(``SERVED_BY_METADATA_KEY``).
+With replicas, a call reaches whichever replica the client's channel picked. Whether this
+replica serves it or relays it is decided in one place, ``_served`` (``_serving`` says who):
+while it leads, a handler converts the request (``api.convert``), makes its one call on the
+``Registry`` and converts the answer; else a ``Forwarder`` (``api.forwarder``) relays the
+request whole to the leader and returns the leader's response unchanged, but for the hints it
+answers itself (from its copy of the leader's state, or from its cache, DEGRADED, while no
+leader can be reached). Either way the call is authorized here, where it entered, and the
+incarnations its caller may not see are hidden on the way out. A hint's trailing metadata
+names the replica whose answer it is (``SERVED_BY_METADATA_KEY``).
 
 This is the one place a domain error becomes a gRPC status: its code, its sentence, and its
 reason in the trailing metadata (``errors.status_metadata``); a leader's error is relayed with
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import structlog
@@ -26,9 +28,14 @@ from google.protobuf.message_factory import GetMessageClass
 
 from kvbroker.common.client.grpc_client import SERVED_BY_METADATA_KEY, from_grpc_error
 from kvbroker.controlplane.api import convert
-from kvbroker.controlplane.api.forwarder import Forwarder
-from kvbroker.controlplane.api.identity import Credentials, authorize, hide_incarnations
-from kvbroker.controlplane.api.interface import Leadership, RegistryApi
+from kvbroker.controlplane.api.forwarder import HINT_CALLS, Forwarder
+from kvbroker.controlplane.api.identity import (
+    Credentials,
+    HintStateViews,
+    authorize,
+    hide_incarnations,
+)
+from kvbroker.controlplane.api.interface import Leadership
 from kvbroker.controlplane.errors import (
     InvalidArgument,
     NoLeader,
@@ -38,13 +45,14 @@ from kvbroker.controlplane.errors import (
 )
 from kvbroker.controlplane.placement.planner import TurnRequest
 from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.registry import Registry
 from kvbroker.v1 import registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger("kvbroker.registry")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-Handler = Callable[[Any, RegistryApi, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+Handler = Callable[[Any, Registry, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 Served = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 # A forwarded call waits at most this long for the leader (less if the caller's deadline is).
@@ -65,8 +73,9 @@ async def _abort(
 
 
 def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
-    """Serves on the leader or forwards to it (``RegistryServicer.api``); a RegistryError
-    becomes its status, a leader's error is relayed."""
+    """Serves the call on the leader (``handler``) or relays it to the leader whole
+    (``Forwarder.answer``); a RegistryError becomes its status, a leader's error is
+    relayed."""
     method = handler.__name__
 
     @wraps(handler)
@@ -74,13 +83,23 @@ def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
         self: RegistryServicer, request: Req, context: grpc.aio.ServicerContext
     ) -> Resp:
         try:
-            # Authorized here, where the call entered: a forwarded call reaches the leader
-            # with this replica's credential.
+            # Authorized here, where the call entered: a relayed call reaches the leader with
+            # this replica's credential.
             principal = self.credentials.principal(context)
             authorize(principal, method, request)
-            response = await handler(self, self.api(context), request, context)
+            serving = self._serving(context)
+            response: Any
+            if isinstance(serving, Forwarder):
+                response = await serving.answer(method, request)
+                served_by = serving.served_by
+            else:
+                response = await handler(self, serving, request, context)
+                served_by = self.leadership.address
+            if served_by and method in HINT_CALLS:
+                context.set_trailing_metadata(((SERVED_BY_METADATA_KEY, served_by),))
             hide_incarnations(principal, response)
-            return response
+            # The leader's response to this method is this method's response.
+            return cast(Resp, response)
         except (RegistryError, grpc.aio.AioRpcError) as error:
             await _abort(context, error)
             raise  # unreachable: abort raises
@@ -89,11 +108,14 @@ def _served(handler: Handler[Req, Resp]) -> Served[Req, Resp]:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
+    """Each handler is the leader's: a follower never runs one (``_served``)."""
+
     def __init__(self, leadership: Leadership, credentials: Credentials | None = None) -> None:
         self.leadership = leadership
         self.credentials = credentials or Credentials()
+        self._hint_views = HintStateViews()
 
-    def api(self, context: grpc.aio.ServicerContext) -> RegistryApi:
+    def _serving(self, context: grpc.aio.ServicerContext) -> Registry | Forwarder:
         """Who serves this call: the registry while this replica leads, else the leader
         through a forwarder bounded by the caller's deadline."""
         registry = self.leadership.registry
@@ -106,97 +128,92 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     @_served
     async def RegisterNode(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.RegisterNodeRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.RegisterNodeResponse:
-        return convert.registration_response(await api.register_node(request.spec))
+        return convert.registration_response(await registry.register_node(request.spec))
 
     @_served
     async def Heartbeat(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.HeartbeatRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.HeartbeatResponse:
-        node = await api.heartbeat(
-            request.node_id,
-            request.incarnation,
-            request.engine_ready,
-            codec.load_of(request.load),
-            convert.work_of(request),
-        )
+        node = await registry.heartbeat(convert.heartbeat_of(request))
         return registry_pb2.HeartbeatResponse(node=convert.node_message(node))
 
     @_served
     async def DeregisterNode(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.DeregisterNodeRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.DeregisterNodeResponse:
-        node = await api.deregister_node(request.node_id, request.incarnation)
+        node = await registry.deregister_node(request.node_id, request.incarnation)
         return registry_pb2.DeregisterNodeResponse(node=convert.node_message(node))
 
     @_served
     async def GetNode(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.GetNodeRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetNodeResponse:
         return registry_pb2.GetNodeResponse(
-            node=convert.node_message(await api.get_node(request.node_id))
+            node=convert.node_message(await registry.get_node(request.node_id))
         )
 
     @_served
     async def ListNodes(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.ListNodesRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ListNodesResponse:
-        nodes = await api.list_nodes(request.role, request.model)
+        nodes = await registry.list_nodes(request.role, request.model)
         return registry_pb2.ListNodesResponse(nodes=[convert.node_message(n) for n in nodes])
 
     @_served
     async def DrainNode(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.DrainNodeRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.DrainNodeResponse:
         return registry_pb2.DrainNodeResponse(
-            node=convert.node_message(await api.drain_node(request.node_id))
+            node=convert.node_message(await registry.drain_node(request.node_id))
         )
+
+    @_served
+    async def SetCostProfile(
+        self,
+        registry: Registry,
+        request: registry_pb2.SetCostProfileRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> registry_pb2.SetCostProfileResponse:
+        node = await registry.set_cost_profile(request.node_id, codec.cost_of(request.cost))
+        return registry_pb2.SetCostProfileResponse(node=convert.node_message(node))
 
     @_served
     async def GrantLease(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.GrantLeaseRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GrantLeaseResponse:
-        lease = await api.grant_lease(
-            request.conversation_id,
-            request.node_id,
-            request.node_incarnation,
-            request.handle,
-            request.block_hashes,
-            request.token_count,
-            convert.ttl_of(request),
-            request.block_hash_stride,
-        )
+        lease = await registry.grant_lease(convert.grant_of(request))
         return registry_pb2.GrantLeaseResponse(lease=convert.lease_message(lease))
 
     @_served
     async def RenewLease(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.RenewLeaseRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.RenewLeaseResponse:
-        lease = await api.renew_lease(
+        lease = await registry.renew_lease(
             request.lease_id, request.conversation_id, convert.ttl_of(request)
         )
         return registry_pb2.RenewLeaseResponse(lease=convert.lease_message(lease))
@@ -204,11 +221,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     @_served
     async def ReleaseLease(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.ReleaseLeaseRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ReleaseLeaseResponse:
-        lease = await api.release_lease(
+        lease = await registry.release_lease(
             request.lease_id, request.node_id, request.node_incarnation, request.reason
         )
         return registry_pb2.ReleaseLeaseResponse(lease=convert.lease_message(lease))
@@ -216,32 +233,34 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     @_served
     async def RevokeLease(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.RevokeLeaseRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.RevokeLeaseResponse:
-        lease = await api.revoke_lease(request.lease_id, request.conversation_id, request.reason)
+        lease = await registry.revoke_lease(
+            request.lease_id, request.conversation_id, request.reason
+        )
         return registry_pb2.RevokeLeaseResponse(lease=convert.lease_message(lease))
 
     @_served
     async def GetLease(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.GetLeaseRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetLeaseResponse:
         return registry_pb2.GetLeaseResponse(
-            lease=convert.lease_message(await api.get_lease(request.lease_id))
+            lease=convert.lease_message(await registry.get_lease(request.lease_id))
         )
 
     @_served
     async def ListLeases(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.ListLeasesRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ListLeasesResponse:
-        leases, next_token = await api.list_leases(
+        leases, next_token = await registry.list_leases(
             request.node_id,
             request.conversation_id,
             list(request.states),
@@ -253,108 +272,96 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         )
 
     @_served
+    async def GetConversation(
+        self,
+        registry: Registry,
+        request: registry_pb2.GetConversationRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> registry_pb2.GetConversationResponse:
+        conversation = await registry.get_conversation(request.conversation_id)
+        return registry_pb2.GetConversationResponse(
+            conversation=convert.conversation_message(conversation)
+        )
+
+    @_served
     async def ReportRetention(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.ReportRetentionRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ReportRetentionResponse:
-        return await api.report_retention(
+        return await registry.report_retention(
             request.node_id, request.incarnation, request.events, request.full_snapshot
         )
 
     async def WatchLeaseCommands(
         self, request: registry_pb2.WatchLeaseCommandsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[registry_pb2.WatchLeaseCommandsResponse]:
+        """The one stream a follower relays (``_serving`` says whose it is)."""
         try:
             authorize(self.credentials.principal(context), "WatchLeaseCommands", request)
-            commands = self.api(context).watch_commands(request.node_id, request.incarnation)
+            serving = self._serving(context)
+            if isinstance(serving, Forwarder):
+                async for response in serving.watch(request):
+                    yield response
+                return
+            commands = serving.watch_commands(request.node_id, request.incarnation)
             async for command in commands:
                 yield registry_pb2.WatchLeaseCommandsResponse(command=command)
         except (RegistryError, grpc.aio.AioRpcError) as error:
             await _abort(context, error)
 
     @_served
-    async def GetConversation(
-        self,
-        api: RegistryApi,
-        request: registry_pb2.GetConversationRequest,
-        context: grpc.aio.ServicerContext,
-    ) -> registry_pb2.GetConversationResponse:
-        conversation = await api.get_conversation(request.conversation_id)
-        return registry_pb2.GetConversationResponse(
-            conversation=convert.conversation_message(conversation)
-        )
-
-    @_served
-    async def BatchGetRoutingHints(
-        self,
-        api: RegistryApi,
-        request: registry_pb2.BatchGetRoutingHintsRequest,
-        context: grpc.aio.ServicerContext,
-    ) -> registry_pb2.BatchGetRoutingHintsResponse:
-        response = await api.routing_hints(request.requests, context.time_remaining())
-        self._say_who_served(api, context)
-        return response
-
-    @_served
-    async def SetCostProfile(
-        self,
-        api: RegistryApi,
-        request: registry_pb2.SetCostProfileRequest,
-        context: grpc.aio.ServicerContext,
-    ) -> registry_pb2.SetCostProfileResponse:
-        node = await api.set_cost_profile(request.node_id, codec.cost_of(request.cost))
-        return registry_pb2.SetCostProfileResponse(node=convert.node_message(node))
-
-    @_served
     async def GetRoutingHint(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.GetRoutingHintRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.GetRoutingHintResponse:
-        hint = await api.routing_hint(
+        hint = await registry.routing_hint(
             request.conversation_id,
             request.model,
             request.dry_run,
             TurnRequest.of(request),
             context.time_remaining(),
         )
-        self._say_who_served(api, context)
         return registry_pb2.GetRoutingHintResponse(hint=hint)
 
-    def _say_who_served(self, api: RegistryApi, context: grpc.aio.ServicerContext) -> None:
-        """Names the replica whose answer a hint is (``SERVED_BY_METADATA_KEY``): this one
-        when it leads or answered from its copy, else its leader (nothing for a standalone
-        registry)."""
-        served_by = api.served_by if isinstance(api, Forwarder) else self.leadership.address
-        if served_by:
-            context.set_trailing_metadata(((SERVED_BY_METADATA_KEY, served_by),))
+    @_served
+    async def BatchGetRoutingHints(
+        self,
+        registry: Registry,
+        request: registry_pb2.BatchGetRoutingHintsRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> registry_pb2.BatchGetRoutingHintsResponse:
+        return await registry.routing_hints(request.requests, context.time_remaining())
 
     async def WatchHintState(
         self, request: registry_pb2.WatchHintStateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[registry_pb2.WatchHintStateResponse]:
-        """The leader's state for a follower (``replication.hint_state``); only the leader
-        serves it, and only to replicas (and operators)."""
+        """The leader's state for a follower (``replication.hint_state``), or a follower's
+        copy of it for a router's own (``HintRelay``): whole to replicas and operators, to a
+        router with incarnations hidden (``HintStateViews``: one copy for all routers); never to a
+        node."""
         try:
-            authorize(self.credentials.principal(context), "WatchHintState", request)
+            principal = self.credentials.principal(context)
+            authorize(principal, "WatchHintState", request)
             feed = self.leadership.hint_feed()
             if feed is None:
                 raise NoLeader("this replica does not lead: follow the leader's hint state")
             async for message in feed.subscribe():
-                yield message
+                yield self._hint_views.for_principal(principal, message)
         except RegistryError as error:
             await _abort(context, error)
 
     @_served
     async def MatchPrefix(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.MatchPrefixRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.MatchPrefixResponse:
-        match = await api.match_prefix(
+        match = await registry.match_prefix(
             request.node_id,
             request.conversation_id,
             request.model,
@@ -366,11 +373,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     @_served
     async def EndReadPin(
         self,
-        api: RegistryApi,
+        registry: Registry,
         request: registry_pb2.EndReadPinRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.EndReadPinResponse:
-        await api.end_read_pin(request.node_id, request.lease_id, request.pin_id)
+        await registry.end_read_pin(request.node_id, request.lease_id, request.pin_id)
         return registry_pb2.EndReadPinResponse()
 
 

@@ -8,34 +8,31 @@ lost session. Every end that the holder did not cause itself sends it a command 
 to free the blocks (after any read a claim protects). Call everything under the registry's
 lock: changes are committed, and commands sent, by the registry's unit of work.
 
-Every change of a lease's state passes through ``_track``, which derives its deadlines and
-keeps the prefix index (``prefix_index``) in step; a fork's read pin (``read_pins``) protects
-the blocks as a claim does, by the one rule ``reads_protected_until``.
+Every change of a lease's state passes through ``_put``, whose tracking (``lease_tracking``)
+derives its deadlines and keeps the prefix index (``prefix_index``) in step; a fork's read pin
+(``read_pins``) protects the blocks as a claim does, by the one rule ``reads_protected_until``
+(``lease_times``, the time rules every part reads, which ``Leases`` extends).
 """
 
 from __future__ import annotations
 
-import math
-
 from kvbroker.common.rules.checkpoints import Checkpoints
-from kvbroker.common.rules.clock import stamp_duration
 from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
-from kvbroker.common.rules.sessionless import Retained, holds_all_of, is_sessionless, may_take_over
-from kvbroker.common.rules.tenants import tenant_of
+from kvbroker.common.rules.sessionless import holds_all_of, is_sessionless, may_take_over
 from kvbroker.controlplane.context import RegistryContext
-from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineKind
+from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import (
     InvalidArgument,
     LeaseEnded,
     NotHolder,
     NotRoutedHere,
 )
-from kvbroker.controlplane.lessor.prefix_index import PrefixIndex, Scope, indexed_hashes
-from kvbroker.controlplane.lessor.read_pins import ReadPins
+from kvbroker.controlplane.lessor.lease_times import LeaseTimes
+from kvbroker.controlplane.lessor.lease_tracking import LeaseTracking, indexed, retained
+from kvbroker.controlplane.lessor.prefix_index import PrefixIndex
 from kvbroker.controlplane.lessor.turns import Turns
 from kvbroker.controlplane.records import codec
-from kvbroker.controlplane.records.answers import LeaseAnswer, lease_answer
 from kvbroker.controlplane.records.lease_ids import new_lease_id, next_epoch
 from kvbroker.controlplane.records.model import (
     ACTIVE,
@@ -62,13 +59,10 @@ from kvbroker.controlplane.sessions.nodes import NodeSessions
 from kvbroker.controlplane.storage.outbox import Outbox
 from kvbroker.v1 import lease_pb2
 
-LEASE_EXPIRY = DeadlineKind.LEASE_EXPIRY
-CLAIM_END = DeadlineKind.CLAIM_END
-FORGET_LEASE = DeadlineKind.FORGET_LEASE
 FORGET_CONVERSATION = DeadlineKind.FORGET_CONVERSATION
 
 
-class Leases:
+class Leases(LeaseTimes):
     def __init__(
         self,
         context: RegistryContext,
@@ -78,88 +72,22 @@ class Leases:
         idle_ttl: IdleTtl,
         term: int = 0,
     ) -> None:
+        super().__init__(context, nodes, idle_ttl)
         self._store = context.store
-        self._config = context.config
         self._metrics = context.metrics
-        self._now = context.now
         self._deadlines = context.deadlines
-        self._nodes = nodes
         self._outbox = outbox
         self._turns = turns
-        self._idle_ttl = idle_ttl
-        self._validate = context.validate
         self._log = context.log
         # Rises with every registry that may grant (see ``next_epoch``); 0: no floor.
         self._term = term
-        # Until then, early ends give the holder a full claim's grace: claims made by a
-        # previous leader were not written down (they are soft state) and may still be reading.
-        self.inherited_claims_until = 0.0
-        # Live leases by content (forks), and the forks' read pins on them.
+        # Live leases by content (forks); their deadlines and index entries follow the records.
         self.prefix_index = PrefixIndex()
-        self.pins = ReadPins()
-
-    # ----------------------------------------------------------------- reads
-
-    @staticmethod
-    def expires(lease: Lease) -> float:
-        return lease.expire_time or 0.0
-
-    def time_left(self, lease: Lease) -> float | None:
-        """A live lease's time left as of now; None once it has ended."""
-        return self.expires(lease) - self._now() if lease.state in LIVE_LEASE_STATES else None
-
-    def pin_time_left(self, lease: Lease) -> float | None:
-        """Time left on a live lease's read pins as of now; None when none holds it."""
-        if lease.state not in LIVE_LEASE_STATES:
-            return None
-        now = self._now()
-        until = self.pins.until(lease.lease_id, now)
-        return None if until is None else until - now
-
-    def view(self, lease: Lease) -> LeaseAnswer:
-        """The lease as an answer, with the time left (and on its pins) as of now."""
-        return lease_answer(lease, self.time_left(lease), self.pin_time_left(lease))
-
-    def view_into(self, lease: Lease, into: lease_pb2.Lease) -> None:
-        """The lease as a hint answers it, written into ``into`` (an empty field of the
-        hint): a hint's lease stays protobuf, built in place (``records.answers``)."""
-        codec.lease_into(lease, into)
-        time_left = self.time_left(lease)
-        if time_left is not None:
-            stamp_duration(into.time_to_live, time_left)
-        pinned = self.pin_time_left(lease)
-        if pinned is not None:
-            stamp_duration(into.pin_time_to_live, pinned)
-
-    def reads_protected_until(self, lease: Lease) -> float:
-        """Until when a read of the lease may be in flight: its claim's end while CLAIMED, its
-        read pins' last end. The one rule by which reads keep blocks: the expiry is never
-        before it, an early end keeps the blocks for it, a reclaim before it is refused."""
-        until = (lease.claim_expire_time or 0.0) if lease.state == CLAIMED else 0.0
-        pinned = self.pins.until(lease.lease_id, self._now())
-        return max(until, pinned or 0.0)
-
-    def ack(self, lease: Lease, ack: lease_pb2.Lease) -> None:
-        """Fills ``ack``, a retention report's answer for one lease (``codec.lease_ack``),
-        with the time left as of now."""
-        codec.lease_ack(lease, ack)
-        if lease.state in LIVE_LEASE_STATES:
-            stamp_duration(ack.time_to_live, self.expires(lease) - self._now())
+        self._tracking = LeaseTracking(
+            self._config, self._deadlines, nodes, self.prefix_index, self.pins
+        )
 
     # ----------------------------------------------------------------- lifecycle
-
-    def ttl(self, requested: float | None, holder_id: str) -> float:
-        """A lease's time to live: the idle TTL unless the caller asks for one, bounded by the
-        registry's maximum and by the holder engine's hard cap. The engine frees retained
-        blocks at its cap whatever the lease says, so a lease that outlived it would be
-        offered, claimed and checked as readable for blocks already given to new work."""
-        self._validate.ttl(requested)
-        ttl = min(requested, self._config.max_lease_ttl_s) if requested else self._idle_ttl.ttl()
-        return min(ttl, self._hard_cap_s(holder_id))
-
-    def _hard_cap_s(self, holder_id: str) -> float:
-        cap = self._nodes.retention_hard_cap_s(holder_id)
-        return math.inf if cap is None else cap
 
     async def grant(
         self,
@@ -228,19 +156,18 @@ class Leases:
         shares only part of is another conversation's, and is left alone."""
         if lease.state not in LIVE_LEASE_STATES or not is_sessionless(lease.conversation_id):
             return
-        holder = self._nodes.runtime.get(lease.node_id)
-        if holder is None:
+        scope = self._tracking.scope(lease)
+        if scope is None:
             return
-        block_size = holder.spec.block_size
-        scope = Scope(tenant_of(lease.conversation_id), holder.spec.model, block_size)
-        held = _retained(lease)
-        for other_id in self.prefix_index.sharing_all(scope, _indexed(lease, block_size)):
+        block_size = scope.block_size
+        held = retained(lease)
+        for other_id in self.prefix_index.sharing_all(scope, indexed(lease, block_size)):
             other = await self._store.get_lease(other_id)
             if (
                 other is None
                 or other.state not in LIVE_LEASE_STATES
                 or not may_take_over(other.conversation_id, lease.conversation_id)
-                or not holds_all_of(held, _retained(other), block_size)
+                or not holds_all_of(held, retained(other), block_size)
             ):
                 continue
             await self.end(
@@ -302,52 +229,7 @@ class Leases:
         """Stores the lease and derives its deadlines from it: the record's times are the one
         truth, and the heap follows them here and nowhere else."""
         await self._store.put_lease(lease, durable)
-        self._track(lease)
-
-    def _track(self, lease: Lease) -> None:
-        """The deadlines of a lease as its record says: while live, its expiry and (CLAIMED)
-        its claim's end; once ended, when it is forgotten. The prefix index follows the same
-        states: a live lease is found by content, an ended one is not."""
-        lease_id = lease.lease_id
-        self._index(lease)
-        if lease.state in LIVE_LEASE_STATES:
-            self._follow((LEASE_EXPIRY, lease_id), self.expires(lease))
-            claimed = lease.state == CLAIMED
-            self._follow(
-                (CLAIM_END, lease_id), (lease.claim_expire_time or 0.0) if claimed else None
-            )
-            self._deadlines.cancel((FORGET_LEASE, lease_id))
-        else:
-            self._deadlines.cancel((LEASE_EXPIRY, lease_id))
-            self._deadlines.cancel((CLAIM_END, lease_id))
-            forget_at = (lease.end_time or 0.0) + self._config.ended_lease_retention_s
-            self._follow((FORGET_LEASE, lease_id), forget_at)
-
-    def _index(self, lease: Lease) -> None:
-        """Keeps the prefix index in step with the lease's state (its scope: its tenant, its
-        holder's model and block size)."""
-        lease_id = lease.lease_id
-        if lease.state not in LIVE_LEASE_STATES:
-            scope = self.prefix_index.scope(lease_id)
-            if scope is not None:
-                self.prefix_index.remove(lease_id, _indexed(lease, scope.block_size))
-            self.pins.forget(lease_id)
-            return
-        if lease_id in self.prefix_index:
-            return
-        holder = self._nodes.runtime.get(lease.node_id)
-        if holder is None:
-            return  # not routable: nothing to find it for
-        spec = holder.spec
-        scope = Scope(tenant_of(lease.conversation_id), spec.model, spec.block_size)
-        self.prefix_index.add(lease_id, scope, _indexed(lease, spec.block_size))
-
-    def _follow(self, key: DeadlineKey, when: float | None) -> None:
-        """Sets a deadline to ``when`` (None: none), leaving an unchanged one as it is."""
-        if when is None:
-            self._deadlines.cancel(key)
-        elif self._deadlines.deadline(key) != when:
-            self._deadlines.schedule(key, when)
+        self._tracking.track(lease)
 
     async def _supersede(self, conversation: Conversation, lease: Lease) -> None:
         """Makes ``lease`` the conversation's current one; ends the previous live lease."""
@@ -369,18 +251,6 @@ class Leases:
                 )
         await self._store.put_conversation(conversation)
         self._deadlines.cancel((FORGET_CONVERSATION, conversation.conversation_id))
-
-    def grace_for(self, lease: Lease) -> float:
-        """How long the holder must keep blocks after an early end: covers in-flight reads."""
-        now = self._now()
-        grace = max(self._config.revoke_grace_s, self.inherited_claims_until - now)
-        return max(grace, self.reads_protected_until(lease) - now)
-
-    def keep_for(self, lease: Lease) -> float:
-        """How long the holder must keep a live lease's blocks when it asked to free them and
-        may not: to the lease's expiry (hints offer it until then, so the engine's deadline
-        must not come first) and at least the grace for reads in flight."""
-        return max(self.expires(lease) - self._now(), self.grace_for(lease))
 
     async def renew(self, lease: Lease, ttl: float) -> None:
         if lease.state not in LIVE_LEASE_STATES:
@@ -505,7 +375,7 @@ class Leases:
         now = self._now()
         # Within the holder's hard cap too: the engine frees at one cap after the command
         # that moves its deadline, so no claim may outlast it.
-        claim_s = min(self._config.claim_timeout_s, self._hard_cap_s(lease.node_id))
+        claim_s = min(self._config.claim_timeout_s, self.hard_cap_s(lease.node_id))
         claim_end = now + claim_s
         lease.state = CLAIMED
         lease.claim_expire_time = claim_end
@@ -526,7 +396,7 @@ class Leases:
         claim's time from now, the lease's state unchanged. Moves the expiry past the pin (and
         tells the holder) as a claim does; returns the pin's id."""
         now = self._now()
-        pin_end = now + min(self._config.claim_timeout_s, self._hard_cap_s(lease.node_id))
+        pin_end = now + min(self._config.claim_timeout_s, self.hard_cap_s(lease.node_id))
         pin_id = self.pins.pin(lease.lease_id, pin_end, reader)
         if self.expires(lease) < pin_end:
             lease.expire_time = pin_end
@@ -546,10 +416,9 @@ class Leases:
         self._turns.inherited_turns_until = self.inherited_claims_until
         live = 0
         live_conversations: set[str] = set()
-        self.prefix_index.clear()
-        self.pins.clear()
+        self._tracking.clear()
         for lease in await self._store.list_leases():
-            self._track(lease)
+            self._tracking.track(lease)
             if lease.state in LIVE_LEASE_STATES:
                 self._nodes.account(lease.node_id, lease.handle.block_count, +1)
                 live_conversations.add(lease.conversation_id)
@@ -590,14 +459,3 @@ class Leases:
         )
         if lease is None or lease.state not in LIVE_LEASE_STATES:
             await self._store.delete_conversation(conversation_id)
-
-
-def _indexed(lease: Lease, block_size: int) -> list[tuple[int, bytes]]:
-    """The (block, hash) pairs the prefix index keys the lease by at ``block_size``."""
-    return indexed_hashes(lease.checkpoints, lease.block_hash_stride, lease.token_count, block_size)
-
-
-def _retained(lease: Lease) -> Retained:
-    """The lease's content as the sessionless rule compares it."""
-    hashes = codec.checkpoint_hashes(lease.checkpoints)
-    return Retained(hashes, lease.block_hash_stride, lease.token_count)

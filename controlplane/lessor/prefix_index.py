@@ -9,17 +9,18 @@ hashes equal its own. Hashes chain, so one equal hash at block i proves blocks 0
 index therefore keys each lease only by its hashes at block indexes 2^k - 1
 (``checkpoints.probe_blocks``) that are among its checkpoints (every one at or past its
 stride, as the stride is a power of two), of full blocks only. A lease costs about
-log2(blocks) entries (14 for 8,192 blocks), and a look-up about as many dictionary probes.
+log2(blocks) entries (14 for 8,192 blocks), and a look-up about as many table probes.
 
 Scope: a lease is found only under its tenant (the conversation id's ``TENANT/`` prefix,
 ``tenants.tenant_of``), its holder's model and its block size, so no tenant's look-up can name
-another's lease. Maintained from one place, ``Leases._track``, which every change of a lease's
-state passes through (grant, claim, end, revival, a takeover's rebuild): a live lease is
-indexed, an ended one removed. Soft state, as leases are: rebuilt from the replays.
+another's lease. Maintained from one place, ``LeaseTracking.track``, which every change of a
+lease's state passes through (grant, claim, end, revival, a takeover's rebuild): a live lease
+is indexed, an ended one removed. Soft state, as leases are: rebuilt from the replays.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -30,9 +31,12 @@ from kvbroker.controlplane.records import codec
 MAX_PROBES = 32
 # The leases a key keeps, newest: they all give a prompt the same prefix there.
 KEEP_PER_KEY = 8
-# The bytes of a probe hash a key keeps, as an int: below 2**60 a Python int is 32 bytes (an
-# 8-byte bytes object 48), and a registry holds millions of keys.
+# The bytes of a probe hash a key keeps: 7, so a key is a non-negative int64.
 KEY_BYTES = 7
+# The table doubles past this share of its slots in use (linear probing stays short below it).
+MAX_LOAD = 0.75
+# Mixes a scope's number into where its keys start probing (the golden ratio's 64 bits).
+_MIX = 0x9E3779B97F4A7C15
 
 
 def key_of(digest: bytes) -> int:
@@ -74,6 +78,12 @@ def indexed_hashes(
     return [(b, at[b]) for b in probe_blocks(full_blocks) if b in at]
 
 
+def _home(key: int, number: int, mask: int) -> int:
+    """The slot a key of scope ``number`` starts probing at, in a table of ``mask`` + 1 slots
+    (keys are hash bytes already: the scope's number only moves where each scope's fall)."""
+    return (key ^ (number * _MIX)) & mask
+
+
 class PrefixIndex:
     """Live leases by (scope, hash at a probe block).
 
@@ -82,110 +92,230 @@ class PrefixIndex:
     ``KEEP_PER_KEY`` newest leases (the spares are for when the newest cannot be read). One
     system prompt under a million conversations is then 8 ids at each of its keys, not a
     million, and a look-up reads at most 8 leases a level. A key is the hash's first
-    ``KEY_BYTES`` bytes (``key_of``): a lease costs about 80 bytes a key here at any context
-    length, and a collision (one in 2^56 a probe) costs nothing but a lease the reader's check
-    against its checkpoints turns down."""
+    ``KEY_BYTES`` bytes (``key_of``); a collision (one in 2^56 a probe) costs nothing but a
+    lease the reader's check against its checkpoints turns down.
+
+    Kept in flat arrays, not Python objects per key (a dictionary's key, slot and list cost
+    ~80 bytes a key, ~530 a lease of 6 keys): an open-addressing table of (key, row) pairs,
+    one pair per key of each lease, linear probing from a slot the key and its scope's number
+    give, deleted by shifting the rest of a run back (no tombstones); and a row per indexed
+    lease: its id, scope number, longest key and the order it was added in (newest first in
+    a hit). A pair costs 12 bytes a slot, and 1.3 to 2.7 slots as the table fills to 3/4 and
+    doubles."""
 
     def __init__(self) -> None:
-        # Per scope, each key's leases, newest last: one id alone (the common case, a key no
-        # other lease shares) as a str, several in a list.
-        self._leases: dict[Scope, dict[int, str | list[str]]] = {}
-        # One object per scope, shared by its leases (a lease's own would cost ~110 bytes).
-        self._scopes: dict[Scope, Scope] = {}
-        # Each indexed lease's scope and its last (longest) key, the key objects ``_leases``
-        # holds. Its other keys are not kept: ``remove`` is given its hashes again, which
-        # are the lease's own (its checkpoints never change).
-        self._keys: dict[str, tuple[Scope, int]] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._bits = 10
+        self._keys = array("q", bytes(8 << self._bits))
+        # Each slot's row + 1; 0: empty.
+        self._slots = array("i", bytes(4 << self._bits))
+        self._used = 0
+        self._limit = int(MAX_LOAD * (1 << self._bits))
+        # Rows: a lease's id (None: a free row), scope number, longest key, and when added.
+        self._ids: list[str | None] = []
+        self._row_scope = array("i")
+        self._row_last = array("q")
+        self._row_added = array("q")
+        self._free_rows: list[int] = []
+        self._added = 0
+        self._rows: dict[str, int] = {}
+        # Scopes by number, one object each, shared by their leases; and their live rows.
+        self._scope_numbers: dict[Scope, int] = {}
+        self._scopes: list[Scope | None] = []
+        self._scope_rows: list[int] = []
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._rows)
 
     def __contains__(self, lease_id: str) -> bool:
-        return lease_id in self._keys
+        return lease_id in self._rows
 
     def entries(self) -> int:
         """Lease ids held under keys in all: about log2(blocks) per lease, fewer where many
         leases share a key."""
-        return sum(
-            1 if isinstance(ids, str) else len(ids)
-            for keys in self._leases.values()
-            for ids in keys.values()
-        )
+        return self._used
 
     def scope(self, lease_id: str) -> Scope | None:
         """The scope an indexed lease is found under; None when it is not indexed."""
-        found = self._keys.get(lease_id)
-        return found[0] if found is not None else None
+        row = self._rows.get(lease_id)
+        return self._scopes[self._row_scope[row]] if row is not None else None
 
     def add(self, lease_id: str, scope: Scope, hashes: Sequence[tuple[int, bytes]]) -> None:
         """Indexes a live lease (again: a no-op) under its ``indexed_hashes``."""
-        if lease_id in self._keys:
+        if lease_id in self._rows:
             return
-        scope = self._scopes.setdefault(scope, scope)
-        by_key = self._leases.setdefault(scope, {})
+        number = self._scope_number(scope)
+        row = self._new_row(lease_id, number)
         key = -1
         for _, digest in hashes:
             key = key_of(digest)
-            ids = by_key.get(key)
-            if ids is None:
-                by_key[key] = lease_id
-            elif isinstance(ids, str):
-                by_key[key] = [ids, lease_id]
-            else:
-                ids.append(lease_id)
-                if len(ids) > KEEP_PER_KEY:
-                    del ids[0]
-        self._keys[lease_id] = (scope, key)
+            if self._used >= self._limit:
+                self._grow()
+            # One probe finds the key's pairs of this scope and, at the run's end, a free slot.
+            keys, slots, scopes = self._keys, self._slots, self._row_scope
+            mask = len(slots) - 1
+            slot = _home(key, number, mask)
+            held: list[int] = []
+            while found := slots[slot]:
+                if keys[slot] == key and scopes[found - 1] == number:
+                    held.append(slot)
+                slot = (slot + 1) & mask
+            if len(held) >= KEEP_PER_KEY:
+                oldest = min(held, key=lambda at: self._row_added[self._slots[at] - 1])
+                self._delete(oldest)  # shifts the run: probe again for the free slot
+                slot = _home(key, number, mask)
+                while slots[slot]:
+                    slot = (slot + 1) & mask
+            keys[slot] = key
+            slots[slot] = row + 1
+            self._used += 1
+        self._row_last[row] = key
 
     def remove(self, lease_id: str, hashes: Sequence[tuple[int, bytes]]) -> None:
         """Forgets an indexed lease; ``hashes``: what it was added under."""
-        found = self._keys.pop(lease_id, None)
-        if found is None:
+        row = self._rows.pop(lease_id, None)
+        if row is None:
             return
-        scope = found[0]
-        by_key = self._leases.get(scope, {})
+        number = self._row_scope[row]
         for _, digest in hashes:
-            key = key_of(digest)
-            ids = by_key.get(key)
-            if ids == lease_id:
-                del by_key[key]
-            elif isinstance(ids, list) and lease_id in ids:
-                ids.remove(lease_id)
-                if len(ids) == 1:
-                    by_key[key] = ids[0]
-        if not by_key:
-            self._leases.pop(scope, None)
-            self._scopes.pop(scope, None)
+            for slot in self._find(number, key_of(digest)):
+                if self._slots[slot] == row + 1:
+                    self._delete(slot)
+                    break
+        self._ids[row] = None
+        self._free_rows.append(row)
+        self._scope_rows[number] -= 1
+        if not self._scope_rows[number]:
+            scope = self._scopes[number]
+            assert scope is not None
+            del self._scope_numbers[scope]
+            self._scopes[number] = None
 
     def clear(self) -> None:
-        self._leases.clear()
-        self._scopes.clear()
-        self._keys.clear()
+        self._reset()
 
     def sharing_all(self, scope: Scope, hashes: Sequence[tuple[int, bytes]]) -> list[str]:
         """The leases whose every indexed hash is among ``hashes`` (a lease's own
         ``indexed_hashes``): hashes chain, so those whose longest indexed key (the last of
         their keys) is one of them. The candidates a sessionless lease may supersede; a lease
         sharing only a shorter prefix (a common system prompt) is not among them."""
-        by_key = self._leases.get(scope)
-        if by_key is None:
+        number = self._scope_numbers.get(scope)
+        if number is None:
             return []
         found: set[str] = set()
         for _, digest in hashes:
             key = key_of(digest)
-            ids = by_key.get(key)
-            for lease_id in (ids,) if isinstance(ids, str) else ids or ():
-                if self._keys[lease_id][1] == key:
-                    found.add(lease_id)
+            for slot in self._find(number, key):
+                row = self._slots[slot] - 1
+                if self._row_last[row] == key:
+                    found.add(self._id(row))
         return sorted(found)
 
     def hits(self, scope: Scope, probes: Sequence[bytes]) -> Iterator[Hit]:
         """The leases sharing the prompt's prefix, longest share first, newest lease first
         within one: ``probes`` are the prompt's hashes at blocks 0, 1, 3, 7, ... in order."""
-        by_key = self._leases.get(scope)
-        if by_key is None:
+        number = self._scope_numbers.get(scope)
+        if number is None:
             return
+        added = self._row_added
         for level in range(min(len(probes), MAX_PROBES) - 1, -1, -1):
-            ids = by_key.get(key_of(probes[level]))
-            if ids is not None:
-                yield Hit(1 << level, (ids,) if isinstance(ids, str) else tuple(reversed(ids)))
+            rows = [self._slots[slot] - 1 for slot in self._find(number, key_of(probes[level]))]
+            if rows:
+                rows.sort(key=added.__getitem__, reverse=True)
+                yield Hit(1 << level, tuple(self._id(row) for row in rows))
+
+    # ----------------------------------------------------------------- rows and slots
+
+    def _id(self, row: int) -> str:
+        lease_id = self._ids[row]
+        assert lease_id is not None
+        return lease_id
+
+    def _scope_number(self, scope: Scope) -> int:
+        number = self._scope_numbers.get(scope)
+        if number is None:
+            number = len(self._scopes)
+            self._scope_numbers[scope] = number
+            self._scopes.append(scope)
+            self._scope_rows.append(0)
+        return number
+
+    def _new_row(self, lease_id: str, number: int) -> int:
+        self._added += 1
+        if self._free_rows:
+            row = self._free_rows.pop()
+            self._ids[row] = lease_id
+            self._row_scope[row] = number
+            self._row_added[row] = self._added
+        else:
+            row = len(self._ids)
+            self._ids.append(lease_id)
+            self._row_scope.append(number)
+            self._row_last.append(-1)
+            self._row_added.append(self._added)
+        self._rows[lease_id] = row
+        self._scope_rows[number] += 1
+        return row
+
+    def _find(self, number: int, key: int) -> list[int]:
+        """The slots holding ``key`` for a lease of scope ``number``."""
+        keys, slots, scopes = self._keys, self._slots, self._row_scope
+        mask = (1 << self._bits) - 1
+        slot = _home(key, number, mask)
+        found = []
+        while held := slots[slot]:
+            if keys[slot] == key and scopes[held - 1] == number:
+                found.append(slot)
+            slot = (slot + 1) & mask
+        return found
+
+    def _delete(self, slot: int) -> None:
+        """Empties a slot, moving back the pairs after it in its run that probing would no
+        longer reach across the gap (so a run never has holes, and no tombstones are kept)."""
+        keys, slots, scopes = self._keys, self._slots, self._row_scope
+        mask = (1 << self._bits) - 1
+        gap, at = slot, slot
+        while True:
+            at = (at + 1) & mask
+            held = slots[at]
+            if not held:
+                break
+            home = _home(keys[at], scopes[held - 1], mask)
+            # The pair stays unless the gap lies between its home and it, cyclically.
+            if (at - home) & mask >= (at - gap) & mask:
+                keys[gap], slots[gap] = keys[at], held
+                gap = at
+        slots[gap] = 0
+        self._used -= 1
+
+    def reserve(self, pairs: int) -> None:
+        """Sizes the table for ``pairs`` more pairs at once: a replay's thousands of leases
+        would otherwise double it ten times over, every pair probed in again each time."""
+        bits = self._bits
+        while self._used + pairs >= int(MAX_LOAD * (1 << bits)):
+            bits += 1
+        if bits > self._bits:
+            self._resize(bits)
+
+    def _grow(self) -> None:
+        """Doubles the table."""
+        self._resize(self._bits + 1)
+
+    def _resize(self, bits: int) -> None:
+        """A table of ``2**bits`` slots, every pair probed in again."""
+        old_keys, old_slots, scopes = self._keys, self._slots, self._row_scope
+        self._bits = bits
+        self._keys = keys = array("q", bytes(8 << self._bits))
+        self._slots = slots = array("i", bytes(4 << self._bits))
+        self._limit = int(MAX_LOAD * (1 << self._bits))
+        mask = (1 << self._bits) - 1
+        for at, held in enumerate(old_slots):
+            if held:
+                key = old_keys[at]
+                slot = _home(key, scopes[held - 1], mask)
+                while slots[slot]:
+                    slot = (slot + 1) & mask
+                keys[slot] = key
+                slots[slot] = held

@@ -8,6 +8,7 @@ snapshot lacks is ended, and the node's leases may be offered again (it is synce
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from kvbroker.common.rules.checkpoints import Checkpoints
@@ -37,6 +38,12 @@ from kvbroker.v1 import registry_pb2
 # Events with the block count of each (counted once, when checked), or the error a malformed
 # one is refused with.
 CheckedEvents = list[tuple[registry_pb2.RetentionEvent, int | InvalidArgument]]
+# A report yields to the event loop after this many events. A replay of thousands would
+# otherwise hold the loop for seconds (its awaits on the memory store never suspend), and
+# gRPC's server accepts a call only when the loop runs: its core cancels a call nobody
+# accepted within 30 s (``grpc.server_max_unrequested_time_in_server``), so during a
+# fleet's replays the other replays and the heartbeats ended CANCELLED.
+YIELD_EVERY = 100
 
 
 class RetentionReports:
@@ -82,7 +89,11 @@ class RetentionReports:
         # costs a replay as much as building them.
         response = registry_pb2.ReportRetentionResponse()
         snapshot_ids: set[str] = set()
-        for event, blocks in checked:
+        if full_snapshot:
+            self._reserve_index(checked)
+        for index, (event, blocks) in enumerate(checked, 1):
+            if index % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
             try:
                 if isinstance(blocks, RegistryError):
                     raise blocks
@@ -109,6 +120,18 @@ class RetentionReports:
                 )
         response.applied_sequence = runtime.applied_sequence
         return response
+
+    def _reserve_index(self, checked: CheckedEvents) -> None:
+        """Sizes the prefix index once for a snapshot's leases (a restart replays thousands into
+        an empty registry): a lease is keyed at most at its probe blocks, ``bit_length`` of its
+        block count (``probe_blocks``); too many only leaves the table emptier."""
+        self._leases.prefix_index.reserve(
+            sum(
+                blocks.bit_length()
+                for event, blocks in checked
+                if isinstance(blocks, int) and event.HasField("retained")
+            )
+        )
 
     async def _apply_one(
         self,

@@ -1,7 +1,8 @@
 """Routing hints: the routing rule (``kvbroker.common.rules.routing``) applied to the registry's
-state: by the leader (which may claim the lease it offers), by a follower from its copy of the
-leader's state for hints that write nothing (``fed_hint``), and by a follower from its etcd
-cache while no leader can be reached (``cached_hint``, DEGRADED).
+state: by the leader (which may claim the lease it offers), and by a follower from its etcd
+cache while no leader can be reached (``cached_hint``, DEGRADED). A follower answers hints that
+write nothing from its copy of the leader's state by ``kvbroker.common.rules.fed_hints``, the
+rule a router's own copy answers by too.
 
 The leader's hint goes on the planner's path (``controlplane.placement.planner``), and to the
 prefill node the planner chose: the least-loaded one the routing rule picks, or the one whose own
@@ -13,11 +14,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Protocol
 
-from kvbroker.common.rules import routing
-from kvbroker.common.rules.clock import stamp_duration
-from kvbroker.common.rules.routing import LIVE_LEASE_STATES
+from kvbroker.common.rules import fed_hints, routing
+from kvbroker.common.rules.fed_hints import DEGRADED
 from kvbroker.controlplane.context import RegistryContext
 from kvbroker.controlplane.errors import (
     NodeNotRegistered,
@@ -32,15 +31,11 @@ from kvbroker.controlplane.placement import planner
 from kvbroker.controlplane.placement.planner import UNSAID, TurnRequest
 from kvbroker.controlplane.placement.prefill_caches import PrefillCaches
 from kvbroker.controlplane.records import codec
-from kvbroker.controlplane.records.model import Conversation, Lease, Node
+from kvbroker.controlplane.records.model import Conversation, Lease
 from kvbroker.controlplane.sessions.idle_ttl import IdleTtl
 from kvbroker.controlplane.sessions.nodes import NodeRuntime, NodeSessions
-from kvbroker.controlplane.storage.state_cache import StateCache
 from kvbroker.controlplane.storage.store import Store
 from kvbroker.v1 import registry_pb2
-
-EXACT = registry_pb2.HINT_CONSISTENCY_EXACT
-DEGRADED = registry_pb2.HINT_CONSISTENCY_DEGRADED
 
 
 class Hints:
@@ -85,8 +80,13 @@ class Hints:
         )
         lease = await self._current_lease(conversation, claim=not dry_run)
         holder = self._nodes.runtime.get(lease.node_id) if lease is not None else None
-        reuse = _reuse(
-            conversation_id, conversation, lease, holder, holder is not None and holder.synced
+        reuse = fed_hints.reuse(
+            conversation_id,
+            conversation,
+            lease,
+            lease.handle.registration_generation if lease is not None else 0,
+            holder,
+            holder is not None and holder.synced,
         )
         holder_id = conversation.decode_node_id if conversation is not None else ""
         prefill, decode = routing.choose(
@@ -115,7 +115,7 @@ class Hints:
                 self._turns.started(conversation_id, choice.decode, turn_prefill)
                 retained = lease.token_count if lease is not None and reuse.reuses else 0
                 self._note_prefill(conversation_id, path, choice.prefill, retained, asked)
-        _answer(hint, reuse, path, choice.prefill, choice.decode or holder)
+        fed_hints.answer(hint, reuse, path, choice.prefill, choice.decode or holder)
         if reuse.reuses and lease is not None:
             self._leases.view_into(lease, hint.lease)
         for estimate in choice.plan.estimates if choice.plan is not None else ():
@@ -147,7 +147,11 @@ class Hints:
         usable = lease if reuse.reuses else None
         if not routing.pairs(prefill, decode):
             return _Choice(
-                planner.DECODE_LOCAL, _unpaired(reuse, usable, decode), None, prefill, decode
+                planner.DECODE_LOCAL,
+                fed_hints.unpaired(reuse, usable, decode),
+                None,
+                prefill,
+                decode,
             )
         candidates = self._candidates(conversation_id, model, prefill, decode)
         plan = self._plan(usable, candidates, decode, asked)
@@ -316,55 +320,6 @@ class Hints:
         return lease
 
 
-def _reuse(
-    conversation_id: str,
-    conversation: Conversation | None,
-    lease: Lease | None,
-    holder: routing.RoutedNode[Any] | None,
-    holder_replayed: bool,
-) -> routing.Reuse:
-    """Whether the turn reuses ``lease`` (the conversation's current one, as of now): the
-    routing rule's decision, fenced by the holder's KV registration generation."""
-    reuse = routing.reuse_decision(conversation_id, conversation, lease, holder, holder_replayed)
-    if reuse.reuses and lease is not None and holder is not None:
-        generation = lease.handle.registration_generation
-        reuse = routing.registered_anew(lease.lease_id, generation, holder.spec) or reuse
-    return reuse
-
-
-def _unpaired(
-    reuse: routing.Reuse, usable: Lease | None, decode: routing.RoutedNode[Any]
-) -> routing.Reuse:
-    """The decision when no prefill node can hand KV to ``decode`` (the turn is DECODE_LOCAL):
-    a usable lease elsewhere is not reused."""
-    if usable is None or usable.node_id == decode.node_id:
-        return reuse
-    return routing.Reuse(
-        registry_pb2.HINT_DECISION_RECOMPUTE,
-        f"no prefill node can hand KV to {decode.node_id!r} (vLLM "
-        f"{decode.spec.vllm_version or 'unreported'}): it computes the turn itself",
-        registry_pb2.NO_REUSE_REASON_VERSION_MISMATCH,
-    )
-
-
-def _answer(
-    hint: registry_pb2.RoutingHint,
-    reuse: routing.Reuse,
-    path: registry_pb2.TurnPath,
-    prefill: routing.RoutedNode[Any],
-    decode: routing.RoutedNode[Any] | None,
-) -> None:
-    """Writes a hint's decision, path and nodes (its lease and estimates are the caller's)."""
-    hint.decision = reuse.decision
-    hint.reason = reuse.reason
-    hint.no_reuse = reuse.no_reuse
-    hint.consistency = EXACT if reuse.exact else DEGRADED
-    hint.prefill.CopyFrom(prefill.spec)
-    if decode is not None:
-        hint.decode.CopyFrom(decode.spec)
-    hint.path = path
-
-
 @dataclass(frozen=True, slots=True)
 class _Choice:
     """Where a turn goes and how it gets its KV. ``prefill`` is shown in the hint even when
@@ -431,71 +386,3 @@ async def cached_hint(
         # Plain P/D, unless no prefill node can hand KV to the decode node.
         path=planner.RECOMPUTE if routing.pairs(prefill, decode) else planner.DECODE_LOCAL,
     )
-
-
-def served_locally(dry_run: bool, asked: TurnRequest) -> bool:
-    """Whether a follower may answer a hint from its copy of the leader's state
-    (``fed_hint``): one that writes nothing (a dry run: no claim, no turn counted), and that
-    the routing rule alone answers (nothing said of the prompt, no path asked for, no node
-    placed on), as the leader's planner then has nothing to weigh either (``Hints._plan``)."""
-    return dry_run and asked == UNSAID
-
-
-def fed_hint(
-    view: HintState, conversation_id: str, model: str, turn: int
-) -> registry_pb2.RoutingHint:
-    """A dry-run hint (``served_locally``) from a follower's current copy of the leader's
-    state: the leader's own answer to it, but for the load it weighs (as of the last
-    heartbeat the leader passed on, without the turns routed since) and a lease's read pins
-    (the leader's alone). Safe however late the copy: a dry run claims nothing, and a prefill
-    node reads only what the leader confirms is claimed at the handle's epoch (docs/design.md,
-    "Hints on every replica")."""
-    try:
-        routes = view.routes(model)
-    except routing.NoReadyNode as error:
-        raise NoReadyNode(error.message) from error
-    conversation = view.cache.conversation(conversation_id) if conversation_id else None
-    lease = (
-        view.cache.lease(conversation.lease_id)
-        if conversation is not None and conversation.lease_id
-        else None
-    )
-    holder = view.node(lease.node_id) if lease is not None else None
-    time_left = (lease.expire_time or 0.0) - view.leader_now() if lease is not None else 0.0
-    if lease is not None and lease.state in LIVE_LEASE_STATES and time_left <= 0:
-        reuse = routing.Reuse(
-            registry_pb2.HINT_DECISION_RECOMPUTE,
-            f"lease {lease.lease_id} was not renewed in time",
-            registry_pb2.NO_REUSE_REASON_LEASE_NOT_LIVE,
-        )
-    else:
-        # The leader holds a lease only once its holder replayed or reported to it.
-        reuse = _reuse(conversation_id, conversation, lease, holder, True)
-    holder_id = conversation.decode_node_id if conversation is not None else ""
-    prefill, decode = routing.choose(
-        routes, turn, holder=holder_id, conversation=bool(conversation_id)
-    )
-    usable = lease if reuse.reuses else None
-    if routing.pairs(prefill, decode):
-        path = planner.READ if usable is not None else planner.RECOMPUTE
-    else:
-        path, reuse = planner.DECODE_LOCAL, _unpaired(reuse, usable, decode)
-    hint = registry_pb2.RoutingHint()
-    _answer(hint, reuse, path, prefill, decode)
-    if reuse.reuses and lease is not None:
-        codec.lease_into(lease, hint.lease)
-        stamp_duration(hint.lease.time_to_live, time_left)
-    return hint
-
-
-class HintState(Protocol):
-    """A follower's copy of the leader's state (``replication.hint_state.HintView``)."""
-
-    @property
-    def cache(self) -> StateCache: ...
-
-    def routes(self, model: str) -> routing.Routes[routing.RoutedNode[Node]]: ...
-
-    def node(self, node_id: str) -> routing.RoutedNode[Node] | None: ...
-
-    def leader_now(self) -> float: ...

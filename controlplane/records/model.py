@@ -70,6 +70,28 @@ class KvHandle:
     registration_generation: int = 0
 
 
+_new = object.__new__
+# the slots' own descriptors (``vars``: the class attribute, which mypy types as the field)
+_set_request_id = vars(KvHandle)["remote_request_id"].__set__
+_set_block_count = vars(KvHandle)["block_count"].__set__
+_set_packed = vars(KvHandle)["packed"].__set__
+_set_generation = vars(KvHandle)["registration_generation"].__set__
+
+
+def kv_handle(
+    remote_request_id: str, block_count: int, packed: bytes, registration_generation: int
+) -> KvHandle:
+    """``KvHandle(...)`` in ~0.4 us, not ~1.2: sets the slots directly, not through the
+    frozen dataclass's guarded ``__setattr__``. For the state cache, which builds a handle
+    on every read of a lease (``storage.lease_rows``)."""
+    handle: KvHandle = _new(KvHandle)
+    _set_request_id(handle, remote_request_id)
+    _set_block_count(handle, block_count)
+    _set_packed(handle, packed)
+    _set_generation(handle, registration_generation)
+    return handle
+
+
 @dataclass(slots=True)
 class Lease:
     """Retained KV of one conversation turn on one decode node. Times are the registry's clock

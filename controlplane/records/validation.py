@@ -26,6 +26,7 @@ from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.records.codec import block_count
 from kvbroker.controlplane.records.model import CostProfile, EngineWork, NodeLoad
+from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 # Epochs and sequences stay far below uint64's end, so incrementing one never overflows.
@@ -190,6 +191,12 @@ class Validation:
         self.id(node_id, "node_id")
         self.id(incarnation, "incarnation")
 
+    def heartbeat(self, beat: Heartbeat) -> None:
+        self.session(beat.node_id, beat.incarnation)
+        self.load(beat.load)
+        if beat.work is not None:
+            self.work(beat.work)
+
     @staticmethod
     def load(load: NodeLoad) -> None:
         usage = load.kv_cache_usage
@@ -243,20 +250,12 @@ class Validation:
         self.record_bytes(handle.ByteSize() + hash_bytes + self._lease_overhead, "the lease")
         return blocks
 
-    def grant(
-        self,
-        conversation_id: str,
-        node_id: str,
-        incarnation: str,
-        handle: lease_pb2.KvHandle,
-        block_hashes: Sequence[bytes],
-        token_count: int,
-        ttl: float | None,
-    ) -> int:
-        self.id(conversation_id, "conversation_id")
-        self.session(node_id, incarnation)
-        self.ttl(ttl)
-        return self.retention(handle, block_hashes, token_count)
+    def grant(self, grant: LeaseGrant) -> int:
+        """A grant's content; returns its handle's block count."""
+        self.id(grant.conversation_id, "conversation_id")
+        self.session(grant.node_id, grant.incarnation)
+        self.ttl(grant.ttl)
+        return self.retention(grant.handle, grant.block_hashes, grant.token_count)
 
     def lease_ref(self, lease_id: str, conversation_id: str) -> None:
         """A lease named by id, or a conversation's current one."""

@@ -5,38 +5,36 @@ the leader's soft state, never written (docs/design.md, "Durable and soft state"
 leader streams what hints read to each follower (``WatchHintState``): every record of its
 cache once, then every record that changed since the last message, or an empty message as a
 keepalive. ``HintFeed`` is the leader's side; ``HintView`` a follower's copy, which knows how
-far behind the leader it is (``behind_s``); ``FollowedHints`` keeps one current.
+far behind the leader it is (its ``FeedClock``), kept current by
+``kvbroker.common.client.hint_watch.FollowedHints``; ``HintRelay`` re-serves a follower's copy
+to routers that keep one of their own (docs/design.md, "Hints in the router").
 
 Changes are coalesced: ``CachedStore`` tells the feed which records it put (``changed``), and
 every ``FLUSH_S`` the feed sends the current bytes of each. So a record that changed ten times
 in a flush is encoded once, and nothing is tracked while no follower listens. A follower that
 cannot keep up (its queue of ``QUEUE_MESSAGES`` is full) is cut off and starts over with a new
 snapshot; so is every follower when the leader steps down (``close``).
-
-How far behind the leader a copy is: the time since the last message, plus how much later
-than the least delayed message so far that message arrived (leader and follower clocks may
-differ by any constant: only differences of one side's times are used, as the clock rules
-say). A backlog in the stream or in the follower's own loop shows as delay.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-import grpc
 import structlog
 
+from kvbroker.common.client.hint_watch import FedView
 from kvbroker.common.rules import routing
 from kvbroker.common.rules.clock import from_timestamp, stamp_time
+from kvbroker.common.rules.fed_hints import FeedClock
+from kvbroker.controlplane.errors import NoLeader
+from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.codec import record_bytes
-from kvbroker.controlplane.records.model import Node
+from kvbroker.controlplane.records.model import Conversation, Lease, Node
 from kvbroker.controlplane.storage.cached_store import CachedStore
 from kvbroker.controlplane.storage.state_cache import RecordKind, StateCache
-from kvbroker.v1 import registry_pb2
-from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
+from kvbroker.v1 import lease_pb2, registry_pb2
 
 log = structlog.get_logger("kvbroker.registry")
 
@@ -120,22 +118,7 @@ class HintFeed:
         keys = [(RecordKind.NODE, node.spec.node_id) for node in cache.nodes()]
         keys += [(RecordKind.CONVERSATION, c.conversation_id) for c in cache.conversations()]
         keys += [(RecordKind.LEASE, lease.lease_id) for lease in cache.leases()]
-        for start in range(0, max(len(keys), 1), SNAPSHOT_CHUNK):
-            chunk = keys[start : start + SNAPSHOT_CHUNK]
-            message = self._message(chunk)
-            message.snapshot_complete = start + SNAPSHOT_CHUNK >= len(keys)
-            yield message
-
-    def _message(self, keys: list[tuple[RecordKind, str]]) -> registry_pb2.WatchHintStateResponse:
-        """The records' bytes as the cache holds them now (a record gone: empty)."""
-        message = registry_pb2.WatchHintStateResponse()
-        cache = self._store.cache
-        for kind, ident in keys:
-            record = cache.record(kind, ident)
-            raw = record_bytes(record) if record is not None else b""
-            message.records.add(kind=KINDS[kind], id=ident, record=raw)
-        stamp_time(message.leader_time, self._now())
-        return message
+        return _snapshot(cache, keys, self._now())
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -145,15 +128,45 @@ class HintFeed:
             if not self._followers or (not self._dirty and loop.time() - sent_at < KEEPALIVE_S):
                 continue
             keys, self._dirty = list(self._dirty), set()
-            message = self._message(keys)
+            message = _message(self._store.cache, keys, self._now())
             sent_at = loop.time()
             for follower in list(self._followers):
-                try:
-                    follower.queue.put_nowait(message)
-                except asyncio.QueueFull:
-                    log.warning("hint_feed_follower_behind", queued=QUEUE_MESSAGES)
-                    self._followers.discard(follower)
-                    _end(follower)
+                _offer(self._followers, follower, message)
+
+
+def _snapshot(
+    cache: StateCache, keys: list[tuple[RecordKind, str]], leader_time: float
+) -> Iterator[registry_pb2.WatchHintStateResponse]:
+    """The records of ``keys`` in messages of ``SNAPSHOT_CHUNK``, the last saying so."""
+    for start in range(0, max(len(keys), 1), SNAPSHOT_CHUNK):
+        message = _message(cache, keys[start : start + SNAPSHOT_CHUNK], leader_time)
+        message.snapshot_complete = start + SNAPSHOT_CHUNK >= len(keys)
+        yield message
+
+
+def _message(
+    cache: StateCache, keys: list[tuple[RecordKind, str]], leader_time: float
+) -> registry_pb2.WatchHintStateResponse:
+    """The records' bytes as the cache holds them now (a record gone: empty)."""
+    message = registry_pb2.WatchHintStateResponse()
+    for kind, ident in keys:
+        record = cache.record(kind, ident)
+        raw = record_bytes(record) if record is not None else b""
+        message.records.add(kind=KINDS[kind], id=ident, record=raw)
+    stamp_time(message.leader_time, leader_time)
+    return message
+
+
+def _offer(
+    followers: set[_Follower], follower: _Follower, message: registry_pb2.WatchHintStateResponse
+) -> None:
+    """Queues a message for a follower; one that cannot keep up is cut off (it starts over)."""
+    try:
+        follower.queue.put_nowait(message)
+    except asyncio.QueueFull:
+        log.warning("hint_feed_follower_behind", queued=QUEUE_MESSAGES)
+        followers.discard(follower)
+        _end(follower)
 
 
 def _end(follower: _Follower) -> None:
@@ -164,47 +177,28 @@ def _end(follower: _Follower) -> None:
 
 
 class HintView:
-    """A follower's copy of its leader's hint state (one subscription's), and how current it
-    is."""
+    """A follower's copy of its leader's hint state (one subscription's), as the registry's
+    records (``fed_hints.HintState``), and how current it is (``clock``)."""
 
     def __init__(self, now: Callable[[], float]) -> None:
         self.cache = StateCache()
-        # Whole once the snapshot has arrived.
-        self.complete = False
-        self._now = now
-        self._leader_time = 0.0
-        self._received = -math.inf
-        # The least (arrival - leader_time) seen: the clocks' offset plus the least delay.
-        self._offset = math.inf
-        self._delay = 0.0
+        self.clock = FeedClock(now)
         self._routes: dict[str, routing.Routes[routing.RoutedNode[Node]]] = {}
+        # Each node as routing reads it, built once per record the leader sends (a record is
+        # never changed in place: a change is a new one).
+        self._routed: dict[str, routing.RoutedNode[Node]] = {}
 
     def apply(self, message: registry_pb2.WatchHintStateResponse) -> None:
         nodes_changed = False
         for record in message.records:
             kind = RECORD_KINDS[record.kind]
             self.cache.apply(kind, record.id, record.record or None)
-            nodes_changed = nodes_changed or kind is RecordKind.NODE
+            if kind is RecordKind.NODE:
+                nodes_changed = True
+                self._routed.pop(record.id, None)
         if nodes_changed:
             self._routes.clear()
-        self.complete = self.complete or message.snapshot_complete
-        received = self._now()
-        self._leader_time = from_timestamp(message.leader_time)
-        gap = received - self._leader_time
-        self._offset = min(self._offset, gap)
-        self._delay = gap - self._offset
-        self._received = received
-
-    def behind_s(self) -> float:
-        """How long ago the leader's state was last known to be as this copy has it
-        (infinite until the snapshot is whole)."""
-        if not self.complete:
-            return math.inf
-        return self._delay + (self._now() - self._received)
-
-    def leader_now(self) -> float:
-        """The leader's clock now, as far as this copy can tell (for leases' time left)."""
-        return self._leader_time + (self._now() - self._received)
+        self.clock.heard(from_timestamp(message.leader_time), message.snapshot_complete)
 
     def routes(self, model: str) -> routing.Routes[routing.RoutedNode[Node]]:
         """The ready nodes for ``model`` as the leader last said them (raises
@@ -216,32 +210,80 @@ class HintView:
         return routes
 
     def node(self, node_id: str) -> routing.RoutedNode[Node] | None:
-        node = self.cache.record(RecordKind.NODE, node_id)
-        return routing.RoutedNode.of_record(node) if isinstance(node, Node) else None
+        routed = self._routed.get(node_id)
+        if routed is None:
+            node = self.cache.record(RecordKind.NODE, node_id)
+            if not isinstance(node, Node):
+                return None
+            routed = self._routed[node_id] = routing.RoutedNode.of_record(node)
+        return routed
+
+    def conversation(self, conversation_id: str) -> Conversation | None:
+        record = self.cache.record(RecordKind.CONVERSATION, conversation_id)
+        return record if isinstance(record, Conversation) else None
+
+    def lease(self, lease_id: str) -> Lease | None:
+        record = self.cache.record(RecordKind.LEASE, lease_id)
+        return record if isinstance(record, Lease) else None
+
+    def leader_now(self) -> float:
+        return self.clock.leader_now()
+
+    @staticmethod
+    def expire_time(lease: Lease) -> float:
+        return lease.expire_time or 0.0
+
+    @staticmethod
+    def generation(lease: Lease) -> int:
+        return lease.handle.registration_generation
+
+    @staticmethod
+    def lease_into(lease: Lease, into: lease_pb2.Lease) -> None:
+        codec.lease_into(lease, into)
 
 
-class FollowedHints:
-    """A follower's current ``HintView`` of its leader's feed, kept by ``run``."""
+class HintRelay:
+    """A follower's copy re-served to whoever watches this replica's hint state (routers that
+    answer dry-run hints in process), so that they do not all load the leader: a snapshot of
+    the copy, then each message from the leader as it came, with the leader's own times (so a
+    watcher's ``FeedClock`` counts this follower's lag too). A break of the follower's own
+    stream ends every watcher's (they start over from a new copy)."""
 
-    def __init__(self, now: Callable[[], float], retry_s: float) -> None:
-        self.view: HintView | None = None
-        self._now = now
-        self.retry_s = retry_s
+    def __init__(self) -> None:
+        self._view: HintView | None = None
+        self._followers: set[_Follower] = set()
 
-    async def run(self, stub: RegistryServiceStub) -> None:
-        """Subscribes to the leader behind ``stub``, again after each break, until cancelled;
-        a broken stream drops the copy (the next one starts from a snapshot)."""
+    def relay(self, message: registry_pb2.WatchHintStateResponse, view: FedView) -> None:
+        assert isinstance(view, HintView)
+        if view is not self._view:
+            self.broken()
+            self._view = view
+            return  # a new copy: its watchers come after, from its snapshot
+        for follower in list(self._followers):
+            _offer(self._followers, follower, message)
+
+    def broken(self) -> None:
+        self._view = None
+        for follower in self._followers:
+            _end(follower)
+        self._followers.clear()
+
+    async def subscribe(self) -> AsyncIterator[registry_pb2.WatchHintStateResponse]:
+        """The copy's snapshot, then the leader's messages as they come; ``NoLeader`` while
+        there is no whole copy to serve."""
+        view = self._view
+        if view is None:
+            raise NoLeader("this follower has no current copy of the leader's hint state")
+        follower = _Follower()
+        self._followers.add(follower)
+        keys = [(RecordKind.NODE, node.spec.node_id) for node in view.cache.nodes()]
+        keys += [(RecordKind.CONVERSATION, c.conversation_id) for c in view.cache.conversations()]
+        keys += [(RecordKind.LEASE, lease.lease_id) for lease in view.cache.leases()]
+        snapshot = list(_snapshot(view.cache, keys, view.clock.leader_time))
         try:
-            while True:
-                view = HintView(self._now)
-                try:
-                    async for message in stub.WatchHintState(registry_pb2.WatchHintStateRequest()):
-                        view.apply(message)
-                        if view.complete:
-                            self.view = view
-                except grpc.aio.AioRpcError as error:
-                    log.info("hint_feed_broken", code=error.code().name, why=error.details())
-                self.view = None
-                await asyncio.sleep(self.retry_s)
+            for message in snapshot:
+                yield message
+            while (change := await follower.queue.get()) is not None:
+                yield change
         finally:
-            self.view = None
+            self._followers.discard(follower)

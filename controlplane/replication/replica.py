@@ -10,7 +10,9 @@ DEGRADED while no leader can be reached.
 
 Hints that write nothing every replica answers itself: the leader streams its state to each
 follower (``hint_state.HintFeed``), and a follower whose copy is at most ``hint_staleness_s``
-behind answers from it (``local_hint``), else forwards.
+behind answers from it (``local_hint``), else forwards. A follower re-serves its copy to
+routers that keep their own (``hint_state.HintRelay``), so they need not all watch the
+leader.
 
 Whether a replica can serve is said to ``on_serving`` (the server's gRPC health) each time it
 changes: it can while it leads, or while it follows a leader that a store it reaches names and
@@ -34,16 +36,19 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
+from kvbroker.common.client.hint_watch import FollowedHints
 from kvbroker.common.process.tasks import own_cancellation
+from kvbroker.common.rules import routing
 from kvbroker.common.rules.clock import MonotonicClock
+from kvbroker.common.rules.fed_hints import EXACT, fed_hint
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.errors import StoreUnavailable
+from kvbroker.controlplane.errors import NoReadyNode, StoreUnavailable
 from kvbroker.controlplane.metrics import RegistryMetrics
-from kvbroker.controlplane.placement.hints import EXACT, cached_hint, fed_hint
+from kvbroker.controlplane.placement.hints import cached_hint
 from kvbroker.controlplane.records.validation import Validation
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.replication.election import Election, Term
-from kvbroker.controlplane.replication.hint_state import FollowedHints, HintFeed
+from kvbroker.controlplane.replication.hint_state import HintFeed, HintRelay, HintView
 from kvbroker.controlplane.storage.etcd_store import EtcdStore
 from kvbroker.v1 import registry_pb2
 from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
@@ -95,7 +100,9 @@ class Replica:
         # While leading: the stream of its state to the followers.
         self.feed: HintFeed | None = None
         # While following: the copy of the leader's state, and the task that keeps it.
-        self._followed: FollowedHints | None = None
+        self._followed: FollowedHints[HintView] | None = None
+        # While following: its copy re-served to routers that keep their own.
+        self._relay = HintRelay()
         self._followed_task: asyncio.Task[None] | None = None
         # Whether it can serve, as last told to ``on_serving``.
         self._serving = False
@@ -111,21 +118,26 @@ class Replica:
     def address(self) -> str:
         return self.options.advertise
 
-    def hint_feed(self) -> HintFeed | None:
-        return self.feed
+    def hint_feed(self) -> HintFeed | HintRelay | None:
+        """The leader's own feed; a follower's copy of it (``HintRelay``), which refuses a
+        watcher while the follower has none whole."""
+        return self.feed if self.registry is not None else self._relay
 
     def local_hint(self, conversation_id: str, model: str) -> registry_pb2.RoutingHint | None:
-        """A dry-run hint (``hints.served_locally``) from this follower's copy of the
+        """A dry-run hint (``fed_hints.served_locally``) from this follower's copy of the
         leader's state; None when its copy is further behind than ``hint_staleness_s`` (or
         it has none), and the hint is the leader's to answer."""
         view = self._followed.view if self._followed is not None else None
-        behind = view.behind_s() if view is not None else math.inf
+        behind = view.clock.behind_s() if view is not None else math.inf
         self.metrics.hint_state_behind.set(behind)
         if view is None or behind > self.options.hint_staleness_s:
             self.metrics.follower_hints.labels("stale").inc()
             return None
         self._validate.hint(conversation_id, model)
-        hint = fed_hint(view, conversation_id, model, next(self._turn))
+        try:
+            hint = fed_hint(view, conversation_id, model, next(self._turn))
+        except routing.NoReadyNode as error:
+            raise NoReadyNode(error.message) from error
         self.metrics.follower_hints.labels("local").inc()
         self.metrics.hint(hint.decision, hint.consistency == EXACT, hint.path)
         return hint
@@ -285,7 +297,9 @@ class Replica:
             stub = self._leader_stub = registry_stub(self._leader_channel)
             self._leader_health = health_pb2_grpc.HealthStub(self._leader_channel)
             # A new copy for each leader: one term's state is never mixed with another's.
-            followed = self._followed = FollowedHints(self.clock, self.options.election_ttl_s / 4)
+            followed = self._followed = FollowedHints(
+                lambda: HintView(self.clock), self.options.election_ttl_s / 4, self._relay
+            )
             self._followed_task = asyncio.get_running_loop().create_task(
                 _until_cancelled(lambda: followed.run(stub), "hint_state", followed.retry_s),
                 name="kvbroker-hint-state",

@@ -40,8 +40,8 @@ from kvbroker.controlplane.records.model import (
     CostProfile,
     EngineWork,
     Node,
-    NodeLoad,
 )
+from kvbroker.controlplane.records.requests import Heartbeat
 from kvbroker.controlplane.sessions.cost_correction import observed, planned_costs
 from kvbroker.v1 import node_pb2
 
@@ -276,21 +276,15 @@ class NodeSessions:
         )
         return node
 
-    async def heartbeat(
-        self,
-        node_id: str,
-        incarnation: str,
-        engine_ready: bool,
-        load: NodeLoad,
-        work: EngineWork | None = None,
-    ) -> Node:
-        node = await self.session(node_id, incarnation)
+    async def heartbeat(self, beat: Heartbeat) -> Node:
+        node_id = beat.node_id
+        node = await self.session(node_id, beat.incarnation)
         now = self._now()
         node.last_heartbeat_time = now
-        node.load = load
+        node.load = beat.load
         changed = False
         if node.state != DRAINING:
-            new_state = READY if engine_ready else NOT_READY
+            new_state = READY if beat.engine_ready else NOT_READY
             if new_state != node.state:
                 self._log.info(
                     "node_readiness", node=node_id, state=label(node_pb2.NodeState, new_state)
@@ -299,12 +293,12 @@ class NodeSessions:
             node.state = new_state
         # Load and heartbeat times are soft state; only a change of readiness is written.
         runtime = await self._put(node, durable=changed)
-        runtime.note_load(load)
+        runtime.note_load(beat.load)
         runtime.load_at = now
         runtime.heartbeats += 1
         runtime.assigned_since_heartbeat = runtime.finished_since_heartbeat = 0
-        if work is not None:
-            runtime.observe(work)
+        if beat.work is not None:
+            runtime.observe(beat.work)
         self._deadlines.schedule((DeadlineKind.NODE_SESSION, node_id), now + self._ttl())
         return node
 

@@ -22,6 +22,7 @@ from sortedcontainers import SortedList
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.model import Conversation, Lease, Node, Record
+from kvbroker.controlplane.storage.lease_rows import LeaseRows
 
 
 class RecordKind(Enum):
@@ -36,7 +37,8 @@ class StateCache:
     def __init__(self) -> None:
         self._nodes: dict[str, Node] = {}
         self._conversations: dict[str, Conversation] = {}
-        self._leases: dict[str, Lease] = {}
+        # Leases as rows of columns (``lease_rows``): a read builds the copy it hands out.
+        self._leases = LeaseRows()
         # Lease ids in order, for listings that page (ids sort in grant order): ~8 bytes a
         # lease, where a per-lease key tuple cost ~170.
         self._lease_order: SortedList[str] = SortedList()
@@ -66,14 +68,14 @@ class StateCache:
             _set(self._conversations, ident, record)
 
     def _keep_lease(self, lease: Lease) -> None:
-        lease_id = lease.lease_id
         node_id = lease.node_id
-        if lease_id not in self._leases:
-            # Indexed once, with one string object for the id everywhere: an update (a claim,
-            # a renewal) leaves the indexes' strings as they are.
+        new = lease.lease_id not in self._leases
+        # Indexed once, with one string object for the id everywhere: an update (a claim,
+        # a renewal) leaves the indexes' strings as they are.
+        lease_id = self._leases.put(lease)
+        if new:
             self._lease_order.add(lease_id)
             self._by_node[node_id][lease.handle.remote_request_id] = lease_id
-        self._leases[lease_id] = lease
         live = self._live_by_node[node_id]
         if lease.state in LIVE_LEASE_STATES:
             live.add(lease_id)
@@ -81,7 +83,7 @@ class StateCache:
             live.discard(lease_id)
 
     def _forget_lease(self, lease_id: str) -> None:
-        lease = self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id)
         if lease is None:
             return
         self._lease_order.discard(lease_id)
@@ -96,7 +98,7 @@ class StateCache:
     def record(self, kind: RecordKind, ident: str) -> Record | None:
         """A record as kept, not a copy (what an undo puts back; never to be changed)."""
         if kind is RecordKind.LEASE:
-            return self._leases.get(ident)
+            return self._leases.get(ident)  # built from its row: no one else holds it
         if kind is RecordKind.NODE:
             return self._nodes.get(ident)
         return self._conversations.get(ident)
@@ -116,8 +118,7 @@ class StateCache:
         return (conversation.copy() for conversation in self._conversations.values())
 
     def lease(self, lease_id: str) -> Lease | None:
-        lease = self._leases.get(lease_id)
-        return lease.copy() if lease is not None else None
+        return self._leases.get(lease_id)
 
     def find_lease(self, node_id: str, remote_request_id: str) -> Lease | None:
         requests = self._by_node.get(node_id)
@@ -125,7 +126,8 @@ class StateCache:
         return self.lease(lease_id) if lease_id is not None else None
 
     def live_leases_of_node(self, node_id: str) -> list[Lease]:
-        return [self._leases[i].copy() for i in sorted(self._live_by_node.get(node_id, ()))]
+        leases = self._leases
+        return [leases[i] for i in sorted(self._live_by_node.get(node_id, ()))]
 
     def live_lease_ids(self, node_id: str) -> set[str]:
         return set(self._live_by_node.get(node_id, ()))
@@ -145,10 +147,10 @@ class StateCache:
         return self._copies(ids, conversation_id)
 
     def _copies(self, ids: Iterable[str], conversation_id: str) -> Iterator[Lease]:
+        leases = self._leases
         for lease_id in ids:
-            lease = self._leases[lease_id]
-            if not conversation_id or lease.conversation_id == conversation_id:
-                yield lease.copy()
+            if not conversation_id or leases.conversation_id(lease_id) == conversation_id:
+                yield leases[lease_id]
 
     def counts(self) -> dict[str, int]:
         """Records of each kind, for logs."""

@@ -6,12 +6,16 @@
 #   steps.sh context SRC DEST          the build context: SRC's files that git tracks or would
 #                                      track (no venv, caches or build output), links kept as
 #                                      links (the parts reach the kvbroker package through them)
-#   steps.sh wheel SRC OUT             kvbroker's wheel from the tree SRC into OUT (building
-#                                      writes into SRC: give it a copy, never a checkout)
+#   steps.sh wheel SRC OUT             kvbroker's wheel and its tools' (kvbroker-tools, from
+#                                      SRC/tools) from the tree SRC into OUT (building writes
+#                                      into SRC: give it a copy, never a checkout)
 #   steps.sh install PREFIX WHEEL [EXTRA]
 #                                      a venv at PREFIX with WHEEL (and its EXTRA) installed, at
 #                                      the versions pinned in constraints[-EXTRA].txt next to
 #                                      this script (deploy/images/lock.py writes them)
+#   steps.sh tools PREFIX WHEEL        the tools' WHEEL into the venv at PREFIX that install
+#                                      made (the engine image: its test model), without the
+#                                      plots extra; kvbroker's pins hold
 #
 # PYTHON names the interpreter (python3 by default).
 set -eu
@@ -20,7 +24,8 @@ PYTHON=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 
 usage() {
-    echo "usage: steps.sh context SRC DEST | wheel SRC OUT | install PREFIX WHEEL [EXTRA]" >&2
+    echo "usage: steps.sh context SRC DEST | wheel SRC OUT | install PREFIX WHEEL [EXTRA]" \
+        "| tools PREFIX WHEEL" >&2
     exit 2
 }
 
@@ -38,7 +43,7 @@ context)
     ;;
 wheel)
     [ $# -eq 2 ] || usage
-    "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$2" "$1"
+    "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$2" "$1" "$1/tools"
     ;;
 install)
     [ $# -ge 2 ] && [ $# -le 3 ] || usage
@@ -62,6 +67,11 @@ install)
     # break `import vllm.config`; vLLM and transformers only tolerate their absence (as in the
     # Makefile's install).
     "$prefix/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+    ;;
+tools)
+    [ $# -eq 2 ] || usage
+    # Its one requirement, kvbroker itself, is installed already: nothing else moves.
+    "$1/bin/pip" install --quiet --constraint "$HERE/constraints.txt" "$2"
     ;;
 *)
     usage

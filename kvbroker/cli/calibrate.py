@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 
-from kvbroker.calibration import measured_costs, probe_prefill, read_cost_us_per_block
 from kvbroker.cli.client import call_registry, registry_flags
 from kvbroker.cli.options import (
     DEFAULT_TIMEOUT_S,
@@ -22,6 +20,9 @@ from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.common.rules.clock import to_timestamp
 from kvbroker.common.rules.costs import Costs
 from kvbroker.v1 import node_pb2, registry_pb2
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -52,6 +53,10 @@ def calibrate(
 ) -> None:
     """Probe each node's engine with fresh prompts of a few lengths (max_tokens=1), fit its
     prefill costs, take its read cost from its NIXL telemetry, and store them."""
+
+    # httpx and the probes load here, not with the CLI: every `kvbroker` command (a registry's
+    # start among them) would otherwise pay for importing them.
+    import httpx
 
     async def rpc(stub: Any) -> list[Measured]:
         listed = await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=timeout)
@@ -96,6 +101,10 @@ def calibrate(
 
 
 async def _measure(http: httpx.AsyncClient, node: node_pb2.Node, repeats: int) -> Measured:
+    import httpx
+
+    from kvbroker.calibration import measured_costs, probe_prefill, read_cost_us_per_block
+
     base = node.spec.http_base_url.rstrip("/")
     try:
         probes = await probe_prefill(http, base, node.spec.model, repeats=repeats)

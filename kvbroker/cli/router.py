@@ -89,6 +89,25 @@ def router_run(
             "turn reads them back by content; --no-retain-sessionless serves them plain P/D.",
         ),
     ] = RouterConfig.retain_sessionless,
+    local_hints: Annotated[
+        bool,
+        typer.Option(
+            envvar="KVBROKER_ROUTER_LOCAL_HINTS",
+            help="Answer placement (dry-run) hints from this router's own copy of the "
+            "registry leader's hint state, watched from the registry, while it is at most "
+            "--hint-staleness behind; turns' hints (which claim leases) always ask the "
+            "registry. Needs a credential that may watch the hint state.",
+        ),
+    ] = RouterConfig.local_hints,
+    hint_staleness: Annotated[
+        float,
+        typer.Option(
+            envvar="KVBROKER_HINT_STALENESS",
+            callback=positive_seconds,
+            help="With --local-hints: seconds the router's copy may be behind the leader "
+            "for it to answer a placement hint itself; further behind, it asks the registry.",
+        ),
+    ] = RouterConfig.hint_staleness_s,
     api_keys: Annotated[
         Path | None,
         typer.Option(
@@ -116,6 +135,8 @@ def router_run(
         decode_timeout_s=decode_timeout,
         max_body_bytes=max_body_bytes,
         retain_sessionless=retain_sessionless,
+        local_hints=local_hints,
+        hint_staleness_s=hint_staleness,
     )
     try:
         config.host_and_port()

@@ -198,8 +198,21 @@ class EngineLink:
         return len(self._mirror)
 
     def close(self, timeout: float = 2.0) -> None:
+        """Stops the link, first sending what is queued while attached (within ``timeout``):
+        the frees of an engine that released its blocks on its way out reach the registry."""
+        loop, outbox = self._loop, self._outbox
+        if loop is not None and outbox is not None and self.attached.is_set():
+            sent = asyncio.wait_for(outbox.join(), timeout)
+            try:
+                future = asyncio.run_coroutine_threadsafe(sent, loop)
+            except RuntimeError:  # the link's loop has ended
+                sent.close()
+            else:
+                with contextlib.suppress(Exception):  # not sent in time
+                    future.result(timeout + 0.5)
         if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+            with contextlib.suppress(RuntimeError):  # closed already: the loop has ended
+                self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -214,7 +227,10 @@ class EngineLink:
     # ------------------------------------------------------------ the link's own thread
 
     def _run(self) -> None:
-        asyncio.run(self._main())
+        try:
+            asyncio.run(self._main())
+        finally:
+            self.attached.clear()
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -232,7 +248,8 @@ class EngineLink:
             self.attached.clear()
             error = session.exception()
             log.warning("sidecar link down (%s); retrying in %.2fs", error, backoff)
-            await asyncio.sleep(backoff)
+            with contextlib.suppress(TimeoutError):  # a close ends the wait
+                await asyncio.wait_for(self._stop.wait(), backoff)
             backoff = min(backoff * 2, backoff_max)
 
     async def _session(self) -> None:
@@ -285,10 +302,14 @@ class EngineLink:
                 queued.append(self._outbox.get_nowait())
             # What the last attach's snapshot carried is not sent again.
             events = [event for position, event in queued if not self._mirror.superseded(position)]
-            if events:
-                await stub.SubmitRetentionEvents(
-                    sidecar_pb2.SubmitRetentionEventsRequest(events=events), timeout=5
-                )
+            try:
+                if events:
+                    await stub.SubmitRetentionEvents(
+                        sidecar_pb2.SubmitRetentionEventsRequest(events=events), timeout=5
+                    )
+            finally:  # sent, or left to the next attach's snapshot: either way not queued
+                for _ in queued:
+                    self._outbox.task_done()
 
 
 async def _check_lease(
