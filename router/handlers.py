@@ -352,17 +352,19 @@ class Handlers:
         the same place); 503 ``unavailable`` when neither, as every request would get a 503;
         503 ``misconfigured`` while the registry refuses this router's credential for any
         call it makes (a node's credential lists nodes but gets no hints)."""
+        # What the router could route by were the registry away, in every answer.
+        ready = {"ready_nodes": self.router.ready_nodes()}
         refused = self.router.registry_refused
         if refused is not None:
             # A configuration error: a rollout of it should stop here, not serve on quietly.
             refusal = f"refused this router's credential: {refused}"
-            return JSONResponse({"status": "misconfigured", "registry": refusal}, 503)
+            return JSONResponse({"status": "misconfigured", "registry": refusal, **ready}, 503)
         away = self.router.registry_away
         if self.router.registry_confirmed:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", **ready})
         # Not ``ok`` on the node list alone: the registry must have taken a hint call too.
         why = f"unreachable: {away}" if away else "has not yet answered a hint call"
-        detail = {"registry": why}
+        detail = {"registry": why, **ready}
         if self.router.can_route_alone():
             serving = "plain P/D from the last known node list, without KV reuse"
             return JSONResponse({"status": "degraded", **detail, "serving": serving})

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,10 @@ _REGISTRY_ANSWERS = (
 _READY_NODE_POLL_S = 0.1
 # The background refresh of the node list may take this long.
 _NODE_LIST_TIMEOUT_S = 2.0
+# A hint that names a node the node list does not hold as ready shows the list is stale (read
+# while the nodes rejoined a restarted registry, say): it is read again at once, at most this
+# often, rather than at the next background refresh.
+_STALE_LIST_REFRESH_S = 0.5
 # A registry's answer that this router's credential is not accepted (configuration).
 _CREDENTIAL_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 JSON_HEADERS = {"content-type": "application/json"}
@@ -133,6 +138,11 @@ class Router:
 
     def __post_init__(self) -> None:
         self.known_nodes: list[node_pb2.Node] = []
+        # The nodes the last list holds as routable (``routing.routable``), and their ids.
+        self._ready: list[routing.RoutedNode[node_pb2.Node]] = []
+        self._ready_ids: frozenset[str] = frozenset()
+        # When a hint last found the list stale (``_note_hinted_nodes``).
+        self._stale_list_at = -math.inf
         # Why the registry could not be reached at the last call to it (None: it answered).
         self.registry_away: str | None = "not reached yet"
         # Why the registry refused this router's credential, by the call it refused (a
@@ -221,14 +231,45 @@ class Router:
             self._registry_failed(error, RegistryCall.NODES)
             return
         self.known_nodes = list(response.nodes)
+        self._ready = [
+            routed
+            for routed in map(routing.RoutedNode.of_node, self.known_nodes)
+            if routing.routable(routed, "")
+        ]
+        self._ready_ids = frozenset(routed.node_id for routed in self._ready)
         self._registry_answered(RegistryCall.NODES)
 
-    async def _fresh_nodes(self) -> None:
+    def _refresh_now(self, timeout_s: float) -> asyncio.Future[None]:
         """A refresh of the node list, shared by every request that needs one now (a
         registry already failing hints gets one listing, not one per request)."""
         if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.ensure_future(self.refresh_nodes(self.config.hint_timeout_s))
-        await asyncio.shield(self._refreshing)
+            self._refreshing = asyncio.ensure_future(self.refresh_nodes(timeout_s))
+        return self._refreshing
+
+    async def _fresh_nodes(self) -> None:
+        await asyncio.shield(self._refresh_now(self.config.hint_timeout_s))
+
+    def _note_hinted_nodes(self, hint: registry_pb2.RoutingHint) -> None:
+        """Reads the node list again, in the background, when the hint names a node the list
+        does not hold as ready. The list is what the router routes by should the registry then
+        hang, when it can read no fresh one: a list read while the nodes rejoined a restarted
+        registry would otherwise refuse every turn until the next background refresh."""
+        hinted = (hint.decode.node_id, hint.prefill.node_id)
+        if all(not node_id or node_id in self._ready_ids for node_id in hinted):
+            return
+        now = time.monotonic()
+        if now - self._stale_list_at < _STALE_LIST_REFRESH_S:
+            return
+        self._stale_list_at = now
+        self._refresh_now(_NODE_LIST_TIMEOUT_S)
+
+    def ready_nodes(self) -> dict[str, int]:
+        """How many nodes of each role the last list holds as routable: what the router
+        can route by while the registry is away (/health says it)."""
+        return {
+            "prefill": sum(1 for routed in self._ready if routed.prefills),
+            "decode": sum(1 for routed in self._ready if routed.decodes),
+        }
 
     def _registry_answered(self, call: RegistryCall) -> None:
         self.registry_away = None
@@ -348,6 +389,7 @@ class Router:
             why = f"{error.code().name}: {error.message}" if error.message else error.code().name
             return await self._degraded_plan(model, why)
         self._registry_answered(RegistryCall.HINTS)
+        self._note_hinted_nodes(hint)
         return Plan(
             prefill=hint.prefill,
             decode=hint.decode,

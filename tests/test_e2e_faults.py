@@ -147,6 +147,14 @@ async def test_a_registry_that_hangs_through_a_turn(stack: Stack, http: httpx.As
     routed by it again."""
     messages, _ = await first_turn(stack, http, "conv-hung", seed=70)
     off = await ask(stack, http, messages, None)
+
+    async def both_listed() -> bool:
+        # What the router routes by while the registry hangs: its last node list, read again
+        # when a hint named nodes it lacked (its list may date from the registry's restart).
+        ready = (await http.get(f"{stack.router_url}/health")).json()["ready_nodes"]
+        return bool(ready == {"prefill": 1, "decode": 1})
+
+    await poll_until(both_listed, 30, "the router's list to hold both nodes", every_s=0.1)
     waited_before = await router_overhead(stack, http)
     stack.pause_registry(True)
     try:

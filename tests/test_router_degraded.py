@@ -82,9 +82,10 @@ async def router_at() -> AsyncIterator[Callable[[Router], Any]]:
         yield serve
 
 
-def hints_hang(registry_server: RunningRegistry) -> None:
+def hints_hang(registry_server: RunningRegistry, listings_too: bool = False) -> None:
     """The registry answers everything but hints, which it never answers (a registry stuck on
-    one conversation's lock, say)."""
+    one conversation's lock, say); with ``listings_too``, it answers no node listing either
+    (a registry that hangs whole, its port still open)."""
     registry = registry_server.registry
     assert registry is not None
 
@@ -93,6 +94,8 @@ def hints_hang(registry_server: RunningRegistry) -> None:
 
     registry.routing_hint = hang  # type: ignore[method-assign]
     registry.routing_hints = hang  # type: ignore[method-assign]
+    if listings_too:
+        registry.list_nodes = hang  # type: ignore[method-assign]
 
 
 async def test_a_node_list_from_before_the_nodes_were_ready_is_refreshed_not_refused(
@@ -109,6 +112,49 @@ async def test_a_node_list_from_before_the_nodes_were_ready_is_refreshed_not_ref
     assert router.known_nodes == []
     async with Heartbeats(stub, *engines.specs), httpx.AsyncClient() as client:
         hints_hang(registry_server)
+        response = await client.post(f"{url}/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kvbroker-consistency"] == "DEGRADED"
+    assert response.json()["choices"][0]["message"]["content"] == "from decode-0"
+
+
+async def test_a_hint_naming_nodes_the_list_lacks_refreshes_it_before_the_registry_hangs(
+    registry_server: RunningRegistry,
+    stub: RegistryServiceStub,
+    engines: Engines,
+    router_at: Callable[[Router], Any],
+) -> None:
+    """The router's list was read before the nodes registered (as after a registry restart);
+    a hint then names them, and the router reads the list again at once. When the registry
+    then hangs whole (no hint, no listing), the turn is served plain P/D from that list
+    (before: a 503 until the next background refresh)."""
+    registry = registry_server.registry
+    assert registry is not None
+    list_nodes, listings = registry.list_nodes, []
+
+    async def listed_nodes(*args: Any, **kwargs: Any) -> Any:
+        answer = await list_nodes(*args, **kwargs)
+        listings.append(len(answer))
+        return answer
+
+    registry.list_nodes = listed_nodes  # type: ignore[method-assign]
+    router = Router(RegistryEndpoint.parse(registry_server.address), NO_BACKGROUND_REFRESH)
+    url = await router_at(router)
+    # The router's own listing at start, before any node registered.
+    await eventually(lambda: listings == [0], what="the router's first listing")
+    async with Heartbeats(stub, *engines.specs), httpx.AsyncClient() as client:
+        health = (await client.get(f"{url}/health")).json()
+        assert health["ready_nodes"] == {"prefill": 0, "decode": 0}
+        routed = await client.post(f"{url}/v1/chat/completions", json=CHAT)
+        assert routed.headers["x-kvbroker-consistency"] == "EXACT", routed.text
+
+        async def listed() -> bool:
+            health = (await client.get(f"{url}/health")).json()
+            return bool(health["ready_nodes"] == {"prefill": 1, "decode": 1})
+
+        await eventually(listed, what="the router's list to hold the hinted nodes")
+        assert listings == [0, 2]  # read again for the hint, once
+        hints_hang(registry_server, listings_too=True)
         response = await client.post(f"{url}/v1/chat/completions", json=CHAT)
     assert response.status_code == 200, response.text
     assert response.headers["x-kvbroker-consistency"] == "DEGRADED"
