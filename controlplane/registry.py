@@ -53,7 +53,14 @@ from kvbroker.controlplane.placement.prefix_match import PrefixMatch, PrefixMatc
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
 from kvbroker.controlplane.records.model import DOWN, Conversation, CostProfile, Node
-from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
+from kvbroker.controlplane.records.requests import (
+    LIVE_LEASES,
+    Heartbeat,
+    LeaseGrant,
+    LeaseListing,
+    PrefixProbe,
+    RetentionReport,
+)
 from kvbroker.controlplane.records.validation import Validation
 from kvbroker.controlplane.sessions.idle_ttl import IdleTtl
 from kvbroker.controlplane.sessions.nodes import NodeSessions
@@ -282,14 +289,9 @@ class Registry:
         return self.leases.view(lease)
 
     async def list_leases(
-        self,
-        node_id: str = "",
-        conversation_id: str = "",
-        states: Sequence[int] = (),
-        page_size: int = 0,
-        page_token: str = "",
+        self, listing: LeaseListing = LIVE_LEASES
     ) -> tuple[list[LeaseAnswer], str]:
-        return await self.reads.page(node_id, conversation_id, states, page_size, page_token)
+        return await self.reads.page(listing)
 
     async def get_conversation(self, conversation_id: str) -> Conversation:
         return await self.reads.conversation(conversation_id)
@@ -297,17 +299,13 @@ class Registry:
     # ----------------------------------------------------------------- retention reports
 
     async def report_retention(
-        self,
-        node_id: str,
-        incarnation: str,
-        events: Sequence[registry_pb2.RetentionEvent],
-        full_snapshot: bool,
+        self, report: RetentionReport
     ) -> registry_pb2.ReportRetentionResponse:
-        self._validate.session(node_id, incarnation)
-        checked = self.retention.check(events)
+        self._validate.session(report.node_id, report.incarnation)
+        checked = self.retention.check(report.events)
         async with self._mutation:
-            node = await self.nodes.session(node_id, incarnation)
-            return await self.retention.apply(node, checked, full_snapshot)
+            node = await self.nodes.session(report.node_id, report.incarnation)
+            return await self.retention.apply(node, checked, report.full_snapshot)
 
     # ----------------------------------------------------------------- commands
 
@@ -396,21 +394,12 @@ class Registry:
                 answered_bytes += result.ByteSize()
         return response
 
-    async def match_prefix(
-        self,
-        node_id: str,
-        conversation_id: str,
-        model: str,
-        block_size: int,
-        probes: Sequence[bytes],
-    ) -> PrefixMatch:
+    async def match_prefix(self, probe: PrefixProbe) -> PrefixMatch:
         """The live lease a prefill node's prompt shares the longest prefix with, pinned for
         its read (``PrefixMatches.match``); a fork of another conversation reads it."""
-        self._validate.prefix_match(node_id, conversation_id, model, block_size, probes, MAX_PROBES)
+        self._validate.prefix_match(probe, MAX_PROBES)
         async with self._mutation:
-            return await self.prefix_matches.match(
-                node_id, conversation_id, model, block_size, list(probes)
-            )
+            return await self.prefix_matches.match(probe)
 
     async def end_read_pin(self, node_id: str, lease_id: str, pin_id: str) -> None:
         """``node_id``'s read of a pinned lease has ended: its pin ends (an unknown one, or

@@ -11,7 +11,7 @@ from kvbroker.common.rules.clock import from_duration
 from kvbroker.controlplane.api.identity import Principal, Role, authorize
 from kvbroker.controlplane.errors import PermissionDenied
 from kvbroker.controlplane.records.model import NodeLoad
-from kvbroker.controlplane.records.requests import Heartbeat
+from kvbroker.controlplane.records.requests import Heartbeat, LeaseListing
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker_tools.harness.factories import node_spec
 from tests.test_registry_unit import CONFIG, Harness
@@ -88,7 +88,7 @@ async def test_a_drain_ends_unclaimed_leases_lets_claimed_reads_finish_and_route
     h.clock.t += 0.1
     await h.registry.heartbeat(Heartbeat(h.decode.node_id, h.decode.incarnation, True, NodeLoad()))
     assert await h.drained()
-    listed = await h.registry.list_leases(node_id=h.decode.node_id)
+    listed = await h.registry.list_leases(LeaseListing(node_id=h.decode.node_id))
     assert listed == ([], "")
 
 

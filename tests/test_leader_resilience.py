@@ -19,7 +19,7 @@ from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.lease_ids import TERM_SHIFT
-from kvbroker.controlplane.records.requests import LeaseGrant
+from kvbroker.controlplane.records.requests import LeaseGrant, RetentionReport
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.replication.replica import Replica, ReplicaOptions
 from kvbroker.controlplane.storage.etcd_store import EtcdEndpoints, EtcdStore
@@ -169,7 +169,7 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
     async def replay(registry: Registry, spec: node_pb2.NodeSpec, lease: LeaseAnswer) -> int:
         event = replayed(convert.lease_message(lease))
         answer = await registry.report_retention(
-            spec.node_id, spec.incarnation, [event], full_snapshot=True
+            RetentionReport(spec.node_id, spec.incarnation, [event], full_snapshot=True)
         )
         return answer.leases[0].state
 

@@ -23,7 +23,7 @@ from kvbroker.controlplane.lessor.prefix_index import (
 )
 from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records.answers import LeaseAnswer
-from kvbroker.controlplane.records.requests import LeaseGrant
+from kvbroker.controlplane.records.requests import LeaseGrant, PrefixProbe, RetentionReport
 from kvbroker.controlplane.registry import Registry
 from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.v1 import lease_pb2, registry_pb2
@@ -64,7 +64,7 @@ async def retain(h: Harness, conversation: str, request_id: str, kept: list[int]
 
 async def ask(h: Harness, conversation: str, prompt: list[int]) -> PrefixMatch:
     return await h.registry.match_prefix(
-        h.prefill.node_id, conversation, h.prefill.model, BLOCK, probes(prompt)
+        PrefixProbe(h.prefill.node_id, conversation, h.prefill.model, BLOCK, probes(prompt))
     )
 
 
@@ -273,7 +273,9 @@ async def reclaim(h: Harness, request_id: str, sequence: int) -> None:
             remote_request_id=request_id, cause=lease_pb2.LEASE_END_CAUSE_PRESSURE
         ),
     )
-    await h.registry.report_retention(h.decode.node_id, h.decode.incarnation, [event], False)
+    await h.registry.report_retention(
+        RetentionReport(h.decode.node_id, h.decode.incarnation, [event], False)
+    )
 
 
 async def test_a_pin_ends_when_its_reader_says_its_read_has() -> None:
@@ -310,15 +312,15 @@ async def test_a_successor_indexes_what_it_restores_and_matches_once_the_holder_
     assert parent.lease_id in successor.leases.prefix_index
     probes_ = probes(history + tokens(50, seed=1))
     before = await successor.match_prefix(
-        h.prefill.node_id, "acme/fork", h.prefill.model, BLOCK, probes_
+        PrefixProbe(h.prefill.node_id, "acme/fork", h.prefill.model, BLOCK, probes_)
     )
     assert before.no_reuse == registry_pb2.NO_REUSE_REASON_HOLDER_UNAVAILABLE
     replay = replayed(convert.lease_message(parent))
     await successor.report_retention(
-        h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True
+        RetentionReport(h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True)
     )
     after = await successor.match_prefix(
-        h.prefill.node_id, "acme/fork", h.prefill.model, BLOCK, probes_
+        PrefixProbe(h.prefill.node_id, "acme/fork", h.prefill.model, BLOCK, probes_)
     )
     assert after.lease is not None and after.lease.lease_id == parent.lease_id
 
@@ -395,12 +397,12 @@ async def test_a_snapshot_s_replay_sizes_the_index_once_and_indexes_every_lease(
         replayed(convert.lease_message(lease), sequence) for sequence, lease in enumerate(held, 1)
     ]
     answer = await fresh.registry.report_retention(
-        h.decode.node_id, h.decode.incarnation, events, full_snapshot=True
+        RetentionReport(h.decode.node_id, h.decode.incarnation, events, full_snapshot=True)
     )
     assert len(answer.leases) == len(held) and not answer.refused
     for i in (0, 299, 599):
+        prompt = probes(histories[i] + tokens(20, seed=900))
         match = await fresh.registry.match_prefix(
-            h.prefill.node_id, f"acme/fork-{i}", h.prefill.model, BLOCK,
-            probes(histories[i] + tokens(20, seed=900)),
-        )  # fmt: skip
+            PrefixProbe(h.prefill.node_id, f"acme/fork-{i}", h.prefill.model, BLOCK, prompt)
+        )
         assert match.lease is not None and match.lease.lease_id == held[i].lease_id

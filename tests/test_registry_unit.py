@@ -15,7 +15,7 @@ from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyN
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.lease_ids import TERM_SHIFT, next_epoch
 from kvbroker.controlplane.records.model import NodeLoad
-from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
+from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant, RetentionReport
 from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.storage.cached_store import MemoryStore
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
@@ -236,7 +236,7 @@ async def test_a_successor_offers_a_holder_s_leases_only_after_its_replay() -> N
     assert hint.consistency == registry_pb2.HINT_CONSISTENCY_DEGRADED
     replay = replayed(convert.lease_message(lease))
     response = await successor.report_retention(
-        h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True
+        RetentionReport(h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True)
     )
     assert [ack.lease_id for ack in response.leases] == [lease.lease_id]
     hint = await successor.routing_hint("c", "", dry_run=True)
@@ -289,7 +289,7 @@ async def test_after_a_restart_a_new_grant_fences_an_older_replay() -> None:
     assert new.epoch > old.epoch
     replay = replayed(convert.lease_message(old))
     answer = await restarted.report_retention(
-        decodes[0].node_id, decodes[0].incarnation, [replay], full_snapshot=True
+        RetentionReport(decodes[0].node_id, decodes[0].incarnation, [replay], full_snapshot=True)
     )
     assert answer.leases[0].state == lease_pb2.LEASE_STATE_REVOKED
     assert "fenced" in answer.leases[0].end_reason

@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument, RegistryError
 from kvbroker.controlplane.records.model import NodeLoad
-from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
+from kvbroker.controlplane.records.requests import (
+    Heartbeat,
+    LeaseGrant,
+    LeaseListing,
+    RetentionReport,
+)
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker_tools.harness.factories import block_hashes, handle, node_spec
 from tests import test_registry_unit as registry_unit
@@ -48,7 +53,7 @@ class Harness(registry_unit.Harness):
         self, *events: registry_pb2.RetentionEvent, full_snapshot: bool = False
     ) -> registry_pb2.ReportRetentionResponse:
         return await self.registry.report_retention(
-            self.decode.node_id, self.decode.incarnation, events, full_snapshot
+            RetentionReport(self.decode.node_id, self.decode.incarnation, events, full_snapshot)
         )
 
     def state(self) -> tuple[object, ...]:
@@ -235,7 +240,7 @@ async def test_a_prefill_node_s_retention_is_refused_per_event() -> None:
     h = Harness()
     await h.fleet()
     answer = await h.registry.report_retention(
-        h.prefill.node_id, h.prefill.incarnation, [h.retained(1, "c", "r")], False
+        RetentionReport(h.prefill.node_id, h.prefill.incarnation, [h.retained(1, "c", "r")], False)
     )
     assert answer.refused[0].error.reason == registry_pb2.ERROR_REASON_NOT_A_DECODE_NODE
 
@@ -415,5 +420,5 @@ async def test_fuzz_report_retention(
     for item in answer.refused:
         assert item.error.reason != registry_pb2.ERROR_REASON_UNSPECIFIED
     assert answer.applied_sequence <= (1 << 63) - 1
-    await h.registry.list_leases(states=list(lease_pb2.LeaseState.values())[1:])
+    await h.registry.list_leases(LeaseListing(states=list(lease_pb2.LeaseState.values())[1:]))
     await _called(h, h.report(h.retained(answer.applied_sequence + 1, "c", "r9")))

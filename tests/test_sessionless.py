@@ -16,6 +16,7 @@ from kvbroker.common.rules.sessionless import (
     new_session_id,
 )
 from kvbroker.common.rules.tenants import Tenant, tenant_of
+from kvbroker.controlplane.records.requests import LeaseListing
 from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.v1 import lease_pb2
 from tests.test_prefix_match import BLOCK, ask, retain, tokens
@@ -96,7 +97,7 @@ async def test_a_sessionless_conversation_keeps_one_lease_turn_after_turn() -> N
         history = history + tokens(2 * BLOCK + 3, seed=turn + 1)
         lease = await retain(h, conversation, f"req-{turn}", history)
         turn_ids.append(lease.lease_id)
-        live, _ = await h.registry.list_leases(states=[ACTIVE])
+        live, _ = await h.registry.list_leases(LeaseListing(states=[ACTIVE]))
         assert [leased.lease_id for leased in live] == [lease.lease_id]
     for superseded in turn_ids[:-1]:
         ended = await h.registry.get_lease(superseded)

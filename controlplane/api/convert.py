@@ -17,7 +17,13 @@ from kvbroker.controlplane.placement.prefix_match import PrefixMatch
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import LeaseAnswer, NodeAnswer, Registration
 from kvbroker.controlplane.records.model import Conversation
-from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
+from kvbroker.controlplane.records.requests import (
+    Heartbeat,
+    LeaseGrant,
+    LeaseListing,
+    PrefixProbe,
+    RetentionReport,
+)
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 # ---------------------------------------------------------------- requests
@@ -50,6 +56,32 @@ def heartbeat_of(request: registry_pb2.HeartbeatRequest) -> Heartbeat:
         request.engine_ready,
         codec.load_of(request.load),
         codec.work_of(request.work) if request.HasField("work") else None,
+    )
+
+
+def report_of(request: registry_pb2.ReportRetentionRequest) -> RetentionReport:
+    return RetentionReport(
+        request.node_id, request.incarnation, request.events, request.full_snapshot
+    )
+
+
+def probe_of(request: registry_pb2.MatchPrefixRequest) -> PrefixProbe:
+    return PrefixProbe(
+        request.node_id,
+        request.conversation_id,
+        request.model,
+        request.block_size,
+        request.probe_hashes,
+    )
+
+
+def listing_of(request: registry_pb2.ListLeasesRequest) -> LeaseListing:
+    return LeaseListing(
+        request.node_id,
+        request.conversation_id,
+        list(request.states),
+        request.page_size,
+        request.page_token,
     )
 
 

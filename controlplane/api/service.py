@@ -260,13 +260,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         request: registry_pb2.ListLeasesRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ListLeasesResponse:
-        leases, next_token = await registry.list_leases(
-            request.node_id,
-            request.conversation_id,
-            list(request.states),
-            request.page_size,
-            request.page_token,
-        )
+        leases, next_token = await registry.list_leases(convert.listing_of(request))
         return registry_pb2.ListLeasesResponse(
             leases=[convert.lease_message(lease) for lease in leases], next_page_token=next_token
         )
@@ -290,9 +284,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         request: registry_pb2.ReportRetentionRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.ReportRetentionResponse:
-        return await registry.report_retention(
-            request.node_id, request.incarnation, request.events, request.full_snapshot
-        )
+        return await registry.report_retention(convert.report_of(request))
 
     async def WatchLeaseCommands(
         self, request: registry_pb2.WatchLeaseCommandsRequest, context: grpc.aio.ServicerContext
@@ -361,13 +353,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         request: registry_pb2.MatchPrefixRequest,
         context: grpc.aio.ServicerContext,
     ) -> registry_pb2.MatchPrefixResponse:
-        match = await registry.match_prefix(
-            request.node_id,
-            request.conversation_id,
-            request.model,
-            request.block_size,
-            request.probe_hashes,
-        )
+        match = await registry.match_prefix(convert.probe_of(request))
         return convert.match_message(match)
 
     @_served

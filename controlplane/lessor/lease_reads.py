@@ -8,7 +8,7 @@ without a scan, and bounds each answer's size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
 from kvbroker.controlplane.context import RegistryContext
@@ -16,6 +16,7 @@ from kvbroker.controlplane.errors import ConversationNotFound, LeaseNotFound, No
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.model import Conversation, Lease
+from kvbroker.controlplane.records.requests import LeaseListing
 
 
 class LeaseReads:
@@ -55,17 +56,15 @@ class LeaseReads:
             return await self.current_live(conversation_id)
         return await self.lease(lease_id)
 
-    async def page(
-        self,
-        node_id: str,
-        conversation_id: str,
-        states: Sequence[int],
-        page_size: int,
-        page_token: str,
-    ) -> tuple[list[LeaseAnswer], str]:
-        self._validate.list_leases(node_id, conversation_id, states, page_size)
-        wanted = set(states) or LIVE_LEASE_STATES
-        limit = page_size or 100
+    async def page(self, listing: LeaseListing) -> tuple[list[LeaseAnswer], str]:
+        self._validate.list_leases(listing)
+        node_id, conversation_id, page_token = (
+            listing.node_id,
+            listing.conversation_id,
+            listing.page_token,
+        )
+        wanted = set(listing.states) or LIVE_LEASE_STATES
+        limit = listing.page_size or 100
         page: list[LeaseAnswer] = []
         leases: Iterable[Lease]
         if conversation_id and wanted <= LIVE_LEASE_STATES:

@@ -29,6 +29,7 @@ from kvbroker.controlplane.lessor.leases import Leases
 from kvbroker.controlplane.lessor.prefix_index import Scope
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.model import CLAIMED, Lease
+from kvbroker.controlplane.records.requests import PrefixProbe
 from kvbroker.controlplane.sessions.nodes import NodeRuntime, NodeSessions
 from kvbroker.v1 import registry_pb2
 
@@ -58,25 +59,19 @@ class PrefixMatches:
         self._nodes = nodes
         self._leases = leases
 
-    async def match(
-        self,
-        node_id: str,
-        conversation_id: str,
-        model: str,
-        block_size: int,
-        probes: list[bytes],
-    ) -> PrefixMatch:
-        """The longest readable lease sharing the prompt's prefix, pinned for ``node_id``
-        (call under the lock)."""
-        asker = self._asker(node_id, model)
+    async def match(self, probe: PrefixProbe) -> PrefixMatch:
+        """The longest readable lease sharing the prompt's prefix, pinned for the asking
+        node (call under the lock)."""
+        node_id, conversation_id = probe.node_id, probe.conversation_id
+        asker = self._asker(node_id, probe.model)
         if conversation_id and await self._has_own_lease(conversation_id):
             return _no_match(
                 registry_pb2.NO_REUSE_REASON_OWN_CONVERSATION,
                 f"conversation {conversation_id!r} has a live lease of its own",
             )
-        scope = Scope(tenant_of(conversation_id), asker.model, block_size)
+        scope = Scope(tenant_of(conversation_id), asker.model, probe.block_size)
         refusal: PrefixMatch | None = None
-        for hit in self._leases.prefix_index.hits(scope, probes):
+        for hit in self._leases.prefix_index.hits(scope, list(probe.probes)):
             readable: list[Lease] = []
             for lease_id in hit.lease_ids:
                 lease = await self._store.get_lease(lease_id)

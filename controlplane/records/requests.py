@@ -1,6 +1,7 @@
 """The registry's wide calls, each as one request record: their parameter lists, once.
 
-A grant and a heartbeat carry six to eight values from the gRPC face (``api.convert``) through
+A grant, a heartbeat, a retention report, a prefix match and a lease listing carry four to
+eight values from the gRPC face (``api.convert``) through
 the ``Registry`` to the check of their content (``records.validation``) and the part that
 applies them. Spelled as positional parameters, each list was copied at every step and a new
 field meant editing each copy; as one frozen record a field is added here and where it is
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbroker.controlplane.records.model import EngineWork, NodeLoad
-from kvbroker.v1 import lease_pb2
+from kvbroker.v1 import lease_pb2, registry_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +44,42 @@ class Heartbeat:
     engine_ready: bool
     load: NodeLoad
     work: EngineWork | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionReport:
+    """A decode node's report of what its engine retained, let go of or was asked to give
+    back; a full snapshot (after a restart of either side) is everything it retains."""
+
+    node_id: str
+    incarnation: str
+    events: Sequence[registry_pb2.RetentionEvent]
+    full_snapshot: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixProbe:
+    """A prefill node's question: which live lease its prompt (hashed at checkpoints, in
+    ``probes``) shares the longest prefix with, for its conversation (or none)."""
+
+    node_id: str
+    conversation_id: str
+    model: str
+    block_size: int
+    probes: Sequence[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseListing:
+    """Which leases to list, one page at a time (empty fields: no filter; no states: the
+    live ones)."""
+
+    node_id: str = ""
+    conversation_id: str = ""
+    states: Sequence[int] = ()
+    page_size: int = 0
+    page_token: str = ""
+
+
+# The first page of every live lease (a frozen record: one default for every caller).
+LIVE_LEASES = LeaseListing()

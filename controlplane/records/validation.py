@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 from urllib.parse import urlsplit
 
@@ -26,7 +26,7 @@ from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument
 from kvbroker.controlplane.records.codec import block_count
 from kvbroker.controlplane.records.model import CostProfile, EngineWork, NodeLoad
-from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant
+from kvbroker.controlplane.records.requests import Heartbeat, LeaseGrant, LeaseListing, PrefixProbe
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 # Epochs and sequences stay far below uint64's end, so incrementing one never overflows.
@@ -269,15 +269,13 @@ class Validation:
         self.session(node_id, incarnation)
         self.text(reason, "reason")
 
-    def list_leases(
-        self, node_id: str, conversation_id: str, states: Iterable[int], page_size: int
-    ) -> None:
-        self.optional_id(node_id, "node_id")
-        self.optional_id(conversation_id, "conversation_id")
-        for state in states:
+    def list_leases(self, listing: LeaseListing) -> None:
+        self.optional_id(listing.node_id, "node_id")
+        self.optional_id(listing.conversation_id, "conversation_id")
+        for state in listing.states:
             self.enum(lease_pb2.LeaseState, state, "states", unspecified=False)
-        if not 0 <= page_size <= 1000:
-            raise InvalidArgument(f"page_size {page_size} is not within [0, 1000]")
+        if not 0 <= listing.page_size <= 1000:
+            raise InvalidArgument(f"page_size {listing.page_size} is not within [0, 1000]")
 
     # ------------------------------------------------------------ retention reports
 
@@ -327,23 +325,16 @@ class Validation:
         self.optional_id(on_node_id, "on_node_id")
         self.enum(registry_pb2.TurnPath, path, "path")
 
-    def prefix_match(
-        self,
-        node_id: str,
-        conversation_id: str,
-        model: str,
-        block_size: int,
-        probes: Sequence[bytes],
-        max_probes: int,
-    ) -> None:
-        self.id(node_id, "node_id")
-        self.optional_id(conversation_id, "conversation_id")
-        self.text(model, "model")
-        if block_size <= 0:
+    def prefix_match(self, probe: PrefixProbe, max_probes: int) -> None:
+        self.id(probe.node_id, "node_id")
+        self.optional_id(probe.conversation_id, "conversation_id")
+        self.text(probe.model, "model")
+        if probe.block_size <= 0:
             raise InvalidArgument("block_size is required")
+        probes = probe.probes
         if len(probes) > max_probes:
             raise InvalidArgument(f"{len(probes)} probe hashes exceed the limit of {max_probes}")
-        if any(not 0 < len(probe) <= MAX_BLOCK_HASH_BYTES for probe in probes):
+        if any(not 0 < len(hashed) <= MAX_BLOCK_HASH_BYTES for hashed in probes):
             raise InvalidArgument(f"a probe hash is empty or over {MAX_BLOCK_HASH_BYTES} bytes")
 
 
