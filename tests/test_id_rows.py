@@ -1,0 +1,68 @@
+"""Packed ids: any string comes back equal, through ``pack``/``unpack`` and through a column
+of rows set and reset in any order (slots and the side table of ids that do not pack)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbroker.controlplane.storage.id_rows import SLOT, IdColumn, pack, unpack
+
+# any text, plus the shapes that pack: hex uuids (lower and upper case), short text, and
+# text just over a slot's width
+_ids = st.one_of(
+    st.text(),
+    st.uuids().map(lambda u: u.hex),
+    st.uuids().map(lambda u: u.hex.upper()),
+    st.text(max_size=16),
+    st.text(min_size=15, max_size=18),
+    st.binary(min_size=16, max_size=16).map(bytes.hex),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ident=_ids)
+def test_any_id_comes_back_equal(ident: str) -> None:
+    packed = pack(ident)
+    assert unpack(packed) == ident
+    if not isinstance(packed, str):
+        assert len(packed) == SLOT
+
+
+def test_hex_and_short_ids_pack_and_others_stay_strings() -> None:
+    hex_id = uuid.uuid4().hex
+    assert not isinstance(pack(hex_id), str)
+    assert not isinstance(pack("conv-123"), str)
+    assert not isinstance(pack(""), str)
+    assert isinstance(pack(hex_id.upper()), str)  # would come back lower case
+    assert isinstance(pack("x" * 17), str)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.integers(0, 7), _ids), max_size=60),
+)
+def test_a_column_reads_back_what_a_dictionary_holds(steps: list[tuple[int, str]]) -> None:
+    column = IdColumn()
+    model: dict[int, str] = {}
+    for wanted, ident in steps:
+        row = min(wanted, len(column))  # past the end: a new row
+        if row == len(column):
+            column.append(ident)
+        else:
+            column[row] = ident
+        model[row] = ident
+        assert len(column) == len(model)
+        assert {r: column[r] for r in range(len(column))} == model
+
+
+def test_a_row_past_the_end_is_an_index_error() -> None:
+    column = IdColumn()
+    column.append("a")
+    for row in (1, -1):
+        with pytest.raises(IndexError):
+            column[row] = "b"
+    assert column[0] == "a"
