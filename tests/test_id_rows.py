@@ -4,12 +4,13 @@ of rows set and reset in any order (slots and the side table of ids that do not 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbroker.controlplane.storage.id_rows import SLOT, IdColumn, pack, unpack
+from kvbroker.controlplane.storage.id_rows import SLOT, IdColumn, RowTable, pack, unpack
 
 # any text, plus the shapes that pack: hex uuids (lower and upper case), short text, and
 # text just over a slot's width
@@ -66,3 +67,41 @@ def test_a_row_past_the_end_is_an_index_error() -> None:
         with pytest.raises(IndexError):
             column[row] = "b"
     assert column[0] == "a"
+
+
+# (request id, its key): few keys, so that request ids collide
+_requests = st.tuples(st.sampled_from([f"req-{i}" for i in range(6)]), st.integers(-3, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.booleans(), _requests, st.integers(0, 50)), max_size=80),
+)
+def test_a_row_table_reads_back_what_a_dictionary_holds(
+    steps: list[tuple[bool, tuple[str, int], int]],
+) -> None:
+    """Rows by request id (their keys colliding on purpose), through puts, deletes and growth,
+    against a dict; a row's request id is what ``same`` compares, as the state cache's is."""
+    table = RowTable()
+    request_of: dict[int, str] = {}  # row -> its request id
+    model: dict[str, int] = {}  # request id -> row
+    keys = {request: key for (request, key) in (r for _, r, _ in steps)}
+
+    def asks(request: str) -> Callable[[int], bool]:
+        return lambda r: request_of[r] == request
+
+    for add, (request, _), row in steps:
+        key = keys[request]
+        if add and row not in request_of:
+            request_of[row] = request
+            table.put(key, row, asks(request))
+            model[request] = row
+        elif not add:
+            popped = table.pop(key, asks(request))
+            assert popped == model.pop(request, None)
+            if popped is not None:
+                del request_of[popped]  # free for reuse, as a deleted lease's row
+        assert len(table) == len(model)
+        assert sorted(table.rows()) == sorted(model.values())
+        for other, wanted in model.items():
+            assert table.get(keys[other], asks(other)) == wanted

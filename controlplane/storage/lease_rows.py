@@ -94,6 +94,20 @@ class LeaseRows:
         row = self._row.get(lease_id)
         return None if row is None else self._lease(row)
 
+    def row(self, lease_id: str) -> int | None:
+        """The row number of ``lease_id`` (None: none); valid until the lease is deleted."""
+        return self._row.get(lease_id)
+
+    def at(self, row: int) -> Lease:
+        """A new ``Lease`` from ``row`` (a row in use)."""
+        return self._lease(row)
+
+    def lease_id_at(self, row: int) -> str:
+        return self._lease_id[row]
+
+    def request_id_at(self, row: int) -> str:
+        return self._request_id[row]
+
     def node_id(self, lease_id: str) -> str:
         return self._names[self._node[self._row[lease_id]]]
 
