@@ -18,31 +18,33 @@ SLOT = WIDTH + 1  # the kind byte, then the id
 _HEX = 0xFF  # kind: a lowercase hex id of 2 * WIDTH characters, as binary
 _OTHER = 0xFE  # kind: kept as a string (in the column's side table)
 # any other kind: the length of the id's UTF-8 bytes (0 to WIDTH)
+_HEX_KIND = bytes((_HEX,))
 
 
 def pack(ident: str) -> bytes | str:
     """``ident`` as a slot of ``SLOT`` bytes, or ``ident`` itself where none holds it."""
-    text = ident.encode("utf-8", "surrogatepass")
-    if len(text) <= WIDTH:
-        return bytes((len(text),)) + text.ljust(WIDTH, b"\0")
-    if len(ident) == 2 * WIDTH:
+    # lower case only (or digits): upper case would not come back as it was
+    if len(ident) == 2 * WIDTH and (ident.islower() or ident.isdigit()):
         try:
             binary = bytes.fromhex(ident)
         except ValueError:
-            return ident
-        if binary.hex() == ident:  # upper case or spaces would not come back as they were
-            return bytes((_HEX,)) + binary
+            binary = b""
+        if len(binary) == WIDTH:  # fewer: it had spaces, which would not come back
+            return _HEX_KIND + binary
+    text = ident.encode("utf-8", "surrogatepass")
+    if len(text) <= WIDTH:
+        return bytes((len(text),)) + text.ljust(WIDTH, b"\0")
     return ident
 
 
-def unpack(packed: bytes | str) -> str:
-    """The id that ``pack`` gave ``packed`` for."""
+def unpack(packed: bytes | bytearray | str, start: int = 0) -> str:
+    """The id that ``pack`` gave ``packed`` for (a slot at ``start`` of a buffer of them)."""
     if isinstance(packed, str):
         return packed
-    kind = packed[0]
+    kind = packed[start]
     if kind == _HEX:
-        return packed[1:SLOT].hex()
-    return packed[1 : 1 + kind].decode("utf-8", "surrogatepass")
+        return packed[start + 1 : start + SLOT].hex()
+    return packed[start + 1 : start + 1 + kind].decode("utf-8", "surrogatepass")
 
 
 class IdColumn:
@@ -75,7 +77,7 @@ class IdColumn:
         start = row * SLOT
         if self._slots[start] == _OTHER:
             return self._other[row]
-        return unpack(bytes(self._slots[start : start + SLOT]))
+        return unpack(self._slots, start)
 
 
 class RowTable:

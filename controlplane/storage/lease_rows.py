@@ -108,6 +108,9 @@ class LeaseRows:
     def request_id_at(self, row: int) -> str:
         return self._request_id[row]
 
+    def state_at(self, row: int) -> int:
+        return self._state[row]
+
     def node_id(self, lease_id: str) -> str:
         return self._names[self._node[self._row[lease_id]]]
 

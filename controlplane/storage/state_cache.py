@@ -72,21 +72,30 @@ class StateCache:
 
     def _keep_lease(self, lease: Lease) -> None:
         node_id = lease.node_id
-        new = lease.lease_id not in self._leases
-        # Indexed once, with one string object for the id everywhere: an update (a claim,
-        # a renewal) leaves the indexes' strings as they are.
-        lease_id = self._leases.put(lease)
-        row = self._leases.row(lease_id)
-        assert row is not None
-        if new:
+        leases = self._leases
+        row = leases.row(lease.lease_id)
+        live = lease.state in LIVE_LEASE_STATES
+        # An update that leaves the lease as live or not, on its node, as it was (a renewal)
+        # leaves the indexes as they are.
+        indexed = (
+            row is not None
+            and leases.node_id(lease.lease_id) == node_id
+            and (leases.state_at(row) in LIVE_LEASE_STATES) == live
+        )
+        lease_id = leases.put(lease)
+        if indexed:
+            return
+        if row is None:
+            row = leases.row(lease_id)
+            assert row is not None
             self._lease_order.add(lease_id)
             request_id = lease.handle.remote_request_id
             self._by_node[node_id].put(hash(request_id), row, self._asks(request_id))
-        live = self._live_by_node[node_id]
-        if lease.state in LIVE_LEASE_STATES:
-            live.put(row, row, _any_row)
+        live_rows = self._live_by_node[node_id]
+        if live:
+            live_rows.put(row, row, _any_row)
         else:
-            live.pop(row, _any_row)
+            live_rows.pop(row, _any_row)
 
     def _forget_lease(self, lease_id: str) -> None:
         row = self._leases.row(lease_id)
