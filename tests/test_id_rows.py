@@ -1,5 +1,6 @@
 """Packed ids: any string comes back equal, through ``pack``/``unpack`` and through a column
-of rows set and reset in any order (slots and the side table of ids that do not pack)."""
+of rows set and reset in any order (slots and the side table of ids that do not pack); the
+row-number tables and the conversation rows read back what a plain dict holds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbroker.controlplane.records.model import Conversation
+from kvbroker.controlplane.storage.conversation_rows import ConversationRows
 from kvbroker.controlplane.storage.id_rows import SLOT, IdColumn, RowTable, pack, unpack
 
 # any text, plus the shapes that pack: hex uuids (lower and upper case), short text, and
@@ -105,3 +108,39 @@ def test_a_row_table_reads_back_what_a_dictionary_holds(
         assert sorted(table.rows()) == sorted(model.values())
         for other, wanted in model.items():
             assert table.get(keys[other], asks(other)) == wanted
+
+
+_conversations = st.builds(
+    Conversation,
+    conversation_id=st.one_of(st.sampled_from(["", "conv-1", "conv-2"]), _ids),
+    epoch=st.integers(0, 2**40),
+    lease_id=st.text(max_size=4),
+    decode_node_id=st.sampled_from(["", "node-a", "node-b"]),
+    last_active_time=st.one_of(st.none(), st.floats(allow_nan=False)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(st.booleans(), _conversations), max_size=60))
+def test_conversation_rows_read_back_what_a_dictionary_holds(
+    steps: list[tuple[bool, Conversation]],
+) -> None:
+    """Puts and deletes in any order (rows freed and reused) read back as a dict's."""
+    rows = ConversationRows()
+    model: dict[str, Conversation] = {}
+    for put, conversation in steps:
+        ident = conversation.conversation_id
+        if put:
+            rows.put(conversation.copy())
+            model[ident] = conversation
+        else:
+            rows.pop(ident)
+            model.pop(ident, None)
+        assert len(rows) == len(model)
+        assert rows.get(ident) == model.get(ident)
+        assert dict(rows) == model
+        assert sorted(rows.values(), key=_ident) == sorted(model.values(), key=_ident)
+
+
+def _ident(conversation: Conversation) -> str:
+    return conversation.conversation_id
