@@ -1,10 +1,10 @@
 """The state cache's own cost a lease: traced bytes, a read and an update.
 
 20,000 leases of 32 blocks with 16-byte hashes, each decoded from its stored bytes into a
-``StateCache`` (so the cache's records and indexes alone: not the prefix index, the
-conversations or the deadlines), on 1,000 nodes, request ids as engines make them (uuid hex)
-and conversation ids ``conv-N``. CPU time, best of 5 passes. Run from the repository root:
-``.venv/bin/python scripts/state_cache_cost.py``.
+``StateCache`` (so the cache's records and indexes alone: not the prefix index or the
+deadlines), on 1,000 nodes, request ids as engines make them (uuid hex); and as many
+conversations (ids ``conv-N``) in a cache of their own. CPU time, best of 5 passes. Run from
+the repository root: ``.venv/bin/python scripts/state_cache_cost.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.lease_ids import new_lease_id
+from kvbroker.controlplane.records.model import Conversation
 from kvbroker.controlplane.storage.state_cache import RecordKind, StateCache
 from kvbroker.v1 import lease_pb2
 
@@ -56,6 +58,27 @@ def stored_lease(index: int) -> tuple[str, bytes]:
     return lease_id, message.SerializeToString()
 
 
+def conversation_bytes(lease_ids: list[str]) -> float:
+    """Traced bytes a conversation (one a lease, as the bench's), in a cache of its own."""
+    stored = [
+        (
+            f"conv-{i}",
+            codec.conversation_bytes(
+                Conversation(f"conv-{i}", 1, lease_id, f"node-{i % NODES}", time.time())
+            ),
+        )
+        for i, lease_id in enumerate(lease_ids)
+    ]
+    tracemalloc.start()
+    cache = StateCache()
+    before = tracemalloc.get_traced_memory()[0]
+    for conversation_id, raw in stored:
+        cache.apply(RecordKind.CONVERSATION, conversation_id, raw)
+    traced = (tracemalloc.get_traced_memory()[0] - before) / len(stored)
+    tracemalloc.stop()
+    return traced
+
+
 def best(action: Callable[[str], object], ids: list[str]) -> float:
     """Seconds an id of ``action``'s pass over ``ids``, best of ``PASSES``."""
     times = []
@@ -81,6 +104,7 @@ def main() -> None:
     read = best(cache.lease, ids)
     update = best(lambda i: cache.put(RecordKind.LEASE, i, leases[i]), ids)
     print(f"traced bytes a lease: {traced:,.0f}")
+    print(f"traced bytes a conversation: {conversation_bytes(ids):,.0f}")
     print(f"a read (StateCache.lease): {read * 1e6:.2f} us")
     print(f"an update (StateCache.put): {update * 1e6:.2f} us")
 
