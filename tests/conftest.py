@@ -54,6 +54,7 @@ LAYERS = {
     "test_checkpoints": "unit",
     "test_codec": "unit",
     "test_lease_rows": "unit",
+    "test_id_rows": "unit",
     "test_connector_metrics": "unit",
     "test_connector_scheduler": "unit",
     "test_cost_correction": "unit",

@@ -3,8 +3,9 @@
 A million live leases as ``Lease`` objects cost ~1,170 bytes each in objects alone (the
 record, its handle, two bytes objects, boxed times and ints); most of that is object headers,
 not data. Here a lease is a row number: its numbers and times sit in typed ``array`` columns
-(times as float64, NaN for None), its strings in lists (one object each, the same the
-cache's indexes key by), its node id and incarnation as numbers into a table of the few
+(times as float64, NaN for None), its lease id and end reason in lists (one object each, the
+lease id the same the cache's indexes key by), its conversation and request ids packed into
+16-byte slots (``id_rows``), its node id and incarnation as numbers into a table of the few
 distinct names, and its two blobs (the packed handle, then the checkpoint hashes) side by side
 in one ``bytearray`` arena. Since the store hands out a copy on every read, nothing outside
 sees this: a read builds a new ``Lease`` from the row, a write overwrites the row.
@@ -21,6 +22,7 @@ from array import array
 from collections.abc import Iterator
 
 from kvbroker.controlplane.records.model import Lease, kv_handle
+from kvbroker.controlplane.storage.id_rows import IdColumn
 
 _NONE = math.nan
 # Compacting is a copy of the live bytes, so it waits for at least this much dead space.
@@ -45,9 +47,10 @@ class LeaseRows:
         self._name_number: dict[str, int] = {}
         # strings, one object a lease ("" for a free row)
         self._lease_id: list[str] = []
-        self._conversation_id: list[str] = []
-        self._request_id: list[str] = []
         self._end_reason: list[str] = []
+        # ids packed in slots (``id_rows``), "" for a free row
+        self._conversation_id = IdColumn()
+        self._request_id = IdColumn()
         # numbers
         self._node = array("I")
         self._incarnation = array("I")
@@ -90,6 +93,23 @@ class LeaseRows:
         """A new ``Lease`` from the row of ``lease_id`` (None: none)."""
         row = self._row.get(lease_id)
         return None if row is None else self._lease(row)
+
+    def row(self, lease_id: str) -> int | None:
+        """The row number of ``lease_id`` (None: none); valid until the lease is deleted."""
+        return self._row.get(lease_id)
+
+    def at(self, row: int) -> Lease:
+        """A new ``Lease`` from ``row`` (a row in use)."""
+        return self._lease(row)
+
+    def lease_id_at(self, row: int) -> str:
+        return self._lease_id[row]
+
+    def request_id_at(self, row: int) -> str:
+        return self._request_id[row]
+
+    def state_at(self, row: int) -> int:
+        return self._state[row]
 
     def node_id(self, lease_id: str) -> str:
         return self._names[self._node[self._row[lease_id]]]
@@ -190,10 +210,10 @@ class LeaseRows:
             self._lease_id[row] = lease_id
         else:
             row = len(self._lease_id)
-            for strings in (self._lease_id, self._conversation_id, self._request_id):
-                strings.append("")
+            self._lease_id.append(lease_id)
             self._end_reason.append("")
-            self._lease_id[row] = lease_id
+            self._conversation_id.append("")
+            self._request_id.append("")
             for numbers in (
                 self._node,
                 self._incarnation,

@@ -1,4 +1,5 @@
-"""The registry's state in memory: every record, as a plain object (``controlplane.records.model``),
+"""The registry's state in memory: every record (``controlplane.records.model``), nodes as
+objects, leases and conversations as rows of columns (``lease_rows``, ``conversation_rows``),
 with the indexes its hot paths need.
 
 Every read hands out a copy (``copy()``: one object, its fields immutable), and the store puts
@@ -13,7 +14,7 @@ and every count of them is its size.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
 from typing import TypeVar
 
@@ -22,6 +23,8 @@ from sortedcontainers import SortedList
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.model import Conversation, Lease, Node, Record
+from kvbroker.controlplane.storage.conversation_rows import ConversationRows
+from kvbroker.controlplane.storage.id_rows import RowTable
 from kvbroker.controlplane.storage.lease_rows import LeaseRows
 
 
@@ -36,15 +39,18 @@ class RecordKind(Enum):
 class StateCache:
     def __init__(self) -> None:
         self._nodes: dict[str, Node] = {}
-        self._conversations: dict[str, Conversation] = {}
+        # Conversations as rows too (``conversation_rows``): a read builds its copy.
+        self._conversations = ConversationRows()
         # Leases as rows of columns (``lease_rows``): a read builds the copy it hands out.
         self._leases = LeaseRows()
         # Lease ids in order, for listings that page (ids sort in grant order): ~8 bytes a
         # lease, where a per-lease key tuple cost ~170.
         self._lease_order: SortedList[str] = SortedList()
-        # node id -> remote request id -> lease id (all the node's leases, live or ended)
-        self._by_node: defaultdict[str, dict[str, str]] = defaultdict(dict)
-        self._live_by_node: defaultdict[str, set[str]] = defaultdict(set)
+        # Row-number tables (``id_rows.RowTable``), not dicts and sets of strings: ~70 bytes
+        # a lease less. node id -> remote request id's hash -> row (all the node's leases,
+        # live or ended); node id -> row (its live leases).
+        self._by_node: defaultdict[str, RowTable] = defaultdict(RowTable)
+        self._live_by_node: defaultdict[str, RowTable] = defaultdict(RowTable)
 
     # ------------------------------------------------------------ writes
 
@@ -65,33 +71,54 @@ class StateCache:
             _set(self._nodes, ident, record)
         else:
             assert record is None or isinstance(record, Conversation)
-            _set(self._conversations, ident, record)
+            if record is None:
+                self._conversations.pop(ident)
+            else:
+                self._conversations.put(record)
 
     def _keep_lease(self, lease: Lease) -> None:
         node_id = lease.node_id
-        new = lease.lease_id not in self._leases
-        # Indexed once, with one string object for the id everywhere: an update (a claim,
-        # a renewal) leaves the indexes' strings as they are.
-        lease_id = self._leases.put(lease)
-        if new:
+        leases = self._leases
+        row = leases.row(lease.lease_id)
+        live = lease.state in LIVE_LEASE_STATES
+        # An update that leaves the lease as live or not, on its node, as it was (a renewal)
+        # leaves the indexes as they are.
+        indexed = (
+            row is not None
+            and leases.node_id(lease.lease_id) == node_id
+            and (leases.state_at(row) in LIVE_LEASE_STATES) == live
+        )
+        lease_id = leases.put(lease)
+        if indexed:
+            return
+        if row is None:
+            row = leases.row(lease_id)
+            assert row is not None
             self._lease_order.add(lease_id)
-            self._by_node[node_id][lease.handle.remote_request_id] = lease_id
-        live = self._live_by_node[node_id]
-        if lease.state in LIVE_LEASE_STATES:
-            live.add(lease_id)
+            request_id = lease.handle.remote_request_id
+            self._by_node[node_id].put(hash(request_id), row, self._asks(request_id))
+        live_rows = self._live_by_node[node_id]
+        if live:
+            live_rows.put(row, row, _any_row)
         else:
-            live.discard(lease_id)
+            live_rows.pop(row, _any_row)
 
     def _forget_lease(self, lease_id: str) -> None:
-        lease = self._leases.pop(lease_id)
-        if lease is None:
+        row = self._leases.row(lease_id)
+        if row is None:
             return
+        lease = self._leases.pop(lease_id)
+        assert lease is not None
         self._lease_order.discard(lease_id)
-        requests = self._by_node[lease.node_id]
         request_id = lease.handle.remote_request_id
-        if requests.get(request_id) == lease_id:
-            del requests[request_id]
-        self._live_by_node[lease.node_id].discard(lease_id)
+        # only where this lease is the one kept for its request id
+        self._by_node[lease.node_id].pop(hash(request_id), row.__eq__)
+        self._live_by_node[lease.node_id].pop(row, _any_row)
+
+    def _asks(self, request_id: str) -> Callable[[int], bool]:
+        """Whether a row's lease is for ``request_id`` (hashes may collide)."""
+        leases = self._leases
+        return lambda row: leases.request_id_at(row) == request_id
 
     # ------------------------------------------------------------ reads
 
@@ -111,26 +138,31 @@ class StateCache:
         return [self._nodes[k].copy() for k in sorted(self._nodes)]
 
     def conversation(self, conversation_id: str) -> Conversation | None:
-        conversation = self._conversations.get(conversation_id)
-        return conversation.copy() if conversation is not None else None
+        return self._conversations.get(conversation_id)  # built from its row
 
     def conversations(self) -> Iterator[Conversation]:
-        return (conversation.copy() for conversation in self._conversations.values())
+        return self._conversations.values()
 
     def lease(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
     def find_lease(self, node_id: str, remote_request_id: str) -> Lease | None:
         requests = self._by_node.get(node_id)
-        lease_id = requests.get(remote_request_id) if requests is not None else None
-        return self.lease(lease_id) if lease_id is not None else None
+        if requests is None:
+            return None
+        row = requests.get(hash(remote_request_id), self._asks(remote_request_id))
+        return None if row is None else self._leases.at(row)
 
     def live_leases_of_node(self, node_id: str) -> list[Lease]:
         leases = self._leases
-        return [leases[i] for i in sorted(self._live_by_node.get(node_id, ()))]
+        return [leases[i] for i in sorted(self.live_lease_ids(node_id))]
 
     def live_lease_ids(self, node_id: str) -> set[str]:
-        return set(self._live_by_node.get(node_id, ()))
+        return self._ids(self._live_by_node.get(node_id))
+
+    def _ids(self, table: RowTable | None) -> set[str]:
+        leases = self._leases
+        return set() if table is None else {leases.lease_id_at(row) for row in table.rows()}
 
     def live_lease_count(self, node_id: str) -> int:
         live = self._live_by_node.get(node_id)
@@ -141,7 +173,7 @@ class StateCache:
     ) -> Iterator[Lease]:
         ids: Iterable[str]
         if node_id:
-            ids = sorted(i for i in self._by_node.get(node_id, {}).values() if i > after)
+            ids = sorted(i for i in self._ids(self._by_node.get(node_id)) if i > after)
         else:
             ids = self._lease_order.irange(minimum=after, inclusive=(False, True))
         return self._copies(ids, conversation_id)
@@ -168,6 +200,11 @@ def decode(kind: RecordKind, raw: bytes) -> Record:
     if kind is RecordKind.NODE:
         return codec.node_of_bytes(raw)
     return codec.conversation_of_bytes(raw)
+
+
+def _any_row(row: int) -> bool:
+    """A live table's key is the row itself: any row under it is the one sought."""
+    return True
 
 
 R = TypeVar("R")
