@@ -50,6 +50,7 @@ LAYERS = {
     "test_aiperf_bench": "unit",
     "test_batcher": "unit",
     "test_bench_nixl_read": "integration",
+    "test_bulk_replay": "integration",
     "test_calibration": "integration",
     "test_checkpoints": "unit",
     "test_codec": "unit",
