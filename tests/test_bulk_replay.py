@@ -4,16 +4,22 @@ off must leave the same answers, records, commands, deadlines and prefix-index h
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.records.lease_ids import new_lease_id
 from kvbroker.controlplane.server import ServerOptions, start_registry
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from kvbroker_tools.harness.factories import block_hashes, node_spec, register
 from tests.conftest import FAST
 from tests.test_retention_reports import released, report, retained
@@ -38,9 +44,15 @@ def unknown(
     return event
 
 
-async def snapshot_outcome(batched: bool) -> dict[str, Any]:
-    """Builds the registry's state, reports one full snapshot, and returns what it left, with
-    lease ids (random per registry) named by their request ids."""
+Report = Callable[
+    [RegistryServiceStub, node_pb2.NodeSpec], Awaitable[registry_pb2.ReportRetentionResponse]
+]
+
+
+async def outcome(batched: bool, build: Report) -> dict[str, Any]:
+    """Runs ``build`` (the registry's state, then the report under test) on a fresh registry
+    and returns what the report left, with lease ids (random per registry) named by their
+    request ids."""
     running = await start_registry(ServerOptions(listen="127.0.0.1:0", config=CONFIG))
     registry = running.registry
     assert registry is not None
@@ -50,30 +62,7 @@ async def snapshot_outcome(batched: bool) -> dict[str, Any]:
         async with open_channel(RegistryEndpoint.parse(running.address)) as channel:
             stub = registry_stub(channel)
             await register(stub, spec)
-            granted = (
-                await report(
-                    stub, spec, *(retained(i, spec, f"c{i}", f"r{i}") for i in (1, 2, 3, 4))
-                )
-            ).leases
-            turn2 = (await report(stub, spec, retained(5, spec, "c1", "r1-turn2"))).leases[0]
-            malformed = retained(5, spec, "c5", "r5")
-            malformed.retained.lease_id, malformed.retained.epoch = "not-a-lease-id", 1
-            answer = await report(
-                stub,
-                spec,
-                replay_of(1, spec, granted[0]),  # superseded by turn 2: freed
-                unknown(2, spec, "c1", "r-fenced", 1),  # an older epoch than c1's: fenced
-                replay_of(3, spec, granted[1]),
-                replay_of(4, spec, granted[1]),  # a duplicate
-                malformed,  # refused alone
-                unknown(6, spec, "c9", "r9", 1),  # unknown: recreated
-                retained(7, spec, "c10", "r10"),  # a grant
-                replay_of(8, spec, turn2),
-                replay_of(9, spec, granted[2]),
-                released(10, "r3"),  # freed by the engine
-                # granted[3] (c4) is left out: ended
-                full_snapshot=True,
-            )
+            answer = await build(stub, spec)
         store, index = registry.store, registry.leases.prefix_index
         leases = sorted(await store.list_leases(), key=lambda lease: lease.handle.remote_request_id)
         name = {lease.lease_id: lease.handle.remote_request_id for lease in leases}
@@ -139,9 +128,36 @@ async def snapshot_outcome(batched: bool) -> dict[str, Any]:
         await running.stop(grace=0)
 
 
+async def the_snapshot(
+    stub: RegistryServiceStub, spec: node_pb2.NodeSpec
+) -> registry_pb2.ReportRetentionResponse:
+    granted = (
+        await report(stub, spec, *(retained(i, spec, f"c{i}", f"r{i}") for i in (1, 2, 3, 4)))
+    ).leases
+    turn2 = (await report(stub, spec, retained(5, spec, "c1", "r1-turn2"))).leases[0]
+    malformed = retained(5, spec, "c5", "r5")
+    malformed.retained.lease_id, malformed.retained.epoch = "not-a-lease-id", 1
+    return await report(
+        stub,
+        spec,
+        replay_of(1, spec, granted[0]),  # superseded by turn 2: freed
+        unknown(2, spec, "c1", "r-fenced", 1),  # an older epoch than c1's: fenced
+        replay_of(3, spec, granted[1]),
+        replay_of(4, spec, granted[1]),  # a duplicate
+        malformed,  # refused alone
+        unknown(6, spec, "c9", "r9", 1),  # unknown: recreated
+        retained(7, spec, "c10", "r10"),  # a grant
+        replay_of(8, spec, turn2),
+        replay_of(9, spec, granted[2]),
+        released(10, "r3"),  # freed by the engine
+        # granted[3] (c4) is left out: ended
+        full_snapshot=True,
+    )
+
+
 async def test_a_snapshot_leaves_the_same_state_batched_or_not() -> None:
-    batched = await snapshot_outcome(batched=True)
-    one_by_one = await snapshot_outcome(batched=False)
+    batched = await outcome(True, the_snapshot)
+    one_by_one = await outcome(False, the_snapshot)
     assert batched == one_by_one
     # The snapshot exercised what it was built for.
     states = {record[0]: (record[3], record[4]) for record in batched["records"]}
@@ -153,3 +169,49 @@ async def test_a_snapshot_leaves_the_same_state_batched_or_not() -> None:
     assert {"r1", "unstored"} <= {command[0] for command in batched["commands"]}
     live = [r for r in batched["records"] if r[-1] is not None]
     assert live and all(r[-2] for r in live)  # live leases are indexed and have deadlines
+
+
+# An event of a report, drawn: (kind, which lease or conversation).
+KINDS = ("grant", "replay", "release", "reclaim", "unknown", "malformed")
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    events=st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 3)), max_size=12),
+    full_snapshot=st.booleans(),
+)
+def test_any_mix_of_events_leaves_the_same_state_batched_or_not(
+    events: list[tuple[str, int]], full_snapshot: bool
+) -> None:
+    async def build(
+        stub: RegistryServiceStub, spec: node_pb2.NodeSpec
+    ) -> registry_pb2.ReportRetentionResponse:
+        setup = [retained(i + 1, spec, f"c{i}", f"r{i}") for i in range(3)]
+        setup.append(retained(4, spec, "c0", "r0-turn2"))  # supersedes r0
+        granted = list((await report(stub, spec, *setup)).leases)
+        mix: list[registry_pb2.RetentionEvent] = []
+        for seq, (kind, which) in enumerate(events, 5):
+            request = f"r{which % 3}"
+            if kind == "grant":
+                mix.append(retained(seq, spec, f"c{which}", f"g{seq}"))
+            elif kind == "replay":
+                mix.append(replay_of(seq, spec, granted[which]))
+            elif kind == "release":
+                mix.append(released(seq, request))
+            elif kind == "reclaim":
+                reclaim = registry_pb2.ReclaimRequest(
+                    remote_request_id=request, cause=lease_pb2.LEASE_END_CAUSE_PRESSURE
+                )
+                mix.append(registry_pb2.RetentionEvent(sequence=seq, reclaim=reclaim))
+            elif kind == "unknown":
+                mix.append(unknown(seq, spec, f"c{which}", f"u{seq}", 1))
+            else:
+                bad = retained(seq, spec, f"c{which}", f"m{seq}")
+                bad.retained.lease_id, bad.retained.epoch = "not-a-lease-id", 1
+                mix.append(bad)
+        return await report(stub, spec, *mix, full_snapshot=full_snapshot)
+
+    async def both() -> None:
+        assert await outcome(True, build) == await outcome(False, build)
+
+    asyncio.run(both())
