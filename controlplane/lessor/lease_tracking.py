@@ -5,6 +5,13 @@ prefix index.
 Every change of a lease's state passes through ``LeaseTracking.track`` (the lessor's ``_put``
 and a takeover's rebuild), so the record's times are the one truth and the deadline heap and
 the index follow them here and nowhere else.
+
+A replay reports thousands of leases at once: between ``defer`` and ``stop_deferring`` the
+work a live lease's record asks for (its index entry, its deadlines) waits, one entry a lease
+(the last record wins), and is done at each ``flush`` by the same ``_track``. An ended lease
+is never deferred (its pending record is tracked first, then it): the index never offers an
+ended lease and its pins are forgotten at once. The caller flushes before it yields to the
+event loop and before anything reads the index.
 """
 
 from __future__ import annotations
@@ -39,13 +46,46 @@ class LeaseTracking:
         self._nodes = nodes
         self._prefix_index = prefix_index
         self._pins = pins
+        # Live leases whose tracking waits for ``flush`` (None: tracking is immediate).
+        self._deferred: dict[str, Lease] | None = None
+
+    def defer(self) -> None:
+        """Until ``stop_deferring``, a live lease's tracking waits for the next ``flush``
+        (the last record of each lease wins)."""
+        self._deferred = {}
+
+    def flush(self) -> None:
+        """Tracks the deferred leases (deferring goes on)."""
+        deferred = self._deferred
+        if deferred:
+            self._deferred = {}
+            for lease in deferred.values():
+                self._track(lease)
+
+    def stop_deferring(self) -> None:
+        self.flush()
+        self._deferred = None
 
     def clear(self) -> None:
         """Forgets the index and the pins (a takeover, before it tracks every lease again)."""
+        self._deferred = None
         self._prefix_index.clear()
         self._pins.clear()
 
     def track(self, lease: Lease) -> None:
+        """Follows the lease's record now, or at the flush while deferring (a live lease)."""
+        deferred = self._deferred
+        if deferred is None:
+            self._track(lease)
+        elif lease.state in LIVE_LEASE_STATES:
+            deferred[lease.lease_id] = lease
+        else:
+            pending = deferred.pop(lease.lease_id, None)
+            if pending is not None:
+                self._track(pending)
+            self._track(lease)
+
+    def _track(self, lease: Lease) -> None:
         """The deadlines of a lease as its record says: while live, its expiry and (CLAIMED)
         its claim's end; once ended, when it is forgotten. The prefix index follows the same
         states: a live lease is found by content, an ended one is not."""

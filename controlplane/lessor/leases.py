@@ -16,6 +16,9 @@ derives its deadlines and keeps the prefix index (``prefix_index``) in step; a f
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from kvbroker.common.rules.checkpoints import Checkpoints
 from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.routing import LIVE_LEASE_STATES
@@ -159,6 +162,7 @@ class Leases(LeaseTimes):
         scope = self._tracking.scope(lease)
         if scope is None:
             return
+        self._tracking.flush()  # the index is read: a batch's leases are in it first
         block_size = scope.block_size
         held = retained(lease)
         for other_id in self.prefix_index.sharing_all(scope, indexed(lease, block_size)):
@@ -199,6 +203,21 @@ class Leases(LeaseTimes):
             f"conversation {conversation_id!r} was routed to node {elsewhere!r}, not "
             f"{node_id!r}: only that node may lease it"
         )
+
+    @contextmanager
+    def tracking_deferred(self) -> Iterator[None]:
+        """A batch of changes (a node's replay): live leases' index entries and deadlines wait
+        for ``flush_tracking`` or the batch's end (``LeaseTracking.defer``)."""
+        self._tracking.defer()
+        try:
+            yield
+        finally:
+            self._tracking.stop_deferring()
+
+    def flush_tracking(self) -> None:
+        """Brings the index and the deadlines up to the records: call before yielding to the
+        event loop within ``tracking_deferred``."""
+        self._tracking.flush()
 
     async def revive(
         self,
