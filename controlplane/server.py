@@ -4,7 +4,6 @@ Prometheus endpoint; standalone on the memory store, or one replica of several o
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,31 +222,9 @@ async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> Non
         await servicer.set(name, status)
 
 
-# Allocations (less deallocations) between two young-generation collections: the default
-# 700 collects every few replayed leases, each lease being dozens of small objects.
-GC_YOUNG_THRESHOLD = 50_000
-
-
-def tune_gc_for_serving() -> None:
-    """A registry is a long-lived process holding millions of small objects (leases, their
-    records, the prefix index) that are almost never cycles: with the default thresholds the
-    collector runs every ~700 allocations and its older generations re-walk all of them. Moving
-    the objects of startup (modules, gRPC, protobuf descriptors) to the permanent generation
-    (``gc.freeze``) and collecting the young generation less often is meant to cut that work.
-    Measured on a shared 2-core machine (load 2.6 to 3.5) it was within the noise: a
-    20,000-lease replay in process 95 to 106 us a lease against 98 to 109 untuned, and the
-    bench's 100k restart 11.9 and 15.0 s against 11.3 and 13.5 (docs/benchmarks/registry.md,
-    "Replay as one batch")."""
-    gc.collect()
-    gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
-
-
 async def serve_forever(options: ServerOptions) -> None:
     """Runs until SIGINT/SIGTERM; prints one JSON line with the addresses once serving."""
     running = await start_registry(options)
-    tune_gc_for_serving()  # after start: startup's imports and objects are frozen
     await announce_and_serve({"registry": running.address, "metrics": running.metrics_address})
     log.info("registry_stopping")
     await running.stop()

@@ -86,7 +86,6 @@ LAYERS = {
     "test_retention_mirror": "unit",
     "test_retention_sim": "unit",
     "test_retained_tail": "unit",
-    "test_serve_gc": "unit",
     "test_session_reuse": "unit",
     "test_sessionless": "unit",
     "test_router_degraded": "integration",
