@@ -41,7 +41,10 @@ from kvbroker.router.errors import (
     ErrorCode,
     ErrorShape,
     ErrorType,
+    UpstreamError,
+    engine_answer,
     internal_error,
+    leg_failed,
     log_answer,
     registry_refusal,
     upstream_failed,
@@ -52,9 +55,6 @@ from kvbroker.router.proxy import (
     Plan,
     RegistryDown,
     Router,
-    UpstreamError,
-    engine_answer,
-    leg_failed,
 )
 from kvbroker.router.relay import relay, without_handle
 from kvbroker.router.requests import (

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ from typing import Any
 import grpc
 import httpx
 import structlog
-from starlette.responses import Response
 
 from kvbroker.common.client.grpc_client import (
     RegistryCallError,
@@ -47,13 +45,7 @@ from kvbroker.common.rules.labels import label
 from kvbroker.common.rules.prompt_size import PromptSize, PromptText
 from kvbroker.router.auth import ApiKeys
 from kvbroker.router.config import RouterConfig
-from kvbroker.router.errors import (
-    ApiError,
-    ErrorCode,
-    ErrorShape,
-    in_shape,
-    upstream_failed,
-)
+from kvbroker.router.errors import engine_answer
 from kvbroker.router.local_hints import HintSource, LocalHints
 from kvbroker.router.metrics import RouterMetrics
 from kvbroker.router.requests import Turn, encode
@@ -86,20 +78,6 @@ class RegistryCall(enum.Enum):
 
     NODES = "ListNodes"
     HINTS = "BatchGetRoutingHints"
-
-
-class UpstreamError(Exception):
-    """An engine's own error answer (a JSON object with a status other than 200): passed
-    through as it is, since it speaks the API's shape already (vLLM's validation errors), but
-    for an OpenAI-shaped answer to a Messages request (``errors.in_shape``)."""
-
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(f"upstream answered {status}")
-        self.status, self.body, self.content_type = status, body, content_type
-
-    def response(self, shape: ErrorShape = ErrorShape.OPENAI) -> Response:
-        body = in_shape(self.status, self.body, shape)
-        return Response(body, self.status, media_type=self.content_type)
 
 
 class RegistryDown(Exception):
@@ -469,37 +447,3 @@ class Router:
         if prompt_tokens is not None:
             self.prompt_size.learn(turn.text, prompt_tokens)
         return answer.get("kv_transfer_params")
-
-
-def engine_answer(response: httpx.Response, leg: str, node: node_pb2.NodeSpec) -> dict[str, Any]:
-    """An engine's answer, read: a JSON object when it is 200; its own error answer (a JSON
-    object) as ``UpstreamError``; anything else, which no client could use, as a 502."""
-    try:
-        answer = json.loads(response.content)
-    except ValueError:  # not JSON, or not text
-        answer = None
-    if not isinstance(answer, dict):
-        raise upstream_failed(
-            f"the {leg} node {node.node_id} answered {response.status_code} with a body that "
-            "is not a JSON object",
-            ErrorCode.UPSTREAM_INVALID_RESPONSE,
-        )
-    if response.status_code != 200:
-        raise UpstreamError(
-            response.status_code,
-            response.content,
-            response.headers.get("content-type", "application/json"),
-        )
-    return answer
-
-
-def leg_failed(leg: str, node: node_pb2.NodeSpec, error: httpx.HTTPError) -> ApiError:
-    """A leg that got no answer: 504 when the engine timed out, 502 when it could not be
-    reached or its connection broke."""
-    if isinstance(error, httpx.TimeoutException):
-        code, what = ErrorCode.UPSTREAM_TIMEOUT, f"timed out ({type(error).__name__})"
-    elif isinstance(error, httpx.ConnectError):
-        code, what = ErrorCode.UPSTREAM_UNREACHABLE, f"is unreachable ({error})"
-    else:
-        code, what = ErrorCode.UPSTREAM_FAILED, f"failed ({error!r})"
-    return upstream_failed(f"the {leg} node {node.node_id} {what}", code)

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import structlog
 
-from kvbroker.router.errors import ErrorShape, internal_error
-from kvbroker.router.proxy import Router, leg_failed
+from kvbroker.router.errors import ErrorShape, internal_error, leg_failed
+from kvbroker.router.proxy import Router
 from kvbroker.v1 import node_pb2
 
 log = structlog.get_logger("kvbroker.router")
