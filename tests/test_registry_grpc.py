@@ -521,3 +521,21 @@ async def test_usable_addresses_are_registered(stub: RegistryServiceStub) -> Non
         spec = node_spec(f"decode-{index}", port=5600 + index)
         spec.http_base_url, spec.side_channel_host = url, host
         await register(stub, spec)
+
+
+async def test_a_burst_of_calls_past_grpcs_default_queue_is_answered_not_cancelled(
+    stub: RegistryServiceStub,
+) -> None:
+    """gRPC's core refuses calls (CANCELLED) once more than 1,000 wait for the server's event
+    loop to ask for them, by default; the registry lets a fleet's burst wait instead."""
+    calls = 5_000
+
+    async def listing() -> str:
+        try:
+            await stub.ListNodes(registry_pb2.ListNodesRequest(), timeout=120)
+        except grpc.aio.AioRpcError as error:
+            return error.code().name
+        return "OK"
+
+    codes = await asyncio.gather(*(listing() for _ in range(calls)))
+    assert codes.count("OK") == calls, {code: codes.count(code) for code in set(codes)}
