@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker.common.client.grpc_client import DEFAULT_REGISTRY_ADDRESS, RegistryEndpoint
 from kvbroker.common.process.metrics_http import MetricsTls, serve_metrics
-from kvbroker.common.process.serving import announce_and_serve
+from kvbroker.common.process.serving import announce_and_serve, grpc_server
 from kvbroker.common.process.tls_files import check_certificates, load_tls_context
 from kvbroker.controlplane.api.identity import Credentials
 from kvbroker.controlplane.api.interface import Leadership, Standalone
@@ -31,17 +31,6 @@ from kvbroker.v1 import registry_pb2
 log = structlog.get_logger("kvbroker.registry")
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
-# gRPC's core queues the calls that arrive before the server's Python side asks for them (an
-# asyncio server asks for one at a time, between the tasks its event loop runs). Past 1,000
-# queued it refuses new calls at random, and past 3,000 every one: its client reads CANCELLED.
-# A fleet's heartbeats and hints arrive faster than that while a replay holds the loop, and a
-# refused heartbeat can end a node's session, so the calls wait instead, each bounded by its own
-# deadline; past 20,000 (a few KB each) the registry is overloaded and refuses them.
-MAX_QUEUED_CALLS = 20_000
-SERVER_OPTIONS = [
-    ("grpc.server.max_pending_requests", MAX_QUEUED_CALLS),
-    ("grpc.server.max_pending_requests_hard_limit", MAX_QUEUED_CALLS),
-]
 
 
 @dataclass(frozen=True)
@@ -155,7 +144,7 @@ async def start_registry(options: ServerOptions) -> RunningRegistry:
         options.tls.check()
     # Health and reflection need no credential, as load balancers and grpcurl expect; the
     # registry's own methods authenticate and authorize every call (RegistryServicer).
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc_server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

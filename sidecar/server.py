@@ -18,6 +18,7 @@ import structlog
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint
 from kvbroker.common.process.metrics_http import MetricsTls, serve_metrics
+from kvbroker.common.process.serving import grpc_server
 from kvbroker.sidecar.agent import Agent
 from kvbroker.sidecar.config import SidecarConfig, check_local_listen
 from kvbroker.sidecar.local import SidecarServicer
@@ -50,7 +51,7 @@ async def start_sidecar(
 ) -> RunningSidecar:
     check_local_listen(listen)
     agent = Agent(config, registry)
-    server = grpc.aio.server()
+    server = grpc_server()
     sidecar_pb2_grpc.add_SidecarServiceServicer_to_server(SidecarServicer(agent), server)
     if server.add_insecure_port(listen) == 0:
         raise OSError(f"cannot listen on {listen}")
