@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -75,6 +76,7 @@ class Agent:
         self._engine_attached = asyncio.Event()
         self._relay = RetentionRelay(config.node_id, config.max_batch, self.metrics)
         self._heartbeat_interval_s = 2.0
+        self._session_ttl_s = 6.0
         # The registry session being set up or running, if any.
         self._current: Session | None = None
         # The model the node registered as serving ("" until it has registered).
@@ -284,6 +286,7 @@ class Agent:
             )
             self.metrics.node_in_use.set(0)
             self._heartbeat_interval_s = from_duration(response.heartbeat_interval)
+            self._session_ttl_s = from_duration(response.session_ttl)
             await self._relay.replay(stub, self.incarnation)
             session.replayed = True
             if session.live:
@@ -332,7 +335,15 @@ class Agent:
         its probe ``FRESH_LOAD_WAIT`` of an interval at most, and then carries the last known
         load: a slow engine cannot make its node miss heartbeats and lose its session. Work a
         failed heartbeat carried is not sent again: it only refines estimates, and the next
-        intervals' work does as well."""
+        intervals' work does as well.
+
+        A heartbeat that fails without the registry's word that the session is over (a
+        registry busy with a fleet's replays, a call lost on the way) ends nothing while the
+        registry's session TTL has not passed since the last one answered: the next one goes
+        at its time. Ending the session would re-register the node and replay its whole
+        retention into the registry that was too busy to answer, the same moment as every other
+        node's. Past the TTL the registry has declared the node lost, and the session ends."""
+        answered = time.monotonic()
         while True:
             load = await self._probe.fresh_load(self._heartbeat_interval_s * FRESH_LOAD_WAIT)
             try:
@@ -350,7 +361,16 @@ class Agent:
                 refusal = from_grpc_error(error)
                 if refusal.reason in _SESSION_LOST:
                     raise SessionLostError(refusal.message or "session lost") from error
-                raise
+                silent_s = time.monotonic() - answered
+                if silent_s + self._heartbeat_interval_s >= self._session_ttl_s:
+                    raise
+                self.metrics.heartbeats_failed.labels(code=error.code().name).inc()
+                log.warning(
+                    "heartbeat_failed", code=error.code().name, error=error.details(),
+                    silent_s=round(silent_s, 2),
+                )  # fmt: skip
+            else:
+                answered = time.monotonic()
             await asyncio.sleep(self._heartbeat_interval_s)
 
     # ------------------------------------------------------------ the engine's HTTP server

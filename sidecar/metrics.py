@@ -24,6 +24,13 @@ class SidecarMetrics:
             "Registry sessions re-established after a failure.",
             registry=self.registry,
         )
+        self.heartbeats_failed = Counter(
+            "kvbroker_sidecar_heartbeats_failed",
+            "Heartbeats that failed without ending the session (the registry slow or "
+            "unreachable for less than its session TTL), by gRPC status code.",
+            ["code"],
+            registry=self.registry,
+        )
         self.node_in_use = Gauge(
             "kvbroker_sidecar_node_in_use",
             "1 while the registry refuses this sidecar's registration because another live "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -318,6 +319,57 @@ async def test_killed_sidecar_withdraws_its_leases(stack: Stack) -> None:
 
 async def _no_live(stub: RegistryServiceStub) -> bool:
     return not await live_leases(stub)
+
+
+async def test_a_registry_hung_for_less_than_its_session_ttl_keeps_the_session(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOPped past a heartbeat's deadline but within its session TTL, the registry finds
+    the session as it was when it resumes: the failed heartbeat ended nothing (no
+    re-registration, no replay), the node and its lease are live under the same incarnation,
+    and the next heartbeats are answered. Ending the session on that one failure would have
+    re-registered the node and replayed its retention into a registry too busy to answer."""
+    registry = await spawn_registry("--heartbeat-interval", "0.2", "--session-ttl", "8")
+    socket_path = tmp_path / "s.sock"
+    async with (
+        FakeEngine("decode-0") as engine,
+        open_channel(RegistryEndpoint.parse(registry.address)) as channel,
+    ):
+        sidecar = sidecar_process(
+            registry.address, engine.url, "decode-0", socket_path, log=tmp_path / "sidecar.log"
+        )
+        await sidecar.start()
+        link = EngineLink(f"unix:{socket_path}", engine_info("decode-0"))
+        link.start()
+        stub = registry_stub(channel)
+        try:
+            await eventually(lambda: asyncio.to_thread(link.attached.wait, 0.1))
+            link.retained(retained_blocks("decode-0", "conv-h", "req-h"))
+            [lease] = await eventually(lambda: live_leases(stub))
+            before = await _node(stub)
+            registry.kill(signal.SIGSTOP)
+            try:
+                # A heartbeat's deadline (5 s) passes while the registry is stopped.
+                failed = ("heartbeat_failed", "registry_session_lost")
+                await eventually(
+                    lambda: any(event in sidecar.log_tail(100_000) for event in failed),
+                    within=15,
+                    what="a failed heartbeat",
+                )
+            finally:
+                registry.kill(signal.SIGCONT)
+            await _heartbeats(stub, 2)
+            node = await _node(stub)
+            assert (node.spec.incarnation, node.state) == (
+                before.spec.incarnation,
+                node_pb2.NODE_STATE_READY,
+            )
+            assert [live.lease_id for live in await live_leases(stub)] == [lease.lease_id]
+            assert "registry_session_lost" not in sidecar.log_tail(100_000)
+        finally:
+            link.close()
+            await sidecar.stop()
+            await registry.stop()
 
 
 async def test_sidecar_restart_replays_from_the_engine(stack: Stack, tmp_path: Path) -> None:
