@@ -417,4 +417,8 @@ class Registry:
         with contextlib.suppress(StoreUnavailable, StoreRefused, CommitUndone):
             async with self._mutation:
                 for kind, key in keys:
-                    await self._on_due[kind](key)
+                    # Popped before the lock: a mutation that waited for it ahead of this one
+                    # (a heartbeat, a renewal behind a long report) may have set the key a new
+                    # deadline since it fell due, and that one stands.
+                    if self._deadlines.deadline((kind, key)) is None:
+                        await self._on_due[kind](key)

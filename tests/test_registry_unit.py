@@ -11,6 +11,7 @@ import pytest
 from kvbroker.common.rules.clock import from_duration
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyNode, SessionLost
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.lease_ids import TERM_SHIFT, next_epoch
@@ -211,6 +212,38 @@ async def test_a_silent_node_loses_its_session_and_its_leases() -> None:
         await h.registry.routing_hint("c", "")
     assert no_route.value.reason == registry_pb2.ERROR_REASON_NO_READY_NODE
     assert no_route.value.message == "no ready decode node serves any model"
+
+
+async def test_a_heartbeat_that_waited_for_the_lock_ahead_of_its_due_session_keeps_it() -> None:
+    """A report holds the registry's lock; a node's heartbeat waits for it, then its session
+    deadline falls due and the deadline task waits behind the heartbeat. The heartbeat renews
+    the session first, so the deadline popped before it must end nothing; a node that sent
+    none is still marked down."""
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1")
+    report_done = asyncio.Event()
+
+    async def long_report() -> None:
+        async with h.registry._mutation:
+            await report_done.wait()
+
+    report = asyncio.create_task(long_report())
+    await asyncio.sleep(0)  # the report holds the lock
+    beat = asyncio.create_task(h.heartbeat(h.decode))
+    await asyncio.sleep(0)  # the heartbeat waits for it
+    h.clock.t += CONFIG.session_ttl_s + 1
+    due = h.registry._deadlines.pop_due(10_000)
+    assert sorted(due) == sorted(
+        (DeadlineKind.NODE_SESSION, spec.node_id) for spec in (h.decode, h.prefill)
+    )
+    expiries = asyncio.create_task(h.registry._on_deadlines(due))
+    await asyncio.sleep(0)  # the deadlines wait behind the heartbeat
+    report_done.set()
+    await asyncio.gather(report, beat, expiries)
+    assert (await h.registry.get_node(h.decode.node_id)).state == node_pb2.NODE_STATE_READY
+    assert (await h.registry.get_lease(lease.lease_id)).state == ACTIVE
+    assert (await h.registry.get_node(h.prefill.node_id)).state == node_pb2.NODE_STATE_DOWN
 
 
 async def test_ended_leases_and_idle_conversations_are_forgotten() -> None:
