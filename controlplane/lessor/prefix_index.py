@@ -23,6 +23,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvbroker.common.rules.checkpoints import checkpoint_blocks, probe_blocks
 from kvbroker.controlplane.records import codec
@@ -44,9 +45,10 @@ def key_of(digest: bytes) -> int:
     return int.from_bytes(digest[:KEY_BYTES])
 
 
-@dataclass(frozen=True, slots=True)
-class Scope:
-    """What a look-up may match: one tenant's leases of one model at one block size."""
+class Scope(NamedTuple):
+    """What a look-up may match: one tenant's leases of one model at one block size. A tuple,
+    not a dataclass: every lease indexed and every look-up finds its scope's number by it, and
+    a tuple's hash and equality are C's (0.7 us a look-up, against 2.5)."""
 
     tenant: str
     model: str

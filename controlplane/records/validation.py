@@ -241,10 +241,12 @@ class Validation:
         if len(block_hashes) > limit:
             raise InvalidArgument(f"{len(block_hashes)} block hashes exceed the limit of {limit}")
         blocks = self.handle(handle, "handle")
-        longest = max(map(len, block_hashes), default=0)
+        # One pass over the hashes: each read of a protobuf's repeated bytes makes a new object.
+        lengths = list(map(len, block_hashes))
+        longest = max(lengths, default=0)
         if longest > MAX_BLOCK_HASH_BYTES:
             raise InvalidArgument(f"a block hash of {longest} bytes exceeds {MAX_BLOCK_HASH_BYTES}")
-        hash_bytes = sum(map(len, block_hashes)) + 2 * len(block_hashes)
+        hash_bytes = sum(lengths) + 2 * len(lengths)
         if token_count == 0:
             raise InvalidArgument("token_count must be positive")
         self.record_bytes(handle.ByteSize() + hash_bytes + self._lease_overhead, "the lease")

@@ -123,7 +123,7 @@ class CachedStore:
         self._write(RecordKind.LEASE, lease_id, None, True)
 
     def _write(self, kind: RecordKind, ident: str, record: Record | None, durable: bool) -> None:
-        """Sets a copy of the record in the cache (the caller's stays its own); with a durable
+        """Sets the record in the cache (which keeps no caller's object); with a durable
         backend, remembers what it replaces (for an undo) and, unless soft, queues its bytes
         as of now for the commit."""
         if self.backend.durable:
@@ -131,7 +131,7 @@ class CachedStore:
             if durable and kind not in self.soft:
                 raw = record_bytes(record) if record is not None else None
                 self._commits.queue(Change(kind, ident, raw))
-        self.cache.put(kind, ident, record.copy() if record is not None else None)
+        self.cache.put(kind, ident, record)
         if self.feed is not None:
             self.feed.changed(kind, ident)
 

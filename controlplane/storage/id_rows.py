@@ -58,8 +58,9 @@ class IdColumn:
         return len(self._slots) // SLOT
 
     def append(self, ident: str) -> None:
-        self._slots += bytes(SLOT)
-        self[len(self) - 1] = ident
+        self._slots += bytes(SLOT)  # a zeroed slot is "" (kind 0: no bytes)
+        if ident:
+            self[len(self) - 1] = ident
 
     def __setitem__(self, row: int, ident: str) -> None:
         start = row * SLOT

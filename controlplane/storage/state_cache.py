@@ -2,9 +2,10 @@
 objects, leases and conversations as rows of columns (``lease_rows``, ``conversation_rows``),
 with the indexes its hot paths need.
 
-Every read hands out a copy (``copy()``: one object, its fields immutable), and the store puts
-copies in (``CachedStore``), so no two callers share a record and a caller's change exists
-only once it is put back; the cache never changes a record it holds, it replaces it. Every
+Every read hands out a copy (``copy()``: one object, its fields immutable), and a record put
+in is never kept as the caller's object (a lease or a conversation is read into its row, a
+node copied), so no two callers share a record and a caller's change exists only once it is
+put back; the cache never changes a record it holds, it replaces it. Every
 change comes in through ``put``, whether it is the registry's own write, an undo, or a
 backend's load or watch (``apply``, which decodes the stored bytes), so the indexes have one
 way in and are derived from the records alone. The live leases of each node are one index,
@@ -59,7 +60,8 @@ class StateCache:
         self.put(kind, ident, None if raw is None else decode(kind, raw))
 
     def put(self, kind: RecordKind, ident: str, record: Record | None) -> None:
-        """Sets one record (None: deletes it), keeping the indexes in step."""
+        """Sets one record (None: deletes it), keeping the indexes in step; the caller's
+        object stays its own."""
         if kind is RecordKind.LEASE:
             if record is None:
                 self._forget_lease(ident)
@@ -68,7 +70,7 @@ class StateCache:
                 self._keep_lease(record)
         elif kind is RecordKind.NODE:
             assert record is None or isinstance(record, Node)
-            _set(self._nodes, ident, record)
+            _set(self._nodes, ident, record.copy() if record is not None else None)
         else:
             assert record is None or isinstance(record, Conversation)
             if record is None:

@@ -55,11 +55,13 @@ def thin(hashes: Sequence[bytes], stride: int) -> tuple[list[bytes], int]:
     ``MAX_CHECKPOINTS`` + 1 hashes; returns them and their stride. Needs no block count: all
     but the last hash sit at multiples of the stride, and thinning by k keeps every k-th."""
     stride = max(stride, 1)
-    regular, last = list(hashes[:-1]), list(hashes[-1:])
-    factor = stride_for(len(regular))
+    # Read once: each read of a protobuf's repeated bytes makes a new object.
+    kept = list(hashes)
+    regular = len(kept) - 1  # all but the last
+    factor = stride_for(regular)
     if factor == 1:
-        return [*regular, *last], stride
-    return [*regular[factor - 1 :: factor], *last], stride * factor
+        return kept, stride
+    return [*kept[factor - 1 : regular : factor], kept[-1]], stride * factor
 
 
 @dataclass(frozen=True, slots=True)
