@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -204,6 +205,8 @@ async def test_listings_page_and_filter_without_repeats(stub: RegistryServiceStu
     assert await pages(conversation_id="c3-0", node_id="decode-1") == []
 
 
+# The node sends no heartbeat: a session that outlives the replay on a loaded machine.
+@pytest.mark.parametrize("registry_config", [replace(FAST, session_ttl_s=60.0)])
 async def test_a_long_replay_lets_the_server_take_other_calls_meanwhile(
     registry_server: RunningRegistry, stub: RegistryServiceStub
 ) -> None:
