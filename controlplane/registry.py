@@ -186,6 +186,7 @@ class Registry:
         """A node's heartbeat, with its engine's load and the work it did since the last
         one."""
         self._validate.heartbeat(beat)
+        await self.nodes.heard(beat)
         async with self._mutation:
             return self.nodes.view(await self.nodes.heartbeat(beat))
 

@@ -246,6 +246,37 @@ async def test_a_heartbeat_that_waited_for_the_lock_ahead_of_its_due_session_kee
     assert (await h.registry.get_node(h.prefill.node_id)).state == node_pb2.NODE_STATE_DOWN
 
 
+async def test_heartbeats_waiting_behind_a_long_report_keep_their_sessions() -> None:
+    """A report holds the registry's lock past the session TTL (a fleet's replays) while a
+    node's heartbeats arrive on time and wait for it: each moves its session's deadline as it
+    arrives, so none falls due; a node that sent none loses its session once the lock is free."""
+    h = Harness()
+    await h.fleet()
+    lease = await h.grant("c", "req-1")
+    report_done = asyncio.Event()
+
+    async def long_report() -> None:
+        async with h.registry._mutation:
+            await report_done.wait()
+
+    report = asyncio.create_task(long_report())
+    await asyncio.sleep(0)  # the report holds the lock
+    beats = []
+    for _ in range(4):  # 8 s of heartbeats every 2 s, past the 6 s TTL
+        h.clock.t += CONFIG.heartbeat_interval_s
+        beats.append(asyncio.create_task(h.heartbeat(h.decode)))
+        await asyncio.sleep(0)  # it arrives, and waits for the lock
+    due = h.registry._deadlines.pop_due(10_000)
+    assert due == [(DeadlineKind.NODE_SESSION, h.prefill.node_id)]
+    expiries = asyncio.create_task(h.registry._on_deadlines(due))
+    await asyncio.sleep(0)
+    report_done.set()
+    await asyncio.gather(report, *beats, expiries)
+    assert (await h.registry.get_node(h.decode.node_id)).state == node_pb2.NODE_STATE_READY
+    assert (await h.registry.get_lease(lease.lease_id)).state == ACTIVE
+    assert (await h.registry.get_node(h.prefill.node_id)).state == node_pb2.NODE_STATE_DOWN
+
+
 async def test_ended_leases_and_idle_conversations_are_forgotten() -> None:
     h = Harness()
     await h.fleet()

@@ -266,7 +266,7 @@ class NodeSessions:
             node.state = DRAINING if old.state == DRAINING else READY
         runtime = await self._put(node, fresh=not same_incarnation)
         runtime.calibrate(_costs(node))
-        self._deadlines.schedule((DeadlineKind.NODE_SESSION, spec.node_id), now + self._ttl())
+        self._extend_session(spec.node_id, now)
         self._deadlines.cancel((DeadlineKind.FORGET_NODE, spec.node_id))
         self._log.info(
             "node_registered",
@@ -275,6 +275,18 @@ class NodeSessions:
             incarnation=spec.incarnation,
         )
         return node
+
+    async def heard(self, beat: Heartbeat) -> None:
+        """A heartbeat has arrived, and may wait for the registry's lock behind a long report
+        (a fleet's replays): its live session's deadline moves now, as if the heartbeat were
+        applied, so the wait ends no session. Everything else waits for ``heartbeat`` under the
+        lock. Unlocked and harmless if a mutation marks the node down meanwhile: a session
+        deadline finds a node that is down and does nothing."""
+        try:
+            await self.session(beat.node_id, beat.incarnation)
+        except (NodeNotRegistered, SessionLost):
+            return  # refused as it should be once it has the lock
+        self._extend_session(beat.node_id, self._now())
 
     async def heartbeat(self, beat: Heartbeat) -> Node:
         node_id = beat.node_id
@@ -299,8 +311,11 @@ class NodeSessions:
         runtime.assigned_since_heartbeat = runtime.finished_since_heartbeat = 0
         if beat.work is not None:
             runtime.observe(beat.work)
-        self._deadlines.schedule((DeadlineKind.NODE_SESSION, node_id), now + self._ttl())
+        self._extend_session(node_id, now)
         return node
+
+    def _extend_session(self, node_id: str, now: float) -> None:
+        self._deadlines.schedule((DeadlineKind.NODE_SESSION, node_id), now + self._ttl())
 
     async def drain(self, node_id: str) -> Node:
         """Marks the node DRAINING (its leases are the caller's to end); draining a draining
@@ -363,8 +378,7 @@ class NodeSessions:
             runtime.calibrate(_costs(node))
             self.runtime[node.node_id] = runtime
             if node.state != DOWN:
-                key = (DeadlineKind.NODE_SESSION, node.node_id)
-                self._deadlines.schedule(key, now + self._ttl())
+                self._extend_session(node.node_id, now)
             else:  # when it went down is not kept: a full retention from now
                 self._schedule_forget(node.node_id, now)
         self._routes.clear()
