@@ -24,14 +24,15 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvbroker.common.rules.checkpoints import checkpoint_blocks, probe_blocks
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES, checkpoint_blocks, probe_blocks
 from kvbroker.controlplane.records import codec
 
 # The most probe hashes a look-up may carry: 2^31 blocks, far past any context.
 MAX_PROBES = 32
 # The leases a key keeps, newest: they all give a prompt the same prefix there.
 KEEP_PER_KEY = 8
-# The bytes of a probe hash a key keeps: 7, so a key is a non-negative int64.
+# The bytes of a probe hash a key keeps: 7 of its ``BLOCK_HASH_BYTES``, so a key is a
+# non-negative int64.
 KEY_BYTES = 7
 # The table doubles past this share of its slots in use (linear probing stays short below it).
 MAX_LOAD = 0.75
@@ -71,6 +72,10 @@ def indexed_hashes(
     if block_size <= 0 or token_count <= 0:
         return []
     hashes = codec.checkpoint_hashes(checkpoints)
+    if hashes and set(map(len, hashes)) != {BLOCK_HASH_BYTES}:
+        # Kept by an older version (16-byte hashes): no prompt of ours can match its hashes,
+        # though a block 0 hash cut to 8 bytes is ours, so keying it would only cost reads.
+        return []
     block_count = -(-token_count // block_size)
     positions = checkpoint_blocks(block_count, max(stride, 1))
     full_blocks = token_count // block_size
