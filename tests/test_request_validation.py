@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.deadlines import DeadlineQueue
 from kvbroker.controlplane.errors import InvalidArgument, RegistryError
 from kvbroker.controlplane.records.model import NodeLoad
 from kvbroker.controlplane.records.requests import (
@@ -75,10 +76,16 @@ class Harness(registry_unit.Harness):
             dict(cache._nodes),
             dict(cache._conversations),
             dict(cache._leases),
-            dict(registry._deadlines._current),
+            _deadlines(registry._deadlines),
             runtimes,
             {k: len(q.pending) for k, q in registry.outbox._queues.items()},
         )
+
+
+def _deadlines(queue: DeadlineQueue) -> dict[tuple[int, str], float]:
+    """Every current deadline, by key (the queue's entries; a free one has kind 0)."""
+    entries = zip(queue._kinds, queue._ids, queue._whens, strict=True)
+    return {(kind, ident): when for kind, ident, when in entries if kind}
 
 
 async def refused(h: Harness, call: Any) -> InvalidArgument:
