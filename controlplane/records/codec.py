@@ -23,6 +23,8 @@ precision.
 
 from __future__ import annotations
 
+import functools
+import struct
 import sys
 from collections.abc import Sequence
 
@@ -69,12 +71,23 @@ def checkpoints(hashes: Sequence[bytes]) -> bytes:
 
 def checkpoint_hashes(blob: bytes) -> list[bytes]:
     """The hashes a ``checkpoints`` blob holds, in order."""
+    return list(_cut(blob))
+
+
+def _cut(blob: bytes) -> Sequence[bytes]:
     if not blob:
-        return []
+        return ()
     width = blob[0]
     if width == _FRAMED:
-        return list(lease_pb2.Lease.FromString(blob[1:]).block_hashes)
-    return [blob[at : at + width] for at in range(1, len(blob), width)]
+        return lease_pb2.Lease.FromString(blob[1:]).block_hashes
+    return _layout(width, (len(blob) - 1) // width).unpack_from(blob, 1)
+
+
+@functools.cache
+def _layout(width: int, count: int) -> struct.Struct:
+    """Cuts ``count`` hashes of ``width`` bytes in C: a hint copies a lease's hashes, and a
+    comprehension of slices took 2.2 times as long (at most 257 counts a width)."""
+    return struct.Struct(f"{width}s" * count)
 
 
 def handle_of(message: lease_pb2.KvHandle, blocks: int | None = None) -> KvHandle:
@@ -129,7 +142,7 @@ def retained_block_ids(lease: Lease | None) -> tuple[int, ...]:
 def lease_into(lease: Lease, into: lease_pb2.Lease) -> None:
     """Writes the record into ``into`` (an empty message): every field but ``time_to_live``,
     which only a view has."""
-    into.block_hashes.extend(checkpoint_hashes(lease.checkpoints))
+    into.block_hashes.extend(_cut(lease.checkpoints))
     into.lease_id = lease.lease_id
     into.conversation_id = lease.conversation_id
     into.node_id = lease.node_id
