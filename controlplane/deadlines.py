@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable
 BUCKET_S = 1.0
 # Filing a small wheel again would cost more than the filings left behind.
 _MIN_REFILE = 1024
+# The last bucket's time: past any clock, and an int for bucket numbers.
+_LAST = 2.0**62
 # Mixes a deadline's kind into its id's hash (the golden ratio's 64 bits).
 _MIX = 0x9E3779B97F4A7C15
 
@@ -59,7 +61,9 @@ _KINDS = {kind.value: kind for kind in DeadlineKind}
 
 
 def _bucket(when: float) -> int:
-    return int(when // BUCKET_S)
+    """The bucket ``when`` falls in; one at infinity (no deadline at all, as a heap would keep
+    it) falls in the last, which no clock reaches."""
+    return int(min(when, _LAST) // BUCKET_S)
 
 
 def _hash(kind: int, ident: str) -> int:

@@ -98,6 +98,16 @@ def test_it_answers_as_a_dictionary_and_a_sort_would() -> None:
         assert len(queue) == len(model)
 
 
+def test_a_deadline_at_infinity_is_kept_and_never_falls_due() -> None:
+    clock = ManualClock(100.0)
+    queue = DeadlineQueue(clock)
+    queue.schedule(key("never"), float("inf"))
+    queue.schedule(key("soon"), 101)
+    clock.t = 1e12
+    assert queue.pop_due(10) == [key("soon")]
+    assert queue.deadline(key("never")) == float("inf") and len(queue) == 1
+
+
 async def test_run_wakes_for_an_earlier_deadline() -> None:
     loop = asyncio.get_running_loop()
     queue = DeadlineQueue(loop.time)
