@@ -56,8 +56,7 @@ def _check(rows: LeaseRows, model: dict[str, Lease]) -> None:
     for lease_id, lease in model.items():
         assert rows.get(lease_id) == lease
         assert rows[lease_id] == lease
-        row = rows.row(lease_id)
-        assert row is not None and rows.node_id_at(row) == lease.node_id
+        assert rows.node_id(lease_id) == lease.node_id
         assert rows.conversation_id(lease_id) == lease.conversation_id
         assert rows.request_id(lease_id) == lease.handle.remote_request_id
 

@@ -7,9 +7,8 @@ not data. Here a lease is a row number: its numbers and times sit in typed ``arr
 lease id the same the cache's indexes key by), its conversation and request ids packed into
 16-byte slots (``id_rows``), its node id and incarnation as numbers into a table of the few
 distinct names, and its two blobs (the packed handle, then the checkpoint hashes) side by side
-in one ``bytearray`` arena; a lease's row is found by its id's hash in a ``RowTable``. Since
-the store hands out a copy on every read, nothing outside sees this: a read builds a new
-``Lease`` from the row, a write overwrites the row.
+in one ``bytearray`` arena. Since the store hands out a copy on every read, nothing outside
+sees this: a read builds a new ``Lease`` from the row, a write overwrites the row.
 
 Rows of deleted leases are reused. A rewrite whose blobs fit the row's slot in the arena is
 written in place (a claim, a renewal); a larger one moves to the arena's end, and the arena is
@@ -20,10 +19,10 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from kvbroker.controlplane.records.model import Lease, kv_handle
-from kvbroker.controlplane.storage.id_rows import IdColumn, RowTable
+from kvbroker.controlplane.storage.id_rows import IdColumn
 
 _NONE = math.nan
 # Compacting is a copy of the live bytes, so it waits for at least this much dead space.
@@ -42,9 +41,7 @@ class LeaseRows:
     """Leases by id, each one row of the columns below."""
 
     def __init__(self) -> None:
-        # Row numbers by their lease id's hash (a dict's slot and boxed row number were ~76
-        # bytes a lease; a slot here is 16, at most 3/4 full).
-        self._rows = RowTable()
+        self._row: dict[str, int] = {}
         self._free: list[int] = []
         self._names: list[str] = []
         self._name_number: dict[str, int] = {}
@@ -79,39 +76,27 @@ class LeaseRows:
         self._used = 0  # bytes of the arena that rows in use hold
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._row)
 
     def __contains__(self, lease_id: str) -> bool:
-        return self.row(lease_id) is not None
+        return lease_id in self._row
 
     def keys(self) -> Iterator[str]:
         """The lease ids (with ``[]``, ``dict(rows)`` is a snapshot of the leases)."""
-        return (lease_id for lease_id in self._lease_id if lease_id)
+        return iter(self._row)
 
     def __getitem__(self, lease_id: str) -> Lease:
         """A new ``Lease`` from the row of ``lease_id`` (KeyError: none)."""
-        return self._lease(self._row(lease_id))
+        return self._lease(self._row[lease_id])
 
     def get(self, lease_id: str) -> Lease | None:
         """A new ``Lease`` from the row of ``lease_id`` (None: none)."""
-        row = self.row(lease_id)
+        row = self._row.get(lease_id)
         return None if row is None else self._lease(row)
 
     def row(self, lease_id: str) -> int | None:
         """The row number of ``lease_id`` (None: none); valid until the lease is deleted."""
-        return self._rows.get(hash(lease_id), self._holds(lease_id))
-
-    def _holds(self, lease_id: str) -> Callable[[int], bool]:
-        """Whether a row is ``lease_id``'s (two ids may share a hash)."""
-        ids = self._lease_id
-        return lambda row: ids[row] == lease_id
-
-    def _row(self, lease_id: str) -> int:
-        """The row number of ``lease_id`` (KeyError: none)."""
-        row = self.row(lease_id)
-        if row is None:
-            raise KeyError(lease_id)
-        return row
+        return self._row.get(lease_id)
 
     def at(self, row: int) -> Lease:
         """A new ``Lease`` from ``row`` (a row in use)."""
@@ -126,24 +111,21 @@ class LeaseRows:
     def state_at(self, row: int) -> int:
         return self._state[row]
 
-    def node_id_at(self, row: int) -> str:
-        return self._names[self._node[row]]
+    def node_id(self, lease_id: str) -> str:
+        return self._names[self._node[self._row[lease_id]]]
 
     def conversation_id(self, lease_id: str) -> str:
-        return self._conversation_id[self._row(lease_id)]
+        return self._conversation_id[self._row[lease_id]]
 
     def request_id(self, lease_id: str) -> str:
-        return self._request_id[self._row(lease_id)]
+        return self._request_id[self._row[lease_id]]
 
     # ------------------------------------------------------------ writes
 
     def put(self, lease: Lease) -> str:
         """Sets the row of ``lease.lease_id``; returns the id as kept (an update keeps the
         first string, so the indexes that key by it share one object)."""
-        return self.put_at(self.row(lease.lease_id), lease)
-
-    def put_at(self, row: int | None, lease: Lease) -> str:
-        """``put`` where the caller has looked up the lease's row (None: it has none)."""
+        row = self._row.get(lease.lease_id)
         if row is None:
             row = self._new_row(lease.lease_id)
         handle = lease.handle
@@ -169,7 +151,7 @@ class LeaseRows:
 
     def pop(self, lease_id: str) -> Lease | None:
         """Deletes the row of ``lease_id``, returning it as it was (None: none)."""
-        row = self._rows.pop(hash(lease_id), self._holds(lease_id))
+        row = self._row.pop(lease_id, None)
         if row is None:
             return None
         lease = self._lease(row)
@@ -250,7 +232,7 @@ class LeaseRows:
                 numbers.append(0)
             for times in (self._grant, self._renew, self._expire, self._end, self._claim_expire):
                 times.append(_NONE)
-        self._rows.put(hash(lease_id), row, self._holds(lease_id))
+        self._row[lease_id] = row
         return row
 
     def _store_blobs(self, row: int, handle: bytes, checkpoints: bytes) -> None:
@@ -280,7 +262,7 @@ class LeaseRows:
         """Copies the rows' slots to a new arena, end to end (each slot cut to its blobs)."""
         arena = bytearray()
         old = self._arena
-        for row in self._rows.rows():
+        for row in self._row.values():
             offset = self._offset[row]
             size = self._handle_len[row] + self._checkpoints_len[row]
             self._offset[row] = len(arena)

@@ -85,10 +85,10 @@ class StateCache:
         # leaves the indexes as they are.
         indexed = (
             row is not None
-            and leases.node_id_at(row) == node_id
+            and leases.node_id(lease.lease_id) == node_id
             and (leases.state_at(row) in LIVE_LEASE_STATES) == live
         )
-        lease_id = leases.put_at(row, lease)
+        lease_id = leases.put(lease)
         if indexed:
             return
         if row is None:
