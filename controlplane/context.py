@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import structlog
 
 from kvbroker.controlplane.config import RegistryConfig
-from kvbroker.controlplane.deadlines import DeadlineKey, DeadlineQueue
+from kvbroker.controlplane.deadlines import DeadlineQueue
 from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.records.validation import Validation
 from kvbroker.controlplane.storage.store import Store
@@ -25,6 +25,6 @@ class RegistryContext:
     config: RegistryConfig
     metrics: RegistryMetrics
     now: Callable[[], float]
-    deadlines: DeadlineQueue[DeadlineKey]
+    deadlines: DeadlineQueue
     validate: Validation
     log: structlog.typing.FilteringBoundLogger

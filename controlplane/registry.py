@@ -91,7 +91,7 @@ class Registry:
         self.now = now = clock or MonotonicClock().now
         self.idle_ttl = IdleTtl(config.idle_ttl())
         metrics.idle_ttl.set(self.idle_ttl.ttl())
-        self._deadlines: DeadlineQueue[DeadlineKey] = DeadlineQueue(now)
+        self._deadlines: DeadlineQueue = DeadlineQueue(now)
         self._expiry_task: asyncio.Task[None] | None = None
         # Bound once, after logging is configured: through the module's lazy proxy every call
         # (debug ones too, filtered out) costs ~2 µs, and a grant or hint makes several.

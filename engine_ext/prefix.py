@@ -2,9 +2,13 @@
 retained KV belongs to a prefix of its own prompt before reading it.
 
 vLLM's own block hashes are seeded per process (and off when prefix caching is off), so P and
-D cannot compare them; these are sha256 over the token ids, chained, so equal hashes at block
-i mean equal tokens in blocks 0..i. The last block may be partial: its hash covers the tokens
-up to ``num_tokens``.
+D cannot compare them; these are sha256 over the token ids, chained, cut to
+``BLOCK_HASH_BYTES``, so equal hashes at block i mean equal tokens in blocks 0..i. The last
+block may be partial: its hash covers the tokens up to ``num_tokens``.
+
+Engines of two versions whose hash lengths differ never verify each other's KV: bytes of
+different lengths never compare equal, and from block 1 on each hash chains the previous one
+at its own length, so even a cut to the shorter length differs.
 """
 
 from __future__ import annotations
@@ -12,9 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kvbroker.common.rules.checkpoints import Checkpoints, checkpoint_blocks
-
-HASH_BYTES = 16
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES, Checkpoints, checkpoint_blocks
 
 
 def prefix_hashes(tokens: Sequence[int], block_size: int, num_tokens: int) -> list[bytes]:
@@ -25,7 +27,7 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, num_tokens: int) -> li
         end = min(start + block_size, num_tokens)
         digest = hashlib.sha256(previous)
         digest.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:end]))
-        previous = digest.digest()[:HASH_BYTES]
+        previous = digest.digest()[:BLOCK_HASH_BYTES]
         hashes.append(previous)
     return hashes
 

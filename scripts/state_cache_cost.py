@@ -1,10 +1,10 @@
 """The state cache's own cost a lease: traced bytes, a read and an update.
 
-20,000 leases of 32 blocks with 16-byte hashes, each decoded from its stored bytes into a
-``StateCache`` (so the cache's records and indexes alone: not the prefix index or the
-deadlines), on 1,000 nodes, request ids as engines make them (uuid hex); and as many
-conversations (ids ``conv-N``) in a cache of their own. CPU time, best of 5 passes. Run from
-the repository root: ``.venv/bin/python scripts/state_cache_cost.py``.
+20,000 leases of 32 blocks with their prefix hashes (``BLOCK_HASH_BYTES``), each decoded
+from its stored bytes into a ``StateCache`` (so the cache's records and indexes alone: not
+the prefix index or the deadlines), on 1,000 nodes, request ids as engines make them (uuid
+hex); and as many conversations (ids ``conv-N``) in a cache of their own. CPU time, best of 5
+passes. Run from the repository root: ``.venv/bin/python scripts/state_cache_cost.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.lease_ids import new_lease_id
 from kvbroker.controlplane.records.model import Conversation
@@ -48,7 +49,7 @@ def stored_lease(index: int) -> tuple[str, bytes]:
             remote_num_tokens=BLOCKS * 128,
             tp_size=1,
         ),
-        block_hashes=[os.urandom(16) for _ in range(BLOCKS)],
+        block_hashes=[os.urandom(BLOCK_HASH_BYTES) for _ in range(BLOCKS)],
         block_hash_stride=1,
         token_count=BLOCKS * 128,
         state=lease_pb2.LEASE_STATE_ACTIVE,

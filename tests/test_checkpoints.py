@@ -4,10 +4,13 @@ tokens that really match) and loses at most one stride of blocks."""
 
 from __future__ import annotations
 
+import hashlib
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbroker.common.rules.checkpoints import (
+    BLOCK_HASH_BYTES,
     MAX_CHECKPOINTS,
     Checkpoints,
     checkpoint_blocks,
@@ -30,7 +33,7 @@ def test_a_128k_token_conversation_keeps_256_hashes() -> None:
     assert len(full) == 8192
     assert kept.stride == 32 and len(kept.hashes) == MAX_CHECKPOINTS  # 31, 63, …, 8191
     assert kept.hashes == [full[p] for p in checkpoint_blocks(8192, 32)]
-    assert sum(map(len, kept.hashes)) <= 4200  # bytes, against 128 KiB for every block
+    assert sum(map(len, kept.hashes)) <= 2100  # bytes, against 64 KiB for every block
 
 
 def test_short_conversations_keep_every_hash() -> None:
@@ -71,6 +74,32 @@ def test_the_prefix_check_is_sound_and_loses_at_most_one_stride(
     assert exact - verified <= kept.stride * BLOCK
     if common == remote_tokens:
         assert verified == remote_tokens  # the conversation went on: everything is reused
+
+
+def sixteen_byte_hashes(prompt: list[int], block_size: int) -> list[bytes]:
+    """``prefix_hashes`` as kvbroker computed them before ``BLOCK_HASH_BYTES`` was 8."""
+    hashes: list[bytes] = []
+    previous = b""
+    for start in range(0, len(prompt), block_size):
+        digest = hashlib.sha256(previous)
+        digest.update(b"".join(t.to_bytes(4, "little") for t in prompt[start : start + block_size]))
+        previous = digest.digest()[:16]
+        hashes.append(previous)
+    return hashes
+
+
+def test_an_older_engine_s_16_byte_hashes_never_verify_against_ours() -> None:
+    """Mid-rollout a lease of an engine of the previous version may reach a prefill engine of
+    this one: its KV is never read, whatever the tokens (lengths differ, and from block 1 on
+    each hash chains the previous one at its own length)."""
+    prompt = tokens(64 * BLOCK)
+    ours = prefix_hashes(prompt, BLOCK, len(prompt))
+    theirs = sixteen_byte_hashes(prompt, BLOCK)
+    assert {len(h) for h in ours} == {BLOCK_HASH_BYTES} and {len(h) for h in theirs} == {16}
+    assert verified_prefix_tokens(Checkpoints.of(theirs), prompt, BLOCK, len(prompt)) == 0
+    cut = [h[:BLOCK_HASH_BYTES] for h in theirs]
+    assert cut[0] == ours[0]  # nothing chains before block 0
+    assert all(a != b for a, b in zip(cut[1:], ours[1:], strict=True))
 
 
 @given(st.integers(1, 200_000))

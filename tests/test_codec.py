@@ -8,6 +8,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.common.rules.costs import Costs
 from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.model import (
@@ -183,7 +184,19 @@ def test_a_stored_lease_reads_back_as_it_was_written(
     stored.expire_time.FromSeconds(1_700_000_000)
     again = lease_pb2.Lease.FromString(codec.lease_bytes(codec.lease_of(stored)))
     assert again == stored
-    assert lease_pb2.Lease.FromString(codec.checkpoints(block_hashes)).block_hashes == block_hashes
+    assert codec.checkpoint_hashes(codec.checkpoints(block_hashes)) == block_hashes
+
+
+def test_a_lease_s_hashes_cost_their_bytes_and_one() -> None:
+    """Hashes of one length are kept end to end after it: 32 of 8 bytes take 257 bytes (with
+    protobuf's framing 320); any other length reads back the same (a store of an older
+    version's 16-byte hashes), and so do hashes of mixed lengths, framed."""
+    ours = [bytes([i]) * BLOCK_HASH_BYTES for i in range(32)]
+    assert len(codec.checkpoints(ours)) == 1 + 32 * BLOCK_HASH_BYTES
+    older = [bytes([i]) * 16 for i in range(32)]
+    mixed = [b"\x01" * 8, b"\x02" * 16]
+    for hashes in (ours, older, mixed, []):
+        assert codec.checkpoint_hashes(codec.checkpoints(hashes)) == hashes
 
 
 def test_a_handle_keeps_its_block_count_and_groups() -> None:

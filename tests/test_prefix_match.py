@@ -22,12 +22,14 @@ from kvbroker.controlplane.lessor.prefix_index import (
     indexed_hashes,
 )
 from kvbroker.controlplane.placement.prefix_match import PrefixMatch
+from kvbroker.controlplane.records import codec
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.requests import LeaseGrant, PrefixProbe, RetentionReport
 from kvbroker.controlplane.registry import Registry
 from kvbroker.engine_ext.prefix import prefix_hashes
 from kvbroker.v1 import lease_pb2, registry_pb2
 from kvbroker_tools.harness.factories import handle, replayed
+from tests.test_checkpoints import sixteen_byte_hashes
 from tests.test_registry_unit import CONFIG, Harness
 
 BLOCK = 16
@@ -97,7 +99,18 @@ def test_the_index_finds_the_longest_share_first_and_forgets_a_removed_lease() -
 
 
 def codec_blob(checkpoints: Checkpoints) -> bytes:
-    return lease_pb2.Lease(block_hashes=checkpoints.hashes).SerializeToString()
+    return codec.checkpoints(checkpoints.hashes)
+
+
+def test_a_lease_of_an_older_version_s_16_byte_hashes_is_not_indexed() -> None:
+    """Its block 0 hash cut to 8 bytes equals ours (nothing chains before it), so keyed it
+    would be found by prompts that can never verify it."""
+    count = 64 * BLOCK
+    old = Checkpoints.of(sixteen_byte_hashes(tokens(count), BLOCK))
+    assert old.hashes[0][:KEY_BYTES] == prefix_hashes(tokens(count), BLOCK, count)[0][:KEY_BYTES]
+    assert indexed_hashes(codec_blob(old), old.stride, count, BLOCK) == []
+    ours = Checkpoints.of(prefix_hashes(tokens(count), BLOCK, count))
+    assert len(indexed_hashes(codec_blob(ours), ours.stride, count, BLOCK)) == 7
 
 
 def test_a_lease_costs_about_log2_of_its_blocks_in_the_index() -> None:

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.controlplane.config import RegistryConfig
+from kvbroker.controlplane.deadlines import DeadlineQueue
 from kvbroker.controlplane.errors import InvalidArgument, RegistryError
 from kvbroker.controlplane.records.model import NodeLoad
 from kvbroker.controlplane.records.requests import (
@@ -74,10 +76,16 @@ class Harness(registry_unit.Harness):
             dict(cache._nodes),
             dict(cache._conversations),
             dict(cache._leases),
-            dict(registry._deadlines._current),
+            _deadlines(registry._deadlines),
             runtimes,
             {k: len(q.pending) for k, q in registry.outbox._queues.items()},
         )
+
+
+def _deadlines(queue: DeadlineQueue) -> dict[tuple[int, str], float]:
+    """Every current deadline, by key (the queue's entries; a free one has kind 0)."""
+    entries = zip(queue._kinds, queue._ids, queue._whens, strict=True)
+    return {(kind, ident): when for kind, ident, when in entries if kind}
 
 
 async def refused(h: Harness, call: Any) -> InvalidArgument:
@@ -134,10 +142,10 @@ async def test_megabyte_free_text_is_refused() -> None:
 
 
 async def test_a_lease_over_the_record_bound_is_refused_by_bytes_not_count() -> None:
-    h = Harness(RegistryConfig(learn_idle_ttl=False, max_record_bytes=100_000))
+    h = Harness(RegistryConfig(learn_idle_ttl=False, max_record_bytes=10_000))
     await h.fleet()
-    # 2,000 hashes is far under the count limit, but 64-byte ones make a 130 KB record.
-    hashes = [bytes([i % 256]) * 64 for i in range(2000)]
+    # 2,000 hashes is far under the count limit, but they make a 20 KB record.
+    hashes = [bytes([i % 256]) * BLOCK_HASH_BYTES for i in range(2000)]
     error = await refused(
         h,
         h.registry.grant_lease(
@@ -151,7 +159,23 @@ async def test_a_lease_over_the_record_bound_is_refused_by_bytes_not_count() -> 
             )
         ),
     )
-    assert "the limit is 100000" in error.message
+    assert "the limit is 10000" in error.message
+
+
+async def test_hashes_of_another_length_than_this_version_s_are_refused_clearly() -> None:
+    """An engine of a version with 16-byte hashes: its grant and probes are refused, saying
+    why, rather than kept where they could never verify."""
+    h = Harness()
+    await h.fleet()
+    old = [bytes([i]) * 16 for i in range(4)]
+    grant = LeaseGrant(
+        "c", h.decode.node_id, h.decode.incarnation, handle("r", 64, h.decode), old, 64
+    )
+    error = await refused(h, h.registry.grant_lease(grant))
+    assert error.message == (
+        "a block hash of 16 bytes: prefix hashes are 8 bytes (an engine of another kvbroker"
+        " version?)"
+    )
 
 
 async def test_one_engine_request_cannot_back_two_live_leases() -> None:

@@ -403,7 +403,7 @@ async def test_a_record_beyond_any_transaction_is_refused_and_undone(backing: Ba
     await store.delete_lease("lease-1")
     await store.put_lease(lease("lease-2"))
     huge = lease("lease-3")
-    huge.checkpoints += codec.checkpoints(block_hashes(16 * 128))  # 4 KiB of hashes
+    huge.checkpoints = codec.checkpoints(block_hashes(16 * 512))  # 4 KiB of hashes
     await store.put_lease(huge)
     with pytest.raises(CommitTooLarge):
         await store.commit()

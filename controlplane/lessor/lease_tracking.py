@@ -36,7 +36,7 @@ class LeaseTracking:
     def __init__(
         self,
         config: RegistryConfig,
-        deadlines: DeadlineQueue[DeadlineKey],
+        deadlines: DeadlineQueue,
         nodes: NodeSessions,
         prefix_index: PrefixIndex,
         pins: ReadPins,

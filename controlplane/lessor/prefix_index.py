@@ -21,18 +21,20 @@ is indexed, an ended one removed. Soft state, as leases are: rebuilt from the re
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvbroker.common.rules.checkpoints import checkpoint_blocks, probe_blocks
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES, checkpoint_blocks, probe_blocks
 from kvbroker.controlplane.records import codec
+from kvbroker.controlplane.storage.id_rows import RowTable
 
 # The most probe hashes a look-up may carry: 2^31 blocks, far past any context.
 MAX_PROBES = 32
 # The leases a key keeps, newest: they all give a prompt the same prefix there.
 KEEP_PER_KEY = 8
-# The bytes of a probe hash a key keeps: 7, so a key is a non-negative int64.
+# The bytes of a probe hash a key keeps: 7 of its ``BLOCK_HASH_BYTES``, so a key is a
+# non-negative int64.
 KEY_BYTES = 7
 # The table doubles past this share of its slots in use (linear probing stays short below it).
 MAX_LOAD = 0.75
@@ -73,6 +75,10 @@ def indexed_hashes(
     if block_size <= 0 or token_count <= 0:
         return []
     hashes = codec.checkpoint_hashes(checkpoints)
+    if hashes and set(map(len, hashes)) != {BLOCK_HASH_BYTES}:
+        # Kept by an older version (16-byte hashes): no prompt of ours can match its hashes,
+        # though a block 0 hash cut to 8 bytes is ours, so keying it would only cost reads.
+        return []
     block_count = -(-token_count // block_size)
     positions = checkpoint_blocks(block_count, max(stride, 1))
     full_blocks = token_count // block_size
@@ -122,7 +128,8 @@ class PrefixIndex:
         self._row_added = array("q")
         self._free_rows: list[int] = []
         self._added = 0
-        self._rows: dict[str, int] = {}
+        # Rows by their lease id's hash (a dict's slot and boxed row number: ~76 bytes a lease).
+        self._rows = RowTable()
         # Scopes by number, one object each, shared by their leases; and their live rows.
         self._scope_numbers: dict[Scope, int] = {}
         self._scopes: list[Scope | None] = []
@@ -132,7 +139,7 @@ class PrefixIndex:
         return len(self._rows)
 
     def __contains__(self, lease_id: str) -> bool:
-        return lease_id in self._rows
+        return self._row(lease_id) is not None
 
     def entries(self) -> int:
         """Lease ids held under keys in all: about log2(blocks) per lease, fewer where many
@@ -141,12 +148,12 @@ class PrefixIndex:
 
     def scope(self, lease_id: str) -> Scope | None:
         """The scope an indexed lease is found under; None when it is not indexed."""
-        row = self._rows.get(lease_id)
+        row = self._row(lease_id)
         return self._scopes[self._row_scope[row]] if row is not None else None
 
     def add(self, lease_id: str, scope: Scope, hashes: Sequence[tuple[int, bytes]]) -> None:
         """Indexes a live lease (again: a no-op) under its ``indexed_hashes``."""
-        if lease_id in self._rows:
+        if lease_id in self:
             return
         number = self._scope_number(scope)
         row = self._new_row(lease_id, number)
@@ -177,7 +184,7 @@ class PrefixIndex:
 
     def remove(self, lease_id: str, hashes: Sequence[tuple[int, bytes]]) -> None:
         """Forgets an indexed lease; ``hashes``: what it was added under."""
-        row = self._rows.pop(lease_id, None)
+        row = self._rows.pop(hash(lease_id), self._holds(lease_id))
         if row is None:
             return
         number = self._row_scope[row]
@@ -230,6 +237,14 @@ class PrefixIndex:
 
     # ----------------------------------------------------------------- rows and slots
 
+    def _row(self, lease_id: str) -> int | None:
+        return self._rows.get(hash(lease_id), self._holds(lease_id))
+
+    def _holds(self, lease_id: str) -> Callable[[int], bool]:
+        """Whether a row is ``lease_id``'s (two ids may share a hash)."""
+        ids = self._ids
+        return lambda row: ids[row] == lease_id
+
     def _id(self, row: int) -> str:
         lease_id = self._ids[row]
         assert lease_id is not None
@@ -257,7 +272,7 @@ class PrefixIndex:
             self._row_scope.append(number)
             self._row_last.append(-1)
             self._row_added.append(self._added)
-        self._rows[lease_id] = row
+        self._rows.put(hash(lease_id), row, self._holds(lease_id))
         self._scope_rows[number] += 1
         return row
 

@@ -104,7 +104,7 @@ class Lease:
     node_incarnation: str = ""
     epoch: int = 0
     handle: KvHandle = field(default_factory=KvHandle)
-    # The prefix hashes at checkpoints, each preceded by its length (``codec.checkpoints``).
+    # The prefix hashes at checkpoints, end to end after their length (``codec.checkpoints``).
     checkpoints: bytes = b""
     block_hash_stride: int = 0
     token_count: int = 0

@@ -21,6 +21,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from kvbroker.common.rules import ids
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.common.rules.costs import Costs
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.errors import InvalidArgument
@@ -34,8 +35,6 @@ MAX_COUNTER = (1 << 63) - 1
 # What this registry mints (``lease_ids.new_lease_id``): hex milliseconds, then randomness.
 LEASE_ID = re.compile(r"[0-9a-f]{21,32}")
 MAX_PORT = 65_535
-# A block hash is a digest: vLLM's are 32 bytes (sha256); anything much longer is not one.
-MAX_BLOCK_HASH_BYTES = 64
 # A lease record's times, numbers and field tags, beyond its ids, reason and retention.
 LEASE_RECORD_FIXED_BYTES = 512
 # A host name (DNS labels, as Kubernetes and /etc/hosts write them) where an address is not
@@ -241,12 +240,8 @@ class Validation:
         if len(block_hashes) > limit:
             raise InvalidArgument(f"{len(block_hashes)} block hashes exceed the limit of {limit}")
         blocks = self.handle(handle, "handle")
-        # One pass over the hashes: each read of a protobuf's repeated bytes makes a new object.
-        lengths = list(map(len, block_hashes))
-        longest = max(lengths, default=0)
-        if longest > MAX_BLOCK_HASH_BYTES:
-            raise InvalidArgument(f"a block hash of {longest} bytes exceeds {MAX_BLOCK_HASH_BYTES}")
-        hash_bytes = sum(lengths) + 2 * len(lengths)
+        _prefix_hashes(block_hashes, "block hash")
+        hash_bytes = (BLOCK_HASH_BYTES + 2) * len(block_hashes)
         if token_count == 0:
             raise InvalidArgument("token_count must be positive")
         self.record_bytes(handle.ByteSize() + hash_bytes + self._lease_overhead, "the lease")
@@ -336,8 +331,20 @@ class Validation:
         probes = probe.probes
         if len(probes) > max_probes:
             raise InvalidArgument(f"{len(probes)} probe hashes exceed the limit of {max_probes}")
-        if any(not 0 < len(hashed) <= MAX_BLOCK_HASH_BYTES for hashed in probes):
-            raise InvalidArgument(f"a probe hash is empty or over {MAX_BLOCK_HASH_BYTES} bytes")
+        _prefix_hashes(probes, "probe hash")
+
+
+def _prefix_hashes(hashes: Sequence[bytes], what: str) -> None:
+    """Every prefix hash is ``BLOCK_HASH_BYTES`` long: what this version's engines compute, and
+    what lets a lease keep its hashes end to end (``codec.checkpoints``). An engine of a version
+    with other hashes is refused here, not kept: its hashes could never verify against ours."""
+    lengths = set(map(len, hashes))  # in C: a replay validates 100k leases of 32 hashes
+    lengths.discard(BLOCK_HASH_BYTES)
+    if lengths:
+        raise InvalidArgument(
+            f"a {what} of {min(lengths)} bytes: prefix hashes are {BLOCK_HASH_BYTES} bytes"
+            " (an engine of another kvbroker version?)"
+        )
 
 
 def _finite_non_negative(record: EngineWork | Costs, what: str) -> None:

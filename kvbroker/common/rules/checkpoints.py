@@ -6,7 +6,7 @@ node that finds the hash at block i equal to its own knows every block before it
 without seeing their hashes. A lease therefore keeps the hashes of blocks ``stride - 1``,
 ``2 * stride - 1``, … and of its last block, with the stride chosen so that at most
 ``MAX_CHECKPOINTS`` + 1 hashes are kept: up to 256 blocks every hash (exact reuse), and for a
-128k-token conversation in 16-token blocks every 32nd (about 4 KiB instead of 128 KiB). The
+128k-token conversation in 16-token blocks every 32nd (about 2 KiB instead of 64 KiB). The
 cost is granularity: when a prompt diverges from the retained tokens (an earlier turn edited),
 reuse stops at the last checkpoint before the divergence instead of the last block.
 
@@ -15,6 +15,9 @@ checkpoint of every lease long enough to have it. Those are the hashes the regis
 index keys a lease by (``probe_blocks``): a prompt's hashes at the same indexes find the leases
 that share its prefix, whatever their conversation, in about log2(blocks) look-ups
 (``docs/design.md``, "Forks: reuse by content").
+
+Every prefix hash is ``BLOCK_HASH_BYTES`` long: the engine computes them so, the registry
+refuses any other length and keeps a lease's hashes end to end without framing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAX_CHECKPOINTS = 256
+# A prefix hash's length: 64 bits, as Dynamo's KV router and llm-d's kvblock index key blocks.
+# A collision needs two prompts whose chained hashes agree at a checkpoint, one in 2^64 a
+# compare; the registry keeps 32 of them a lease, so each byte here is ~32 bytes a lease.
+BLOCK_HASH_BYTES = 8
 
 
 def stride_for(block_count: int) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvbroker.common.client.engine_link import EngineLink
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.common.rules.clock import to_duration
 from kvbroker.common.rules.handles import EPOCH_KEY, LEASE_ID_KEY
 from kvbroker.common.rules.retention_deadline import (
@@ -163,7 +164,7 @@ class SimEngine(FakeEngine):
                     remote_port=self.port,
                     remote_num_tokens=tokens,
                 ),
-                block_hashes=[os.urandom(16) for _ in range(blocks)],
+                block_hashes=[os.urandom(BLOCK_HASH_BYTES) for _ in range(blocks)],
                 token_count=tokens,
                 time_to_live=to_duration(HARD_CAP_S),
             )

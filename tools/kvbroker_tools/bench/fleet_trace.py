@@ -11,12 +11,15 @@ benchmarks/fleet.md`` says why and lists the parameters below with their default
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import count
+
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,11 @@ class FleetTrace:
         ``forget``): equal for two conversations up to the block where they part."""
         roots = self._roots[conversation]
         return [
-            next(r for start, r in reversed(roots) if start <= block).to_bytes(8, "big")
-            + block.to_bytes(8, "big")
+            hashlib.blake2b(
+                next(r for start, r in reversed(roots) if start <= block).to_bytes(8, "big")
+                + block.to_bytes(8, "big"),
+                digest_size=BLOCK_HASH_BYTES,
+            ).digest()
             for block in blocks
         ]
 

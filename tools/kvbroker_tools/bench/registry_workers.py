@@ -26,6 +26,7 @@ from kvbroker.common.client.grpc_client import (
     registry_stub,
 )
 from kvbroker.common.client.hint_batcher import HintBatcher
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 
 BLOCK_SIZE = 128  # vLLM's CPU default; a 4k-token conversation has 32 blocks
@@ -52,9 +53,9 @@ def retained_blocks(
     )
 
 
-def _random_hashes(blocks: int, size: int = 16) -> list[bytes]:
-    blob = os.urandom(blocks * size)  # one call: the load generator must stay cheap
-    return [blob[i : i + size] for i in range(0, len(blob), size)]
+def _random_hashes(blocks: int) -> list[bytes]:
+    blob = os.urandom(blocks * BLOCK_HASH_BYTES)  # one call: the load generator must stay cheap
+    return [blob[i : i + BLOCK_HASH_BYTES] for i in range(0, len(blob), BLOCK_HASH_BYTES)]
 
 
 def fixed_rate_worker(
@@ -276,7 +277,7 @@ async def _prefix_lookups(
         index = offset
         while time.perf_counter() < stop_at:
             node_id = prefill_ids[index % len(prefill_ids)]
-            wanted = probes[index % len(probes)] if index % 2 == 0 else _random_hashes(6, 32)
+            wanted = probes[index % len(probes)] if index % 2 == 0 else _random_hashes(6)
             request = registry_pb2.MatchPrefixRequest(
                 node_id=node_id,
                 conversation_id=f"fork-{index}",

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import uuid
 
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2, registry_pb2_grpc
 
 
@@ -43,7 +44,10 @@ def node_spec(
 
 
 def block_hashes(tokens: int, block_size: int = 16, salt: str = "") -> list[bytes]:
-    return [hashlib.sha256(f"{salt}{i}".encode()).digest() for i in range(tokens // block_size)]
+    return [
+        hashlib.sha256(f"{salt}{i}".encode()).digest()[:BLOCK_HASH_BYTES]
+        for i in range(tokens // block_size)
+    ]
 
 
 def handle(request_id: str, tokens: int, spec: node_pb2.NodeSpec) -> lease_pb2.KvHandle:
