@@ -214,6 +214,24 @@ async def test_a_silent_node_loses_its_session_and_its_leases() -> None:
     assert no_route.value.message == "no ready decode node serves any model"
 
 
+async def _holding_the_lock(h: Harness, done: asyncio.Event) -> asyncio.Task[None]:
+    """A stand-in for a long report: holds the registry's lock until ``done`` is set."""
+
+    async def long_report() -> None:
+        async with h.registry._mutation:
+            await done.wait()
+
+    report = asyncio.create_task(long_report())
+    await asyncio.sleep(0)  # it takes the lock
+    return report
+
+
+async def _decode_kept_and_prefill_lost(h: Harness, lease_id: str) -> None:
+    assert (await h.registry.get_node(h.decode.node_id)).state == node_pb2.NODE_STATE_READY
+    assert (await h.registry.get_lease(lease_id)).state == ACTIVE
+    assert (await h.registry.get_node(h.prefill.node_id)).state == node_pb2.NODE_STATE_DOWN
+
+
 async def test_a_heartbeat_that_waited_for_the_lock_ahead_of_its_due_session_keeps_it() -> None:
     """A report holds the registry's lock; a node's heartbeat waits for it, then its session
     deadline falls due and the deadline task waits behind the heartbeat. The heartbeat renews
@@ -223,13 +241,7 @@ async def test_a_heartbeat_that_waited_for_the_lock_ahead_of_its_due_session_kee
     await h.fleet()
     lease = await h.grant("c", "req-1")
     report_done = asyncio.Event()
-
-    async def long_report() -> None:
-        async with h.registry._mutation:
-            await report_done.wait()
-
-    report = asyncio.create_task(long_report())
-    await asyncio.sleep(0)  # the report holds the lock
+    report = await _holding_the_lock(h, report_done)
     beat = asyncio.create_task(h.heartbeat(h.decode))
     await asyncio.sleep(0)  # the heartbeat waits for it
     h.clock.t += CONFIG.session_ttl_s + 1
@@ -241,9 +253,7 @@ async def test_a_heartbeat_that_waited_for_the_lock_ahead_of_its_due_session_kee
     await asyncio.sleep(0)  # the deadlines wait behind the heartbeat
     report_done.set()
     await asyncio.gather(report, beat, expiries)
-    assert (await h.registry.get_node(h.decode.node_id)).state == node_pb2.NODE_STATE_READY
-    assert (await h.registry.get_lease(lease.lease_id)).state == ACTIVE
-    assert (await h.registry.get_node(h.prefill.node_id)).state == node_pb2.NODE_STATE_DOWN
+    await _decode_kept_and_prefill_lost(h, lease.lease_id)
 
 
 async def test_heartbeats_waiting_behind_a_long_report_keep_their_sessions() -> None:
@@ -254,13 +264,7 @@ async def test_heartbeats_waiting_behind_a_long_report_keep_their_sessions() -> 
     await h.fleet()
     lease = await h.grant("c", "req-1")
     report_done = asyncio.Event()
-
-    async def long_report() -> None:
-        async with h.registry._mutation:
-            await report_done.wait()
-
-    report = asyncio.create_task(long_report())
-    await asyncio.sleep(0)  # the report holds the lock
+    report = await _holding_the_lock(h, report_done)
     beats = []
     for _ in range(4):  # 8 s of heartbeats every 2 s, past the 6 s TTL
         h.clock.t += CONFIG.heartbeat_interval_s
@@ -272,9 +276,7 @@ async def test_heartbeats_waiting_behind_a_long_report_keep_their_sessions() -> 
     await asyncio.sleep(0)
     report_done.set()
     await asyncio.gather(report, *beats, expiries)
-    assert (await h.registry.get_node(h.decode.node_id)).state == node_pb2.NODE_STATE_READY
-    assert (await h.registry.get_lease(lease.lease_id)).state == ACTIVE
-    assert (await h.registry.get_node(h.prefill.node_id)).state == node_pb2.NODE_STATE_DOWN
+    await _decode_kept_and_prefill_lost(h, lease.lease_id)
 
 
 async def test_ended_leases_and_idle_conversations_are_forgotten() -> None:
