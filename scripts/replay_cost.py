@@ -1,14 +1,14 @@
 """The registry's CPU a replayed lease: a full snapshot replayed into an empty registry.
 
 A restart's cost is the holders' replays (issue 37: 100k leases back in 5 s). This replays
-``--leases`` leases of 32 blocks with 16-byte hashes (as ``bench registry`` populates them:
-lease ids and epochs of a registry before the restart, so every lease is recreated), spread
-over ``--nodes`` decode nodes, one full-snapshot report a node, into a registry started in
-process on the memory store. The reports are the protobuf messages a sidecar sends, handed to
-``Registry.report_retention`` as the gRPC servicer does (``api.convert.report_of``), so the
-figure is the registry's own CPU, not the transport's. Each pass starts a fresh registry;
-``--profile`` writes the last pass's cProfile stats. Run from the repository root:
-``.venv/bin/python scripts/replay_cost.py``.
+``--leases`` leases of 32 blocks with prefix hashes of ``BLOCK_HASH_BYTES`` (as ``bench
+registry`` populates them: lease ids and epochs of a registry before the restart, so every
+lease is recreated), spread over ``--nodes`` decode nodes, one full-snapshot report a node,
+into a registry started in process on the memory store. The reports are the protobuf messages a
+sidecar sends, handed to ``Registry.report_retention`` as the gRPC servicer does
+(``api.convert.report_of``), so the figure is the registry's own CPU, not the transport's. Each
+pass starts a fresh registry; ``--profile`` writes the last pass's cProfile stats. Run from the
+repository root: ``.venv/bin/python scripts/replay_cost.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.process.logging import configure_logging
+from kvbroker.common.rules.checkpoints import BLOCK_HASH_BYTES
 from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.records.lease_ids import new_lease_id
@@ -46,7 +47,7 @@ def snapshot(
     """A node's full snapshot of ``leases`` leases a registry before the restart granted."""
     events = []
     for index in range(first, first + leases):
-        hashes = os.urandom(BLOCKS * 16)
+        hashes = os.urandom(BLOCKS * BLOCK_HASH_BYTES)
         retained = registry_pb2.RetainedBlocks(
             conversation_id=f"conv-{index}",
             handle=lease_pb2.KvHandle(
@@ -58,7 +59,9 @@ def snapshot(
                 remote_num_tokens=BLOCKS * BLOCK_SIZE,
                 tp_size=1,
             ),
-            block_hashes=[hashes[i : i + 16] for i in range(0, len(hashes), 16)],
+            block_hashes=[
+                hashes[i : i + BLOCK_HASH_BYTES] for i in range(0, len(hashes), BLOCK_HASH_BYTES)
+            ],
             token_count=BLOCKS * BLOCK_SIZE,
             lease_id=new_lease_id(time.time()),
             epoch=1,
