@@ -21,6 +21,7 @@ from kvbroker.controlplane.registry import Registry
 from kvbroker.controlplane.storage.cached_store import MemoryStore
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
 from kvbroker_tools.harness.factories import ManualClock, block_hashes, handle, node_spec, replayed
+from tests.conftest import eventually
 
 CONFIG = RegistryConfig(
     default_lease_ttl_s=60.0,
@@ -222,8 +223,14 @@ async def _holding_the_lock(h: Harness, done: asyncio.Event) -> asyncio.Task[Non
             await done.wait()
 
     report = asyncio.create_task(long_report())
-    await asyncio.sleep(0)  # it takes the lock
+    await _queued_on_the_lock(h, 0)  # it holds the lock
     return report
+
+
+async def _queued_on_the_lock(h: Harness, waiting: int) -> None:
+    """Returns once the registry's lock is held and ``waiting`` tasks wait for it."""
+    lock = h.registry._mutation._lock
+    await eventually(lambda: lock.locked() and len(lock._waiters or ()) == waiting)
 
 
 async def _decode_kept_and_prefill_lost(h: Harness, lease_id: str) -> None:
@@ -243,14 +250,14 @@ async def test_a_heartbeat_that_waited_for_the_lock_ahead_of_its_due_session_kee
     report_done = asyncio.Event()
     report = await _holding_the_lock(h, report_done)
     beat = asyncio.create_task(h.heartbeat(h.decode))
-    await asyncio.sleep(0)  # the heartbeat waits for it
+    await _queued_on_the_lock(h, 1)  # the heartbeat waits for it
     h.clock.t += CONFIG.session_ttl_s + 1
     due = h.registry._deadlines.pop_due(10_000)
     assert sorted(due) == sorted(
         (DeadlineKind.NODE_SESSION, spec.node_id) for spec in (h.decode, h.prefill)
     )
     expiries = asyncio.create_task(h.registry._on_deadlines(due))
-    await asyncio.sleep(0)  # the deadlines wait behind the heartbeat
+    await _queued_on_the_lock(h, 2)  # the deadlines wait behind the heartbeat
     report_done.set()
     await asyncio.gather(report, beat, expiries)
     await _decode_kept_and_prefill_lost(h, lease.lease_id)
@@ -266,14 +273,14 @@ async def test_heartbeats_waiting_behind_a_long_report_keep_their_sessions() -> 
     report_done = asyncio.Event()
     report = await _holding_the_lock(h, report_done)
     beats = []
-    for _ in range(4):  # 8 s of heartbeats every 2 s, past the 6 s TTL
+    for waiting in range(1, 5):  # 8 s of heartbeats every 2 s, past the 6 s TTL
         h.clock.t += CONFIG.heartbeat_interval_s
         beats.append(asyncio.create_task(h.heartbeat(h.decode)))
-        await asyncio.sleep(0)  # it arrives, and waits for the lock
+        await _queued_on_the_lock(h, waiting)  # it arrives, and waits for the lock
     due = h.registry._deadlines.pop_due(10_000)
     assert due == [(DeadlineKind.NODE_SESSION, h.prefill.node_id)]
     expiries = asyncio.create_task(h.registry._on_deadlines(due))
-    await asyncio.sleep(0)
+    await _queued_on_the_lock(h, 5)
     report_done.set()
     await asyncio.gather(report, *beats, expiries)
     await _decode_kept_and_prefill_lost(h, lease.lease_id)
