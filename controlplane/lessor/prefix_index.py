@@ -20,6 +20,7 @@ is indexed, an ended one removed. Soft state, as leases are: rebuilt from the re
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -74,16 +75,33 @@ def indexed_hashes(
     prompt's block there)."""
     if block_size <= 0 or token_count <= 0:
         return []
-    hashes = codec.checkpoint_hashes(checkpoints)
-    if hashes and set(map(len, hashes)) != {BLOCK_HASH_BYTES}:
-        # Kept by an older version (16-byte hashes): no prompt of ours can match its hashes,
-        # though a block 0 hash cut to 8 bytes is ours, so keying it would only cost reads.
+    # Kept by an older version (16-byte hashes), none of them can match a prompt of ours,
+    # though a block 0 hash cut to 8 bytes is ours, so keying it would only cost reads.
+    kept = codec.checkpoints_of_width(checkpoints, BLOCK_HASH_BYTES)
+    if not kept:
         return []
-    block_count = -(-token_count // block_size)
-    positions = checkpoint_blocks(block_count, max(stride, 1))
-    full_blocks = token_count // block_size
-    at = dict(zip(positions, hashes, strict=False))
-    return [(b, at[b]) for b in probe_blocks(full_blocks) if b in at]
+    shape = _probe_places(-(-token_count // block_size), max(stride, 1), token_count // block_size)
+    return [
+        (block, checkpoints[start : start + BLOCK_HASH_BYTES])
+        for block, at, start in shape
+        if at < kept
+    ]
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe_places(
+    block_count: int, stride: int, full_blocks: int
+) -> tuple[tuple[int, int, int], ...]:
+    """For a lease of this shape, each probe block among its checkpoints, with that
+    checkpoint's place in its hashes and where it starts in its blob
+    (``codec.checkpoints_of_width``). Leases share a few shapes (a replay of 100k leases
+    computed the same places 100k times): per shape, a lease's keys are cut in one pass."""
+    place = {block: at for at, block in enumerate(checkpoint_blocks(block_count, stride))}
+    return tuple(
+        (block, place[block], 1 + place[block] * BLOCK_HASH_BYTES)
+        for block in probe_blocks(full_blocks)
+        if block in place
+    )
 
 
 def _home(key: int, number: int, mask: int) -> int:

@@ -69,6 +69,15 @@ def checkpoints(hashes: Sequence[bytes]) -> bytes:
     return bytes((_FRAMED,)) + lease_pb2.Lease(block_hashes=hashes).SerializeToString()
 
 
+def checkpoints_of_width(blob: bytes, width: int) -> int:
+    """How many hashes of ``width`` bytes ``blob`` holds end to end after its first byte, where
+    the hash at place ``i`` starts at byte ``1 + i * width``; 0 when it holds none, or hashes of
+    any other length (``checkpoint_hashes`` reads those)."""
+    if not blob or blob[0] != width:
+        return 0
+    return (len(blob) - 1) // width
+
+
 def checkpoint_hashes(blob: bytes) -> list[bytes]:
     """The hashes a ``checkpoints`` blob holds, in order."""
     return list(_cut(blob))
