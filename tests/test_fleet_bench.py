@@ -106,6 +106,7 @@ async def test_heartbeats_keep_sessions_while_the_load_process_does_not_yield() 
     try:
         spec = node_spec(0, node_pb2.NODE_ROLE_DECODE, 1_024)
         heartbeats = HeartbeatProcess(registry.address, [spec], interval_s)
+        await heartbeats.started()
         answer = await registry_stub(channel).RegisterNode(
             registry_pb2.RegisterNodeRequest(spec=spec), timeout=10
         )

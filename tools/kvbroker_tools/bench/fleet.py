@@ -130,6 +130,7 @@ class FleetRun:
             self.heartbeats = HeartbeatProcess(
                 rotations[0], [*self.prefills, *self.decode_specs], self.config.heartbeat_interval_s
             )
+            await self.heartbeats.started()
             usage = asyncio.create_task(self._usage(self.heartbeats))
             started = time.perf_counter()
             await _bounded([self._register(stub, s) for s in (*self.prefills, *self.decode_specs)])

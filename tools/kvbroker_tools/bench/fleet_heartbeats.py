@@ -28,8 +28,10 @@ import grpc
 from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.v1 import node_pb2, registry_pb2
 
-# How long the load process waits for the heartbeat process's figures once it asked it to stop
-# (it answers the heartbeats in flight first, each bounded by its own deadline).
+# How long the load process waits for the heartbeat process to start (a spawned interpreter
+# importing gRPC), and for its figures once it asked it to stop (it waits for the heartbeats
+# in flight first, each bounded by its own deadline).
+START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 HEARTBEAT_TIMEOUT_S = 30.0
 
@@ -52,7 +54,8 @@ class HeartbeatFigures:
 class HeartbeatProcess:
     """The heartbeat process, from the load process's side: it is told which nodes are
     registered (each heartbeats from then on, every ``interval_s``, the fleet's heartbeats
-    spread evenly over it) and their engines' KV usage; at its stop it gives its figures."""
+    spread evenly over it) and their engines' KV usage; at its stop it gives its figures.
+    Started, it is ready for the first node once ``started`` returns."""
 
     def __init__(self, endpoint: str, specs: list[node_pb2.NodeSpec], interval_s: float) -> None:
         context = multiprocessing.get_context("spawn")  # gRPC's threads do not survive a fork
@@ -66,6 +69,13 @@ class HeartbeatProcess:
         )
         self._process.start()
         child.close()
+
+    async def started(self) -> None:
+        """Returns once the process reads the load process's word and can send heartbeats:
+        a node told before would wait for its first heartbeat on the process's start."""
+        if not await asyncio.to_thread(self._connection.poll, START_TIMEOUT_S):
+            raise TimeoutError(f"the heartbeat process did not start in {START_TIMEOUT_S} s")
+        self._connection.recv()  # its word that it is ready
 
     @property
     def pid(self) -> int:
@@ -85,11 +95,14 @@ class HeartbeatProcess:
         as CANCELLED and count the bench's own stop as a failure); their figures."""
         try:
             self._connection.send(("stop", None))
-            ready = await asyncio.to_thread(self._connection.poll, STOP_TIMEOUT_S)
-            if not ready:
-                raise TimeoutError(f"the heartbeat process did not stop in {STOP_TIMEOUT_S} s")
-            figures: HeartbeatFigures = self._connection.recv()
-            return figures
+            give_up = time.monotonic() + STOP_TIMEOUT_S
+            while True:  # past its word that it started, if ``started`` never read it
+                left = give_up - time.monotonic()
+                if not await asyncio.to_thread(self._connection.poll, max(left, 0.0)):
+                    raise TimeoutError(f"the heartbeat process did not stop in {STOP_TIMEOUT_S} s")
+                message = self._connection.recv()
+                if isinstance(message, HeartbeatFigures):
+                    return message
         finally:
             await asyncio.to_thread(self._process.join, 5)
             if self._process.is_alive():
@@ -97,7 +110,7 @@ class HeartbeatProcess:
             self._connection.close()
 
 
-def heartbeat_request(spec: node_pb2.NodeSpec, usage: float) -> registry_pb2.HeartbeatRequest:
+def _request(spec: node_pb2.NodeSpec, usage: float) -> registry_pb2.HeartbeatRequest:
     return registry_pb2.HeartbeatRequest(
         node_id=spec.node_id, incarnation=spec.incarnation, engine_ready=True,
         load=node_pb2.NodeLoad(kv_cache_usage=usage),
@@ -133,6 +146,7 @@ class _Sender:
         loop = asyncio.get_running_loop()
         loop.add_reader(self.connection.fileno(), self._on_message)
         schedule = asyncio.create_task(self._on_schedule())
+        self.connection.send("ready")
         try:
             await self.stopping.wait()
         finally:
@@ -175,7 +189,7 @@ class _Sender:
     async def _beat(self, spec: node_pb2.NodeSpec) -> None:
         figures = self.figures
         figures.sent += 1
-        request = heartbeat_request(spec, self.usage.get(spec.node_id, 0.0))
+        request = _request(spec, self.usage.get(spec.node_id, 0.0))
         started = time.perf_counter()
         try:
             await self.stub.Heartbeat(request, timeout=HEARTBEAT_TIMEOUT_S)
