@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 from rich.console import Console
 
+from kvbroker.common.client.grpc_client import RegistryEndpoint, open_channel, registry_stub
 from kvbroker.common.rules.checkpoints import probe_blocks
+from kvbroker.v1 import node_pb2, registry_pb2
+from kvbroker.v1.registry_pb2_grpc import RegistryServiceStub
 from kvbroker_tools.bench.fleet import run_fleet
 from kvbroker_tools.bench.fleet_config import FleetConfig
-from kvbroker_tools.bench.fleet_engines import BLOCK_SIZE
+from kvbroker_tools.bench.fleet_engines import BLOCK_SIZE, node_spec
+from kvbroker_tools.bench.fleet_heartbeats import HeartbeatProcess
 from kvbroker_tools.bench.fleet_report import print_table, write
 from kvbroker_tools.bench.fleet_trace import FleetTrace, TraceParams
+from kvbroker_tools.harness.processes import RegistryProcess
 
 
 def test_the_trace_grows_contexts_forks_sub_agents_and_replaces_ended_conversations() -> None:
@@ -85,3 +92,48 @@ async def test_a_small_fleet_on_real_replicas_reuses_what_engines_hold(tmp_path:
     console = Console(record=True, width=160)
     print_table([point], console)
     assert "300" in console.export_text()
+
+
+async def test_heartbeats_keep_sessions_while_the_load_process_does_not_yield() -> None:
+    """The load process builds the engines' replay for seconds without yielding (over ten at
+    1,000 nodes): its nodes' heartbeats leave from a process of their own meanwhile, and no
+    session lapses. Here the load process's loop is held, calling the registry only through a
+    blocking channel, until the registry has applied heartbeats well past a session TTL."""
+    interval_s, ttl_s = 0.2, 1.0
+    registry = RegistryProcess("--heartbeat-interval", str(interval_s), "--session-ttl", str(ttl_s))
+    await registry.start()
+    channel = open_channel(RegistryEndpoint.parse(registry.address))
+    try:
+        spec = node_spec(0, node_pb2.NODE_ROLE_DECODE, 1_024)
+        heartbeats = HeartbeatProcess(registry.address, [spec], interval_s)
+        await heartbeats.started()
+        answer = await registry_stub(channel).RegisterNode(
+            registry_pb2.RegisterNodeRequest(spec=spec), timeout=10
+        )
+        registered = answer.node.registered_time.ToDatetime().timestamp()
+        heartbeats.registered(spec.node_id)
+        node = _hold_the_loop(registry.address, spec.node_id, until=registered + 3 * ttl_s)
+        figures = await heartbeats.stop()
+        assert node.state == node_pb2.NODE_STATE_READY
+        assert figures.sent >= 3 * ttl_s / interval_s and not figures.errors
+        assert 0 < figures.max_s < ttl_s
+    finally:
+        await channel.close()
+        await registry.stop()
+
+
+def _hold_the_loop(address: str, node_id: str, until: float) -> node_pb2.Node:
+    """Holds the caller's event loop (called without an await, as a replay's build holds it),
+    looking at the registry's record of the node through a blocking channel until a heartbeat
+    applied after ``until`` or the session's end: the record then."""
+    with grpc.insecure_channel(address) as blocking:
+        stub = RegistryServiceStub(blocking)
+        request = registry_pb2.GetNodeRequest(node_id=node_id)
+        give_up = time.monotonic() + 30
+        while True:
+            node: node_pb2.Node = stub.GetNode(request, timeout=5).node
+            heard = node.last_heartbeat_time.ToDatetime().timestamp()
+            if node.state == node_pb2.NODE_STATE_DOWN or heard > until:
+                return node
+            assert time.monotonic() < give_up, "no heartbeat applied in 30 s, nor the end"
+            time.sleep(0.05)  # the next look at the record

@@ -22,7 +22,6 @@ clock only orders the turns): what ends them is the engines' budget, reads and e
 from __future__ import annotations
 
 import asyncio
-import itertools
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -53,6 +52,7 @@ from kvbroker_tools.bench.fleet_engines import (
     Tally,
     node_spec,
 )
+from kvbroker_tools.bench.fleet_heartbeats import HeartbeatProcess
 from kvbroker_tools.bench.fleet_report import FleetPoint, point_of
 from kvbroker_tools.bench.fleet_trace import FleetTrace, Turn
 from kvbroker_tools.harness.processes import RegistryProcess
@@ -63,10 +63,6 @@ REUSE_PATHS = (registry_pb2.TURN_PATH_READ, registry_pb2.TURN_PATH_DECODE_LOCAL)
 # engine's reclaim with "keep": the run waits that out before the engines retain anything, so
 # that what they reclaim is freed at once and their record of what they hold stays true.
 CLAIM_TIMEOUT_S = 10.0
-# How long a node's session lives without a heartbeat. The engines' replay at the start puts
-# tens of thousands of leases through the leader at once, and heartbeats wait behind them
-# (the longest wait is reported): long enough that the replay ends no session.
-SESSION_TTL_S = 120.0
 SIDECAR_ATTEMPTS = 10
 
 
@@ -83,9 +79,9 @@ class FleetRun:
                              for i in range(half)]  # fmt: skip
         self.trace = FleetTrace(config.trace, nodes, BLOCK_SIZE)
         self.etcd = LocalEtcd(workdir)
-        beat = config.heartbeat_interval_s
+        beat, session = config.heartbeat_interval_s, config.session_ttl_s
         flags = ["--log-level", "warning", "--heartbeat-interval", str(beat),
-                 "--session-ttl", str(SESSION_TTL_S), "--lease-ttl", "3600", "--max-lease-ttl",
+                 "--session-ttl", str(session), "--lease-ttl", "3600", "--max-lease-ttl",
                  "3600", "--no-learn-idle-ttl", "--election-ttl", "15",
                  "--claim-timeout", str(CLAIM_TIMEOUT_S)]  # fmt: skip
         self.replicas = [
@@ -100,7 +96,7 @@ class FleetRun:
         ]
         self.engines = Engines()
         self.pending: dict[str, asyncio.Task[None]] = {}
-        self.registered: set[str] = set()
+        self.heartbeats: HeartbeatProcess | None = None  # once the replicas answer
         self.decodes: dict[str, SimDecode] = {}  # once the sidecars' channel is open
 
     async def run(self, progress: Callable[[str], None]) -> FleetPoint:
@@ -120,7 +116,7 @@ class FleetRun:
         rotations = [",".join(addresses[i:] + addresses[:i]) for i in range(len(addresses))]
         sidecars = open_channel(RegistryEndpoint.parse(rotations[0]))
         routers = [open_channel(RegistryEndpoint.parse(spec)) for spec in rotations]
-        beats: asyncio.Task[None] | None = None
+        usage: asyncio.Task[None] | None = None
         try:
             stub = registry_stub(sidecars)
             await poll_until(lambda: _answers(stub), 60, "a registry replica leading", every_s=0.2)
@@ -131,7 +127,11 @@ class FleetRun:
             nodes = len(self.prefills) + len(self.decodes)
             progress(f"{nodes} nodes: registering, {len(self.trace.live):,} live conversations")
             # Heartbeats from each node's registration on, as its sidecar sends them.
-            beats = asyncio.create_task(self._heartbeats(stub))
+            self.heartbeats = HeartbeatProcess(
+                rotations[0], [*self.prefills, *self.decode_specs], self.config.heartbeat_interval_s
+            )
+            await self.heartbeats.started()
+            usage = asyncio.create_task(self._usage(self.heartbeats))
             started = time.perf_counter()
             await _bounded([self._register(stub, s) for s in (*self.prefills, *self.decode_specs)])
             registered_s = time.perf_counter() - started
@@ -149,9 +149,11 @@ class FleetRun:
             saturated = await self._saturate(hints, seconds)
             rss = [rss_mib(r.pid) for r in self.replicas]
         finally:
-            if beats is not None:
-                beats.cancel()
-                await asyncio.gather(beats, return_exceptions=True)
+            if usage is not None:
+                usage.cancel()
+                await asyncio.gather(usage, return_exceptions=True)
+            if self.heartbeats is not None:
+                self.tally.heartbeats = await self.heartbeats.stop()
             for channel in (sidecars, *routers):
                 await channel.close()
         return point_of(
@@ -165,51 +167,16 @@ class FleetRun:
             node_id=spec.node_id, incarnation=spec.incarnation, full_snapshot=True
         )
         await _again_if_away(lambda: stub.ReportRetention(replay, timeout=30), self.tally)
-        await self._heartbeat(stub, spec)
-        self.registered.add(spec.node_id)
+        assert self.heartbeats is not None  # started before the nodes register
+        self.heartbeats.registered(spec.node_id)
 
-    async def _heartbeat(self, stub: Any, spec: node_pb2.NodeSpec) -> None:
-        decode = self.decodes.get(spec.node_id)
-        usage = decode.used / self.config.capacity_blocks if decode else 0.0
-        started = time.perf_counter()
-        await stub.Heartbeat(
-            registry_pb2.HeartbeatRequest(
-                node_id=spec.node_id, incarnation=spec.incarnation, engine_ready=True,
-                load=node_pb2.NodeLoad(kv_cache_usage=usage),
-            ),
-            timeout=30,
-        )  # fmt: skip
-        self.tally.heartbeat_max_s = max(self.tally.heartbeat_max_s, time.perf_counter() - started)
-
-    async def _heartbeats(self, stub: Any) -> None:
-        """Every registered node's heartbeat once an interval, spread evenly over it."""
-        specs = [*self.prefills, *self.decode_specs]
-        spacing = self.config.heartbeat_interval_s / len(specs)
-        beats: set[asyncio.Task[None]] = set()
-
-        async def beat(spec: node_pb2.NodeSpec) -> None:
-            started = time.perf_counter()
-            try:
-                await self._heartbeat(stub, spec)
-            except grpc.aio.AioRpcError as error:
-                code, waited = error.code().name, time.perf_counter() - started
-                failed_after = self.tally.heartbeat_failed_after_s
-                self.tally.heartbeat_errors[code] += 1
-                failed_after[code] = max(failed_after.get(code, 0.0), waited)
-
-        start = time.perf_counter()
-        try:
-            for index in itertools.count():
-                await asyncio.sleep(max(0.0, start + index * spacing - time.perf_counter()))
-                spec = specs[index % len(specs)]
-                if spec.node_id in self.registered:
-                    task = asyncio.create_task(beat(spec))
-                    beats.add(task)
-                    task.add_done_callback(beats.discard)
-        finally:
-            # The heartbeats in flight are answered, not cancelled: a cancelled call ends as
-            # an error with CANCELLED, which would count the bench's own stop as failures.
-            await asyncio.gather(*beats, return_exceptions=True)
+    async def _usage(self, heartbeats: HeartbeatProcess) -> None:
+        """Each decode engine's KV-cache usage to the heartbeat process, once an interval, for
+        the load its heartbeats report."""
+        capacity = self.config.capacity_blocks
+        while True:
+            heartbeats.usage({n: d.used / capacity for n, d in self.decodes.items()})
+            await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _populate(self, stub: Any) -> None:
         """The conversations already some turns in: retained on the decode nodes in turn
@@ -309,14 +276,15 @@ class FleetRun:
 
     def _cpu_meter(self) -> Callable[[], dict[str, Any]]:
         """Starts measuring; the returned call gives the CPU seconds each replica, etcd and
-        this process (the load) used since."""
-        pids = [p.pid for p in (*self.replicas, self.etcd.child)]
+        the load (this process and the heartbeats') used since."""
+        assert self.heartbeats is not None  # started before the nodes register
+        pids = [p.pid for p in (*self.replicas, self.etcd.child)] + [self.heartbeats.pid]
         before, own = [cpu_seconds(pid) for pid in pids], time.process_time()
 
         def used() -> dict[str, Any]:
             cpu = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
-            return {"replica_cpu_s": cpu[:-1], "etcd_cpu_s": cpu[-1],
-                    "loadgen_cpu_s": time.process_time() - own}  # fmt: skip
+            return {"replica_cpu_s": cpu[:-2], "etcd_cpu_s": cpu[-2],
+                    "loadgen_cpu_s": time.process_time() - own + cpu[-1]}  # fmt: skip
 
         return used
 

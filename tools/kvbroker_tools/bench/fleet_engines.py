@@ -15,6 +15,7 @@ from typing import Any
 
 from kvbroker.common.client.batcher import Batcher
 from kvbroker.v1 import lease_pb2, node_pb2, registry_pb2
+from kvbroker_tools.bench.fleet_heartbeats import HeartbeatFigures
 
 MODEL = "fleet"
 BLOCK_SIZE = 16  # vLLM's default on GPUs
@@ -37,12 +38,8 @@ class Tally:
     fork_hits: int = 0  # sub-agents' first turns that found the parent's KV by content
     refused_events: int = 0
     errors: int = 0
-    # Heartbeats that failed, by gRPC status code: why matters (a deadline is the replay's
-    # queue; NOT_FOUND or FAILED_PRECONDITION a node the registry no longer knows).
-    heartbeat_errors: Counter[str] = field(default_factory=Counter)
-    # By status code, the longest a failed heartbeat waited before it failed.
-    heartbeat_failed_after_s: dict[str, float] = field(default_factory=dict)
-    heartbeat_max_s: float = 0.0  # the longest a heartbeat took to be answered
+    # From the heartbeat process, once it stopped.
+    heartbeats: HeartbeatFigures = field(default_factory=HeartbeatFigures)
     sidecar_retries: int = 0  # registrations and replays sent again (``_again_if_away``)
 
 

@@ -43,7 +43,8 @@ class FleetPoint:
     saturated_registry_cores: float
     saturated_hints_per_core: float
     etcd_cores: float
-    loadgen_cores: float  # this process: the simulated sidecars, routers and engines
+    # The load's processes: the simulated sidecars, routers and engines, and the heartbeats.
+    loadgen_cores: float
     registry_rss_mib: float  # all replicas
     replica_rss_mib: list[float]
     later_turns: int
@@ -60,6 +61,9 @@ class FleetPoint:
     # was cut at a deadline, by the server's 30 s limit on calls not yet accepted, or at once.
     heartbeat_failed_after_s: dict[str, float]
     heartbeat_max_s: float  # the longest a heartbeat took to be answered, replay included
+    # The latest a heartbeat left after its time (the heartbeat process's own delay): what
+    # the registry is not to blame for.
+    heartbeat_late_max_s: float
     sidecar_retries: int  # registrations and replays no replica served, sent again
     register_s: float
     populate_s: float
@@ -112,9 +116,10 @@ def point_of(
         forks=tally.forks,
         fork_hits=tally.fork_hits,
         refused_events=tally.refused_events,
-        heartbeat_errors=dict(tally.heartbeat_errors),
-        heartbeat_failed_after_s=dict(tally.heartbeat_failed_after_s),
-        heartbeat_max_s=tally.heartbeat_max_s,
+        heartbeat_errors=dict(tally.heartbeats.errors),
+        heartbeat_failed_after_s=dict(tally.heartbeats.failed_after_s),
+        heartbeat_max_s=tally.heartbeats.max_s,
+        heartbeat_late_max_s=tally.heartbeats.late_max_s,
         sidecar_retries=tally.sidecar_retries,
         register_s=register_s,
         populate_s=populate_s,
@@ -147,7 +152,8 @@ def print_table(points: list[FleetPoint], console: Console) -> None:
             f"reused {p.reused_of_held:.1%} of it; sub-agents found their parent's KV "
             f"{p.fork_hits}/{p.forks}; etcd {p.etcd_cores:.2f} cores, the load "
             f"{p.loadgen_cores:.2f}; {failed} heartbeats failed, the "
-            f"slowest took {p.heartbeat_max_s:.1f} s; registering took {p.register_s:.1f} s, "
+            f"slowest took {p.heartbeat_max_s:.1f} s (left at most "
+            f"{p.heartbeat_late_max_s:.2f} s late); registering took {p.register_s:.1f} s, "
             f"the replay {p.populate_s:.1f} s ({p.sidecar_retries} calls sent again)"
         )
 
