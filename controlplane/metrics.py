@@ -29,6 +29,9 @@ class NodeFigures:
     # The live correction of its prefill and read costs (1: as calibrated).
     prefill_correction: float = 1.0
     read_correction: float = 1.0
+    # Known from the store after a takeover, not down, and its replay not yet in: its leases
+    # are not offered until it is.
+    awaiting_replay: bool = False
 
 
 class _NodeGauges(Collector):
@@ -62,6 +65,12 @@ class _NodeGauges(Collector):
             labels=["node", "figure"],
         )
         states = GaugeMetricFamily("kvbroker_nodes", "Registered nodes by state.", labels=["state"])
+        awaiting = GaugeMetricFamily(
+            "kvbroker_nodes_awaiting_replay",
+            "Nodes a takeover found in the store whose sidecar has not replayed yet: their "
+            "leases are not offered, and their conversations recompute, until it does.",
+        )
+        awaiting.add_metric([], sum(f.awaiting_replay for f in figures))
         counts: dict[str, int] = dict.fromkeys(("READY", "NOT_READY", "DRAINING", "DOWN"), 0)
         for figure in figures:
             blocks.add_metric([figure.node_id], figure.retained_blocks)
@@ -72,7 +81,7 @@ class _NodeGauges(Collector):
             counts[figure.state] = counts.get(figure.state, 0) + 1
         for state, count in counts.items():
             states.add_metric([state], count)
-        yield from (leases, blocks, size, fraction, correction, states)
+        yield from (leases, blocks, size, fraction, correction, states, awaiting)
 
 
 class RegistryMetrics:

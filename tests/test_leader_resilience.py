@@ -196,8 +196,13 @@ async def test_a_takeover_rebuilds_leases_from_replays_and_fences_older_epochs(
         assert await successor.store.get_lease(newer.lease_id) is None  # nothing in etcd
         assert len(await successor.list_nodes()) == 2
 
+        awaiting = replicas[1].metrics.registry.get_sample_value
+        assert awaiting("kvbroker_nodes_awaiting_replay") == 2
+
         assert await replay(successor, decodes[1], newer) == lease_pb2.LEASE_STATE_ACTIVE
+        assert awaiting("kvbroker_nodes_awaiting_replay") == 1
         assert await replay(successor, decodes[0], older) == lease_pb2.LEASE_STATE_REVOKED
+        assert awaiting("kvbroker_nodes_awaiting_replay") == 0
         conversation = await successor.get_conversation("c")
         assert (conversation.lease_id, conversation.epoch) == (newer.lease_id, newer.epoch)
 

@@ -13,6 +13,7 @@ from kvbroker.controlplane.api import convert
 from kvbroker.controlplane.config import RegistryConfig
 from kvbroker.controlplane.deadlines import DeadlineKind
 from kvbroker.controlplane.errors import LeaseEnded, NodeNotRegistered, NoReadyNode, SessionLost
+from kvbroker.controlplane.metrics import RegistryMetrics
 from kvbroker.controlplane.records.answers import LeaseAnswer
 from kvbroker.controlplane.records.lease_ids import TERM_SHIFT, next_epoch
 from kvbroker.controlplane.records.model import NodeLoad
@@ -302,15 +303,19 @@ async def test_a_successor_offers_a_holder_s_leases_only_after_its_replay() -> N
     h = Harness()
     await h.fleet()
     lease = await h.grant("c", "req-1")
-    successor = Registry(h.store, CONFIG, clock=h.clock)
+    metrics = RegistryMetrics()
+    successor = Registry(h.store, CONFIG, metrics, clock=h.clock)
     await successor.restore()
     hint = await successor.routing_hint("c", "", dry_run=True)
     assert hint.decision == registry_pb2.HINT_DECISION_RECOMPUTE
     assert hint.consistency == registry_pb2.HINT_CONSISTENCY_DEGRADED
+    # Both nodes wait for their replay (the prefill node's is as empty as its retention).
+    assert metrics.registry.get_sample_value("kvbroker_nodes_awaiting_replay") == 2
     replay = replayed(convert.lease_message(lease))
     response = await successor.report_retention(
         RetentionReport(h.decode.node_id, h.decode.incarnation, [replay], full_snapshot=True)
     )
+    assert metrics.registry.get_sample_value("kvbroker_nodes_awaiting_replay") == 1
     assert [ack.lease_id for ack in response.leases] == [lease.lease_id]
     hint = await successor.routing_hint("c", "", dry_run=True)
     assert hint.decision == registry_pb2.HINT_DECISION_REUSE

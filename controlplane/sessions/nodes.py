@@ -184,6 +184,7 @@ class NodeSessions:
                 retained_fraction=r.retained_fraction,
                 prefill_correction=r.correction.prefill,
                 read_correction=r.correction.read,
+                awaiting_replay=not r.synced and r.state != DOWN,
             )
             for r in list(self.runtime.values())
         ]
