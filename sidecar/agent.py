@@ -76,7 +76,9 @@ class Agent:
         self._engine_attached = asyncio.Event()
         self._relay = RetentionRelay(config.node_id, config.max_batch, self.metrics)
         self._heartbeat_interval_s = 2.0
-        self._session_ttl_s = 6.0
+        # The registry's session TTL, from its answer to the registration (0 until then, or
+        # from a registry that sends none: a failed heartbeat ends the session).
+        self._session_ttl_s = 0.0
         # The registry session being set up or running, if any.
         self._current: Session | None = None
         # The model the node registered as serving ("" until it has registered).
