@@ -95,3 +95,24 @@ async def test_without_load_the_bench_measures_memory_and_restart_only(tmp_path:
     assert [path.name for path in beside] == ["registry.json", "registry_memory.png"]
     # The baseline's curve and legend entry make the picture larger than the run's alone.
     assert beside[1].stat().st_size > alone[1].stat().st_size
+
+
+@pytest.mark.etcd
+async def test_over_etcd_the_restart_waits_out_the_election_and_takes_the_replays(
+    etcd: LocalEtcd,
+) -> None:
+    """`--etcd --no-load`, shrunk: the killed replica is started again on the same etcd, wins
+    the election once the dead leader's key expires, and every replayed lease is back."""
+    report = await run_registry_bench(
+        live_leases=200,
+        memory_points=(),
+        restart_leases=200,
+        nodes=2,
+        progress=lambda message: None,
+        store=etcd.url,
+        load=False,
+    )
+    assert report["store"] == "etcd" and report["load"] == []
+    restart = report["restart"]
+    assert restart["leases"] == restart["recovered"] == 200
+    assert restart["recovery_s"] > restart["startup_s"] > 0

@@ -272,10 +272,10 @@ async def run_registry_bench(
     store: str = "memory",
     load: bool = True,
 ) -> dict[str, Any]:
-    """With ``store`` an etcd URL the registry runs as a (lone) replica on it; leave out
-    ``memory_points`` and set ``restart_leases`` to 0 there (every lease is an etcd write).
-    ``load`` False: no latency levels (idle, fixed rates, saturation), only the memory points
-    and the restart."""
+    """With ``store`` an etcd URL the registry runs as a (lone) replica on it: its restart then
+    waits out the killed leader's election lease, reloads the nodes from etcd and takes their
+    replays (leases are not written there). ``load`` False: no latency levels (idle, fixed
+    rates, saturation), only the memory points and the restart."""
     registry = MeasuredRegistry(store)
     await registry.start()
     fleet = Fleet.of(nodes)

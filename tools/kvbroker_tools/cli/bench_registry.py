@@ -40,7 +40,9 @@ def bench_registry(
     ] = 10.0,
     etcd: Annotated[
         bool,
-        typer.Option(help="Run the registry as a replica on its own etcd (load levels only)."),
+        typer.Option(
+            help="Run the registry as a replica on its own etcd (load levels and restart)."
+        ),
     ] = False,
     replicas: Annotated[
         str,
@@ -97,7 +99,14 @@ def bench_registry(
             )  # fmt: skip
         return await on_local_etcd(
             lambda url: run_registry_bench(
-                rate_list, live_leases, [], 0, seconds, progress=progress, store=url
+                rate_list,
+                live_leases,
+                [],
+                restart_leases,
+                seconds,
+                progress=progress,
+                store=url,
+                load=load,
             )
         )
 
