@@ -57,12 +57,21 @@ async def test_a_small_registry_bench_runs_and_reports_every_figure(tmp_path: Pa
 async def test_dry_run_hints_over_replicas_are_answered_where_asked(
     etcd: LocalEtcd, tmp_path: Path
 ) -> None:
-    """`--replicas 1,2`, shrunk, on a real etcd: every hint answered, by the replica it was
-    sent to (the follower from its copy of the leader's state), and the figures written."""
+    """`--replicas 1,2 --load-processes 1`, shrunk, on a real etcd: every hint answered, by
+    the replica it was sent to (the follower from its copy of the leader's state), and the
+    figures written."""
     report = await run_replica_hints(
-        etcd.url, (1, 2), live_leases=200, rate=40, seconds=2, nodes=4, progress=lambda _: None
+        etcd.url,
+        (1, 2),
+        live_leases=200,
+        rate=40,
+        seconds=2,
+        nodes=4,
+        progress=lambda _: None,
+        load_processes=1,
     )
     assert [c["replicas"] for c in report["configurations"]] == [1, 2]
+    assert report["load_processes"] == 1
     for configuration in report["configurations"]:
         assert configuration["answered_there"] == 1.0
         rows = {(row["rpc"], row["rate"]): row for row in configuration["load"]}

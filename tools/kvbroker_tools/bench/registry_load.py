@@ -371,12 +371,15 @@ async def run_replica_hints(
     seconds: float = 10.0,
     nodes: int = 50,
     progress: Any = print,
+    load_processes: int = 2,
 ) -> dict[str, Any]:
     """Dry-run hints (as a gateway's placement hop asks them) against 1, 3, ... replicas on
     the etcd at ``store``, each configuration under its own key prefix: the first replica
     leads and is populated, the others answer from their copy of its state. For each, hints at
     ``rate`` spread evenly over the replicas (open loop), then at saturation (single calls, then
-    batched) from two load processes; the replicas' CPU is their sum."""
+    batched) from ``load_processes`` load processes (two leave a 2-core machine's other core to
+    the replicas; a larger machine needs more to saturate three); the replicas' CPU is their
+    sum."""
     configurations: list[dict[str, Any]] = []
     for count in replica_counts:
         prefix = f"/kvbroker-bench-{count}-{uuid.uuid4().hex[:8]}"
@@ -403,18 +406,24 @@ async def run_replica_hints(
             outputs = await asyncio.to_thread(
                 run_workers,
                 paced_hint_worker,
-                [(addresses, live_leases, rate / 2, seconds, seed) for seed in (0, 1)],
+                [
+                    (addresses, live_leases, rate / load_processes, seconds, seed)
+                    for seed in range(load_processes)
+                ],
             )
             results.append(_summed("GetRoutingHint", rate, outputs, cores()))
             answered = sum(o["answered_there"] for o in outputs)
             answered_there = answered / max(sum(len(o["latencies"]) for o in outputs), 1)
             for batched, rpc in ((False, "GetRoutingHint"), (True, HINT_RPC)):
-                progress(f"{count} replica(s): saturation, {rpc} from 2 processes x 64 callers")
+                progress(
+                    f"{count} replica(s): saturation, {rpc} from {load_processes} processes x 64 "
+                    "callers"
+                )
                 cores = _cpu_of(replicas)
                 outputs = await asyncio.to_thread(
                     run_workers,
                     saturation_worker,
-                    [(addresses, live_leases, seconds, batched)] * 2,
+                    [(addresses, live_leases, seconds, batched)] * load_processes,
                 )
                 results.append(_summed(rpc, 0, outputs, cores()))
             configurations.append(
@@ -434,6 +443,7 @@ async def run_replica_hints(
         "nodes": nodes,
         "seconds": seconds,
         "cores": os.cpu_count(),
+        "load_processes": load_processes,
     }
 
 

@@ -51,6 +51,14 @@ def bench_registry(
             "replicas instead (e.g. 1,3), at the first of --rates and at saturation."
         ),
     ] = "",
+    load_processes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="With --replicas: the load processes sending the hints (2 leave a 2-core "
+            "machine's other core to the replicas; more cores need more to saturate them).",
+        ),
+    ] = 2,
     hint_sources: Annotated[
         bool,
         typer.Option(
@@ -76,10 +84,12 @@ def bench_registry(
         fail("--rates, --memory-points and --replicas are comma-separated numbers", 2)
     if counts and (not etcd or min(counts) < 1):
         fail("--replicas needs --etcd, and each count is at least 1", 2)
+    if load_processes != 2 and not counts:
+        fail("--load-processes goes with --replicas", 2)
     if hint_sources and not etcd:
         fail("--hint-sources needs --etcd", 2)
     if counts:
-        bench_replicas(counts, rate_list[0], live_leases, seconds, output)
+        bench_replicas(counts, rate_list[0], live_leases, seconds, output, load_processes)
         return
     if hint_sources:
         bench_hint_sources(rate_list[0], live_leases, seconds, output)
@@ -150,7 +160,12 @@ def bench_registry(
 
 
 def bench_replicas(
-    counts: list[int], rate: float, live_leases: int, seconds: float, output: Path
+    counts: list[int],
+    rate: float,
+    live_leases: int,
+    seconds: float,
+    output: Path,
+    load_processes: int,
 ) -> None:
     from kvbroker_tools.bench.registry_load import run_replica_hints
     from kvbroker_tools.bench.registry_report import write_replicas
@@ -160,7 +175,13 @@ def bench_replicas(
     result = asyncio.run(
         on_local_etcd(
             lambda url: run_replica_hints(
-                url, counts, live_leases, rate, seconds, progress=partial(say, console)
+                url,
+                counts,
+                live_leases,
+                rate,
+                seconds,
+                progress=partial(say, console),
+                load_processes=load_processes,
             )
         )
     )
