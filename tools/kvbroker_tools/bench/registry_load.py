@@ -365,21 +365,20 @@ async def _restart(registry: MeasuredRegistry, fleet: Fleet, leases: int) -> dic
 
 async def run_replica_hints(
     store: str,
-    replica_counts: Sequence[int] = (1, 3),
-    live_leases: int = 10_000,
-    rate: float = 1000.0,
-    seconds: float = 10.0,
+    replica_counts: Sequence[int],
+    live_leases: int,
+    rate: float,
+    seconds: float,
+    load_processes: int,
     nodes: int = 50,
     progress: Any = print,
-    load_processes: int = 2,
 ) -> dict[str, Any]:
     """Dry-run hints (as a gateway's placement hop asks them) against 1, 3, ... replicas on
     the etcd at ``store``, each configuration under its own key prefix: the first replica
     leads and is populated, the others answer from their copy of its state. For each, hints at
     ``rate`` spread evenly over the replicas (open loop), then at saturation (single calls, then
-    batched) from ``load_processes`` load processes (two leave a 2-core machine's other core to
-    the replicas; a larger machine needs more to saturate three); the replicas' CPU is their
-    sum."""
+    batched) from ``load_processes`` load processes (a machine with a core for each replica
+    needs more than two to saturate three); the replicas' CPU is their sum."""
     configurations: list[dict[str, Any]] = []
     for count in replica_counts:
         prefix = f"/kvbroker-bench-{count}-{uuid.uuid4().hex[:8]}"

@@ -24,6 +24,9 @@ from kvbroker.cli.options import positive_seconds
 from kvbroker.cli.output import fail, say
 from kvbroker_tools.cli.plots import plots_or_fail
 
+# The replicas bench's load processes: two leave a 2-core machine's other core to the replicas.
+REPLICA_LOAD_PROCESSES = 2
+
 
 def bench_registry(
     output: Annotated[Path, typer.Option(help="Where the JSON and the plot go.")] = Path(
@@ -58,7 +61,7 @@ def bench_registry(
             help="With --replicas: the load processes sending the hints (2 leave a 2-core "
             "machine's other core to the replicas; more cores need more to saturate them).",
         ),
-    ] = 2,
+    ] = REPLICA_LOAD_PROCESSES,
     hint_sources: Annotated[
         bool,
         typer.Option(
@@ -84,7 +87,7 @@ def bench_registry(
         fail("--rates, --memory-points and --replicas are comma-separated numbers", 2)
     if counts and (not etcd or min(counts) < 1):
         fail("--replicas needs --etcd, and each count is at least 1", 2)
-    if load_processes != 2 and not counts:
+    if load_processes != REPLICA_LOAD_PROCESSES and not counts:
         fail("--load-processes goes with --replicas", 2)
     if hint_sources and not etcd:
         fail("--hint-sources needs --etcd", 2)
