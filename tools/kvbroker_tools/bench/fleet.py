@@ -64,6 +64,8 @@ REUSE_PATHS = (registry_pb2.TURN_PATH_READ, registry_pb2.TURN_PATH_DECODE_LOCAL)
 # that what they reclaim is freed at once and their record of what they hold stays true.
 CLAIM_TIMEOUT_S = 10.0
 SIDECAR_ATTEMPTS = 10
+# Each engine's replay of what it holds: its retained events, as its sidecar reports them.
+Replays = list[tuple[SimDecode, list[registry_pb2.RetentionEvent]]]
 
 
 class FleetRun:
@@ -181,7 +183,7 @@ class FleetRun:
             heartbeats.usage({n: d.used / capacity for n, d in self.decodes.items()})
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
-    def _retain(self) -> list[tuple[SimDecode, list[registry_pb2.RetentionEvent]]]:
+    def _retain(self) -> Replays:
         """The conversations already some turns in, retained on the decode nodes in turn (each
         engine keeping what its budget allows); each engine's replay of what it holds."""
         decodes = list(self.decodes.values())
@@ -197,9 +199,7 @@ class FleetRun:
             for d in decodes
         ]
 
-    async def _replay(
-        self, stub: Any, replays: list[tuple[SimDecode, list[registry_pb2.RetentionEvent]]]
-    ) -> None:
+    async def _replay(self, stub: Any, replays: Replays) -> None:
         """Each engine's replay reported as its sidecar sends it (500 events a report)."""
 
         async def report(decode: SimDecode, chunk: list[Any]) -> None:
